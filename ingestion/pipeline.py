@@ -1,0 +1,211 @@
+"""`mmrag ingest`: files → rendered pages → image tokens (FeatureStore) + vectors (Qdrant).
+
+Per file, in this order, so a run killed at any point and re-run ends with exactly the store an
+uninterrupted run makes:
+1. open and validate the file (bad input fails here, before anything is written);
+2. skip it if the index already holds all its pages for the same file bytes and the same fingerprint
+   (encoder version, resolution policy, DPI, OCR, embedders) and their image tokens are still stored;
+3. per batch of pages: encode the pages whose ImageKey the store lacks (one vision forward each) and write
+   each entry atomically — entries are content-addressed, so an entry left by a killed run is whole and reused;
+4. upsert all the file's points at once, then drop pages the file no longer has. A file that fails half-way
+   writes no point, so no partial document is ever searchable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.keys import ImageKey
+from core.pages import RenderedPage, TextSource
+from core.settings import Settings
+from ingestion.embed import IMAGE_VECTOR, TEXT_VECTOR, ImageEmbedder, TextEmbedder
+from ingestion.index import PageIndex, make_point
+from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
+from ingestion.store import FeatureStore
+from ingestion.vision import VisionEncoder
+
+STAGES = ("render", "text", "ocr", "encode", "embed", "index")
+
+
+@dataclass(slots=True)
+class IngestReport:
+    files: int = 0
+    pages: int = 0
+    encoded: int = 0  # vision forwards: pages newly encoded
+    cached: int = 0  # pages whose image tokens were already stored
+    failed: list[FileFailure] = field(default_factory=list)
+    seconds: float = 0.0
+    unchanged_files: int = 0
+    ocr_pages: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "pages": self.pages,
+            "encoded": self.encoded,
+            "cached": self.cached,
+            "failed": [asdict(f) for f in self.failed],
+            "seconds": round(self.seconds, 3),
+            "unchanged_files": self.unchanged_files,
+            "ocr_pages": self.ocr_pages,
+            "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+        }
+
+
+ProgressFn = Callable[[int, int, int], None]  # (files done, files in all, pages done)
+
+
+class Ingestor:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        encoder: VisionEncoder,
+        store: FeatureStore,
+        index: PageIndex,
+        text_embedder: TextEmbedder,
+        image_embedder: ImageEmbedder | None = None,
+    ) -> None:
+        self.settings = settings
+        self.encoder = encoder
+        self.store = store
+        self.index = index
+        self.text_embedder = text_embedder
+        self.image_embedder = image_embedder
+        self.fingerprint = "|".join([
+            f"enc={encoder.version}", str(settings.resolution_policy), f"dpi={settings.pdf_dpi}",
+            f"ocr={settings.ocr}", f"text={text_embedder.name}",
+            f"image={image_embedder.name if image_embedder else 'off'}",
+        ])
+
+    def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None
+            ) -> IngestReport:
+        started = time.perf_counter()
+        files, failures = discover(list(paths), recursive=recursive)
+        report = IngestReport(files=len(files) + len(failures), failed=list(failures))
+        total = len(files)
+        notify = progress or (lambda files_done, files_total, pages_done: None)
+        for i, path in enumerate(files):
+            try:
+                self.ingest_file(path, report, on_batch=lambda in_file: notify(i, total, report.pages + in_file))
+            except IngestError as exc:
+                report.failed.append(FileFailure(str(path), str(exc)))
+            notify(i + 1, total, report.pages)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def ingest_file(self, path: Path, report: IngestReport, *, on_batch: Callable[[int], None] | None = None
+                    ) -> None:
+        with open_document(path, self.settings) as doc:
+            if self._is_current(doc):
+                report.pages += doc.num_pages
+                report.cached += doc.num_pages
+                report.unchanged_files += 1
+                return
+            # Count into a scratch report first: a file that fails half-way must not count its pages.
+            scratch = IngestReport()
+            points = []
+            for batch in _batches(doc.pages(), self.settings.vision_batch_size):
+                points.extend(self._process_batch(doc, batch, scratch))
+                if on_batch:
+                    on_batch(scratch.pages)
+            t0 = time.perf_counter()
+            self.index.replace_document(doc.doc_id, points)
+            scratch.stage_seconds["index"] += time.perf_counter() - t0
+        _merge(report, scratch)
+
+    def _is_current(self, doc: Document) -> bool:
+        have = self.index.doc_pages(doc.doc_id)
+        if len(have) != doc.num_pages or [p.page for p in have] != list(range(1, doc.num_pages + 1)):
+            return False
+        if any(p.file_sha256 != doc.file_sha256 or p.fingerprint != self.fingerprint for p in have):
+            return False
+        return all(self.store.contains(ImageKey.parse(p.image_key)) for p in have)
+
+    def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport) -> list:
+        keys = [self.encoder.key_for(p.content_hash) for p in pages]
+        self._encode_missing(pages, keys, report)
+        vectors = self._embed(pages, report)
+        for p in pages:
+            report.pages += 1
+            report.ocr_pages += p.text_source is TextSource.OCR
+            for stage, secs in p.timings.items():
+                report.stage_seconds[stage] += secs
+        return [
+            make_point(doc.doc_id, p.page, vecs, self._payload(doc, p, key))
+            for p, key, vecs in zip(pages, keys, vectors)
+        ]
+
+    def _encode_missing(self, pages: list[RenderedPage], keys: list[ImageKey], report: IngestReport) -> None:
+        # One forward per distinct missing key: a figure repeated within the batch is encoded once.
+        missing: dict[ImageKey, RenderedPage] = {}
+        for page, key in zip(pages, keys):
+            if key in missing or self.store.contains(key):
+                report.cached += 1
+            else:
+                missing[key] = page
+        if not missing:
+            return
+        t0 = time.perf_counter()
+        encoded = self.encoder.encode([p.image for p in missing.values()])
+        for key, value in zip(missing, encoded):
+            self.store.put(key, value)
+        report.encoded += len(missing)
+        report.stage_seconds["encode"] += time.perf_counter() - t0
+
+    def _embed(self, pages: list[RenderedPage], report: IngestReport) -> list[dict[str, list[float]]]:
+        t0 = time.perf_counter()
+        vectors: list[dict[str, list[float]]] = [{} for _ in pages]
+        with_text = [i for i, p in enumerate(pages) if p.text.strip()]
+        # A page without text gets no text vector (Qdrant allows a missing named vector): an embedding of
+        # the empty string would match every query equally.
+        for i, vec in zip(with_text, self.text_embedder.embed([pages[i].text for i in with_text])):
+            vectors[i][TEXT_VECTOR] = vec.tolist()
+        if self.image_embedder is not None:
+            for i, vec in enumerate(self.image_embedder.embed([p.image for p in pages])):
+                vectors[i][IMAGE_VECTOR] = vec.tolist()
+        report.stage_seconds["embed"] += time.perf_counter() - t0
+        return vectors
+
+    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey) -> dict[str, Any]:
+        return {
+            "doc_id": doc.doc_id,
+            "doc": doc.doc,
+            "path": doc.path,
+            "page": page.page,
+            "num_pages": doc.num_pages,
+            "file_sha256": doc.file_sha256,
+            "content_hash": page.content_hash,
+            "image_key": str(key),
+            "image_tokens": self.encoder.num_tokens_for(page.image),
+            "width": page.image.width,
+            "height": page.image.height,
+            "text": page.text,
+            "text_source": page.text_source.value,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def _batches(pages: Iterator[RenderedPage], size: int) -> Iterator[list[RenderedPage]]:
+    batch: list[RenderedPage] = []
+    for page in pages:
+        batch.append(page)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _merge(into: IngestReport, part: IngestReport) -> None:
+    into.pages += part.pages
+    into.encoded += part.encoded
+    into.cached += part.cached
+    into.ocr_pages += part.ocr_pages
+    for stage, secs in part.stage_seconds.items():
+        into.stage_seconds[stage] += secs

@@ -1,0 +1,193 @@
+"""FeatureStore: image tokens by ImageKey, on local disk (default) or in Redis.
+
+Entries are content-addressed and immutable: a key names exactly one (tokens, grid) pair, so an entry is
+written once and never updated. Each blob records its own key, and a read checks it, so no key can ever
+serve another image's tokens (a renamed or swapped file is refused, not served).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import safetensors.torch
+from safetensors import SafetensorError
+
+from core.keys import ImageKey
+from core.pages import EncodedImage
+
+_KEY_META = "mmrag_image_key"
+_SUFFIX = ".safetensors"
+
+
+class FeatureStoreError(RuntimeError):
+    """A store entry is unreadable or does not belong to the key it was read under."""
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counts since the store was opened; exported to Prometheus by serving/metrics."""
+
+    lookups: int = 0
+    hits: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def record_lookup(self, hit: bool, nbytes: int = 0) -> None:
+        self.lookups += 1
+        if hit:
+            self.hits += 1
+            self.bytes_read += nbytes
+
+
+def encode_entry(key: ImageKey, value: EncodedImage) -> bytes:
+    tensors = {"image_tokens": value.image_tokens.contiguous(), "grid_thw": value.grid_thw.contiguous()}
+    return safetensors.torch.save(tensors, metadata={_KEY_META: str(key)})
+
+
+def decode_entry(key: ImageKey, blob: bytes) -> EncodedImage:
+    try:
+        tensors = safetensors.torch.load(blob)
+        meta = _read_metadata(blob)
+    except (SafetensorError, ValueError) as exc:
+        raise FeatureStoreError(f"feature entry for {key} is unreadable ({exc}); delete it and re-ingest") from exc
+    if meta.get(_KEY_META) != str(key):
+        raise FeatureStoreError(
+            f"feature entry under {key} belongs to {meta.get(_KEY_META)!r}; refusing to serve it. "
+            "Delete the entry and re-ingest the page."
+        )
+    return EncodedImage(image_tokens=tensors["image_tokens"], grid_thw=tensors["grid_thw"])
+
+
+def _read_metadata(blob: bytes) -> dict[str, str]:
+    # safetensors.torch.load drops the header metadata; read it from the header itself
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + header_len])
+    return header.get("__metadata__", {})
+
+
+class FeatureStore(Protocol):
+    backend: str
+    stats: StoreStats
+
+    def get(self, key: ImageKey) -> EncodedImage | None: ...
+
+    def put(self, key: ImageKey, value: EncodedImage) -> None: ...
+
+    def contains(self, key: ImageKey) -> bool: ...
+
+    def keys(self) -> Iterator[ImageKey]: ...
+
+
+class DiskFeatureStore:
+    """One safetensors file per key under ``root/<first two hex chars>/``; atomic writes (temp + rename)."""
+
+    backend = "disk"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.stats = StoreStats()
+
+    def path_for(self, key: ImageKey) -> Path:
+        return self.root / key.content_hash[:2] / f"{key}{_SUFFIX}"
+
+    def get(self, key: ImageKey) -> EncodedImage | None:
+        try:
+            blob = self.path_for(key).read_bytes()
+        except FileNotFoundError:
+            self.stats.record_lookup(hit=False)
+            return None
+        value = decode_entry(key, blob)
+        self.stats.record_lookup(hit=True, nbytes=len(blob))
+        return value
+
+    def contains(self, key: ImageKey) -> bool:
+        hit = self.path_for(key).is_file()
+        self.stats.record_lookup(hit=hit)
+        return hit
+
+    def put(self, key: ImageKey, value: EncodedImage) -> None:
+        path = self.path_for(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        blob = encode_entry(key, value)
+        # Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either
+        # no entry or the whole entry, never a torn file.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.stats.writes += 1
+        self.stats.bytes_written += len(blob)
+
+    def keys(self) -> Iterator[ImageKey]:
+        for path in sorted(self.root.glob(f"??/img1-*{_SUFFIX}")):
+            yield ImageKey.parse(path.name[: -len(_SUFFIX)])
+
+
+class RedisFeatureStore:
+    """Entries as Redis strings under ``<prefix><key>``; a SET is atomic, so no torn entries either."""
+
+    backend = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "mmrag:feat:") -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        self.prefix = prefix
+        self.stats = StoreStats()
+        try:
+            self.client.ping()
+        except redis.ConnectionError as exc:
+            raise FeatureStoreError(
+                f"cannot reach Redis at {url} ({exc}); start it or unset MMRAG_REDIS_URL to use the disk store"
+            ) from exc
+
+    def _name(self, key: ImageKey) -> str:
+        return f"{self.prefix}{key}"
+
+    def get(self, key: ImageKey) -> EncodedImage | None:
+        blob = self.client.get(self._name(key))
+        if blob is None:
+            self.stats.record_lookup(hit=False)
+            return None
+        value = decode_entry(key, blob)
+        self.stats.record_lookup(hit=True, nbytes=len(blob))
+        return value
+
+    def contains(self, key: ImageKey) -> bool:
+        hit = bool(self.client.exists(self._name(key)))
+        self.stats.record_lookup(hit=hit)
+        return hit
+
+    def put(self, key: ImageKey, value: EncodedImage) -> None:
+        blob = encode_entry(key, value)
+        self.client.set(self._name(key), blob)
+        self.stats.writes += 1
+        self.stats.bytes_written += len(blob)
+
+    def keys(self) -> Iterator[ImageKey]:
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "img1-*"  # the prefix is literal, not a glob
+        names = sorted(n.decode() for n in self.client.scan_iter(match=pattern, count=1000))
+        for name in names:
+            yield ImageKey.parse(name[len(self.prefix) :])
+
+
+def open_feature_store(data_dir: Path, redis_url: str = "") -> FeatureStore:
+    """Redis when a URL is configured, local disk under ``data_dir/features`` otherwise."""
+    if redis_url:
+        return RedisFeatureStore(redis_url)
+    return DiskFeatureStore(Path(data_dir) / "features")

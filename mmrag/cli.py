@@ -1,0 +1,101 @@
+"""The `mmrag` command line. Each command builds Settings from MMRAG_* variables at entry, never at import."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from mmrag import ingest_cmd
+from mmrag.errors import USER_ERRORS
+
+app = typer.Typer(
+    help="mmrag: ask questions over figure-heavy documents with a VLM, reusing image-prefix KV on purpose.\n\n"
+    "Start with `mmrag corpus sample --out corpus/` and `mmrag ingest corpus/`. Configuration comes from "
+    "MMRAG_* environment variables (see README).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Build or inspect VLM checkpoints.", no_args_is_help=True)
+corpus_app = typer.Typer(help="Sample documents for demos and tests.", no_args_is_help=True)
+index_app = typer.Typer(help="Inspect or reset the Qdrant page index.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(corpus_app, name="corpus")
+app.add_typer(index_app, name="index")
+
+err = Console(stderr=True)
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out: Annotated[Path, typer.Option(help="Folder to write the checkpoint to.")] = Path(".mmrag/models/tiny"),
+    seed: Annotated[int, typer.Option(help="Weight seed; the same seed gives the same weights.")] = 0,
+) -> None:
+    """Build the tiny random-weight Qwen2-VL test model offline (a few seconds). Its answers are not meaningful."""
+    from ingestion.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out, seed=seed)
+    err.print(f"tiny random-weight Qwen2-VL written to [bold]{path}[/] (set MMRAG_MODEL={path} to use it)")
+
+
+@corpus_app.command("sample")
+def corpus_sample(
+    out: Annotated[Path, typer.Option(help="Folder to write PDFs, PNG slides and manifest.json to.")] = Path("corpus"),
+    seed: Annotated[int, typer.Option(help="Generator seed; the same seed gives the same files.")] = 0,
+) -> None:
+    """Generate the sample corpus: PDFs with a text layer, PNG slides, figures that recur across documents."""
+    from ingestion.corpus import build_sample_corpus
+
+    manifest = build_sample_corpus(out, seed=seed)
+    pages = sum(len(d.pages) for d in manifest.documents)
+    err.print(f"sample corpus: {len(manifest.documents)} files, {pages} pages, "
+              f"{len(manifest.questions)} labelled questions in [bold]{out}[/]")
+
+
+@app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Files or folders: PDF, PNG, JPEG, WebP, TIFF.")],
+    recursive: Annotated[bool, typer.Option("--recursive", "-r", help="Walk folders recursively.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+) -> None:
+    """Render pages, pre-encode them to image tokens, and index them in Qdrant.
+
+    Re-running on an unchanged corpus encodes nothing; a killed run can simply be run again.
+    Exit code 1 if any file failed (the others are still ingested).
+    """
+    report = ingest_cmd.run(paths, recursive=recursive, console=err, show_progress=not as_json or sys.stderr.isatty())
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+    else:
+        ingest_cmd.print_report(report, err)
+    raise typer.Exit(1 if report.failed else 0)
+
+
+@index_app.command("reset")
+def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False) -> None:
+    """Delete and re-create the page collection (needed after changing embedders)."""
+    if not yes:
+        typer.confirm("Delete every indexed page?", abort=True)
+    ingest_cmd.reset_index(err)
+
+
+@index_app.command("stats")
+def index_stats() -> None:
+    """Pages and documents in the index, and feature-store entries."""
+    typer.echo(json.dumps(ingest_cmd.stats()))
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except USER_ERRORS as exc:
+        # Configuration and environment problems: one line that names the fix, no traceback.
+        err.print(f"[red]error:[/] {exc}")
+        sys.exit(2)

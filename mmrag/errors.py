@@ -1,0 +1,17 @@
+"""Exceptions that mean "the configuration or environment needs fixing": shown as one line, exit code 2."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from ingestion.index import IndexConfigError
+from ingestion.model_source import ModelNotFoundError
+from ingestion.store import FeatureStoreError
+
+USER_ERRORS: tuple[type[Exception], ...] = (
+    IndexConfigError,
+    FeatureStoreError,
+    ModelNotFoundError,
+    ValidationError,
+    FileNotFoundError,
+)
