@@ -7,6 +7,7 @@ a mismatch stops with a message that names the fix instead of writing vectors of
 from __future__ import annotations
 
 import fcntl
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,11 @@ class PageIndex:
                     for name, dim in self.dims.items()
                 },
             )
-            for field, schema in PAYLOAD_INDEXES.items():
-                self.client.create_payload_index(self.collection, field, field_schema=schema)
+            with warnings.catch_warnings():
+                # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
+                warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
+                for field, schema in PAYLOAD_INDEXES.items():
+                    self.client.create_payload_index(self.collection, field, field_schema=schema)
             return
         self._check_vectors()
 

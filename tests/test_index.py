@@ -1,0 +1,67 @@
+"""The Qdrant page index in embedded local mode: explicit schema, clear errors, document replacement."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from qdrant_client import models
+
+from ingestion.index import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
+
+
+def _index(path, text_dim=4, image_dim=3) -> PageIndex:
+    index = PageIndex(open_qdrant("", path), "pages", text_dim=text_dim, image_dim=image_dim)
+    index.ensure_collection()
+    return index
+
+
+def _point(doc, page, sha="s1"):
+    payload = {"doc_id": doc, "page": page, "file_sha256": sha, "fingerprint": "f", "image_key": "k"}
+    return make_point(doc, page, {"text": [1.0, 0, 0, 0], "image": [0, 1.0, 0]}, payload)
+
+
+def test_collection_is_created_with_named_vectors_of_the_configured_sizes(tmp_path):
+    index = _index(tmp_path / "q")
+    params = index.client.get_collection("pages").config.params.vectors
+    assert {name: p.size for name, p in params.items()} == {"text": 4, "image": 3}
+    assert all(p.distance == models.Distance.COSINE for p in params.values())
+
+
+def test_reopening_with_other_vector_sizes_names_the_fix(tmp_path):
+    index = _index(tmp_path / "q")
+    index.client.close()
+    with pytest.raises(IndexConfigError, match="mmrag index reset"):
+        _index(tmp_path / "q", text_dim=8)
+
+
+def test_replacing_a_document_drops_pages_it_no_longer_has(tmp_path):
+    index = _index(tmp_path / "q")
+    index.replace_document("d1", [_point("d1", p) for p in (1, 2, 3)])
+    index.replace_document("d2", [_point("d2", 1)])
+    index.replace_document("d1", [_point("d1", p, sha="s2") for p in (1, 2)])
+    pages = index.doc_pages("d1")
+    assert [(p.page, p.file_sha256) for p in pages] == [(1, "s2"), (2, "s2")]
+    assert index.count() == 3  # d2 untouched
+
+
+def test_a_folder_held_by_another_process_gives_a_message_that_says_what_to_do(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from qdrant_client import QdrantClient
+            c = QdrantClient(path={str(tmp_path / 'q')!r})
+            print("holding", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"holding"
+        with pytest.raises(IndexLockedError, match="MMRAG_QDRANT_URL") as info:
+            open_qdrant("", tmp_path / "q")
+        assert "Stop that process" in str(info.value)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    open_qdrant("", tmp_path / "q").close()  # released: opens fine again
