@@ -79,7 +79,7 @@ class Ingestor:
         self.image_embedder = image_embedder
         self.fingerprint = "|".join([
             f"enc={encoder.version}", str(settings.resolution_policy), f"dpi={settings.pdf_dpi}",
-            f"ocr={settings.ocr}", f"text={text_embedder.name}",
+            f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
             f"image={image_embedder.name if image_embedder else 'off'}",
         ])
 

@@ -1,0 +1,580 @@
+"""Find source files and open them as validated documents that render page by page.
+
+Everything a user can get wrong about an input file (empty, truncated, encrypted, too many pages, a
+decompression bomb, a lying extension, no tesseract) is checked in :func:`open_document`, before any
+page is rendered, and raised as :class:`IngestError` with the fix in the message. Messages do not repeat
+the path: the pipeline pairs them with it in a :class:`FileFailure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import math
+import os
+import re
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import pypdfium2 as pdfium
+import pypdfium2.raw as pdfium_c
+from PIL import Image, ImageOps
+
+from core.keys import content_hash_of, doc_id_for
+from core.pages import RenderedPage, TextSource
+from core.settings import Settings
+from ingestion import ocr
+
+# Suffix -> the format its content must have (Pillow's format names; "PDF" for pdfium).
+SUPPORTED_FORMATS: dict[str, str] = {
+    ".pdf": "PDF",
+    ".png": "PNG",
+    ".jpg": "JPEG",
+    ".jpeg": "JPEG",
+    ".webp": "WEBP",
+    ".tif": "TIFF",
+    ".tiff": "TIFF",
+}
+_SUFFIX_FOR = {"PDF": ".pdf", "PNG": ".png", "JPEG": ".jpg", "WEBP": ".webp", "TIFF": ".tiff"}
+_SUPPORTED_LIST = "PDF, PNG, JPEG, WebP, TIFF"
+
+# Fewer non-space characters than this in a PDF's text layer (a page number, a stray label) means the
+# page is really a scan or a figure, so OCR is worth running on it.
+MIN_TEXT_CHARS = 20
+
+# What Pillow 13's PNG/JPEG/WebP/TIFF readers raise for damaged files, collected by fuzzing them with
+# flipped and truncated bytes (TIFF alone produced KeyError, TypeError and SyntaxError). Caught only around
+# open/seek/load/transpose of an untrusted file, never around our own code.
+_PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, TypeError, KeyError, EOFError, struct.error)
+
+
+@dataclass(slots=True, frozen=True)
+class FileFailure:
+    """A path that was not ingested, and why (an :class:`IngestError` message)."""
+
+    path: str
+    error: str
+
+
+class IngestError(Exception):
+    """A source file that cannot be ingested; the message says what to do about it."""
+
+
+# --- discovery ---------------------------------------------------------------------------------------
+
+
+def discover(paths: list[Path], *, recursive: bool) -> tuple[list[Path], list[FileFailure]]:
+    """Expand CLI PATH arguments into the files to ingest, plus failures for paths that cannot be.
+
+    Files are kept as given; a directory contributes its supported files, sorted (its whole tree with
+    ``recursive``, otherwise its top level, ignoring subdirectories). Argument order is kept and a file
+    reached twice (two arguments, a symlink) is listed once.
+    """
+    files: list[Path] = []
+    failures: list[FileFailure] = []
+    seen: set[Path] = set()
+    for arg in paths:
+        if arg.is_dir():
+            candidates = _files_in(arg, recursive)
+        elif arg.is_file():
+            candidates = [arg]
+        else:
+            failures.append(FileFailure(str(arg), _not_a_file_message(arg)))
+            continue
+        for path in candidates:
+            resolved = path.resolve()
+            if resolved in seen:
+                continue
+            seen.add(resolved)
+            # Unsupported files found by walking a directory are reported, not skipped: a .docx in a
+            # folder of reports is most likely a document the user expects to be searchable, and leaving
+            # it out silently makes answers quietly incomplete. Hidden files never get this far.
+            if _format_for(path) is None:
+                failures.append(FileFailure(str(path), unsupported_message(path)))
+            else:
+                files.append(path)
+    return files, failures
+
+
+def unsupported_message(path: Path) -> str:
+    kind = path.suffix.lower() or "(no extension)"
+    return f"unsupported file type {kind}: convert it to PDF or an image ({_SUPPORTED_LIST})"
+
+
+def _files_in(directory: Path, recursive: bool) -> list[Path]:
+    # Hidden files and directories (.DS_Store, .git, the .mmrag data dir) are never documents, so they are
+    # skipped without a word. Only regular files count: subdirectories are simply not descended into
+    # without `recursive`, and os.walk does not follow directory symlinks, so a link loop cannot trap it.
+    if not recursive:
+        return sorted(p for p in directory.iterdir() if not _hidden(p.name) and p.is_file())
+    found: list[Path] = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not _hidden(d)]
+        found += [Path(root, n) for n in names if not _hidden(n) and Path(root, n).is_file()]
+    return sorted(found)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _not_a_file_message(path: Path) -> str:
+    if path.is_dir():
+        return "is a directory, not a document file: pass it as a PATH argument so its files are discovered"
+    if path.is_symlink():
+        return "broken symbolic link: its target does not exist; fix the link or pass the target"
+    if path.exists():
+        return "not a regular file or directory: pass a document file or a folder of them"
+    return "no such file or directory: check the path"
+
+
+def _format_for(path: Path) -> str | None:
+    return SUPPORTED_FORMATS.get(path.suffix.lower())
+
+
+# --- opening and validation --------------------------------------------------------------------------
+
+
+def check_ocr(settings: Settings) -> None:
+    """Raise IngestError unless OCR is off or tesseract and its language data are installed.
+
+    open_document calls this once per document; the pipeline may also call it once per run to fail
+    before walking a large corpus.
+    """
+    if not settings.ocr:
+        return
+    if not ocr.ocr_available():
+        raise IngestError(
+            "tesseract is not installed: apt-get install tesseract-ocr tesseract-ocr-eng, or set MMRAG_OCR=false"
+        )
+    try:
+        missing = ocr.missing_languages(settings.ocr_lang)
+    except ocr.OcrError as exc:
+        raise IngestError(f"tesseract does not work ({exc}): reinstall tesseract-ocr, or set MMRAG_OCR=false") from exc
+    if missing:
+        packages = " ".join(f"tesseract-ocr-{code.lower()}" for code in missing)
+        raise IngestError(
+            f"tesseract has no language data for {'+'.join(missing)}: apt-get install {packages}, "
+            f"or set MMRAG_OCR_LANG to an installed language (`tesseract --list-langs`)"
+        )
+
+
+def open_document(path: Path, settings: Settings) -> Document:
+    """Validate ``path`` completely and open it; the returned Document must be closed (use ``with``)."""
+    resolved = _existing_file(path)
+    expected = _format_for(resolved)
+    if expected is None:
+        raise IngestError(unsupported_message(resolved))
+    head = _read_head(resolved)
+    _check_content_matches(resolved, head, expected)
+    check_ocr(settings)
+    if expected == "PDF":
+        return Document(resolved, _file_sha256(resolved), _open_pdf(resolved, settings), settings)
+    data = _read_bytes(resolved)
+    source = _open_image(data, expected, settings)
+    return Document(resolved, hashlib.sha256(data).hexdigest(), source, settings)
+
+
+def _existing_file(path: Path) -> Path:
+    if not path.is_file():
+        raise IngestError(_not_a_file_message(path))
+    return path.resolve()
+
+
+def _read_head(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            head = f.read(1024)
+    except OSError as exc:
+        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+    if not head:
+        raise IngestError("file is empty (0 bytes): re-export or re-download it")
+    return head
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+
+
+def _file_sha256(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+
+
+def sniff_format(head: bytes) -> str | None:
+    """The format the first bytes of a file announce, or None when they announce none we read."""
+    # Image signatures sit at offset 0 and are checked first: a PNG may carry "%PDF-" in a text chunk.
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WEBP"
+    if head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):  # classic and BigTIFF
+        return "TIFF"
+    if b"%PDF-" in head[:1024]:  # PDF readers, pdfium included, accept junk before the header
+        return "PDF"
+    return None
+
+
+def _check_content_matches(path: Path, head: bytes, expected: str) -> None:
+    actual = sniff_format(head)
+    suffix = path.suffix.lower()
+    if actual is None:
+        what = "a PDF" if expected == "PDF" else f"a {expected} image"
+        raise IngestError(
+            f"the file is named {suffix} but is not {what} (unrecognised header): it is damaged or not "
+            f"what its name says; re-export or re-download it"
+        )
+    if actual != expected:
+        what = "a PDF" if actual == "PDF" else f"a {actual} image"
+        raise IngestError(f"the file is named {suffix} but contains {what}: rename it to {_SUFFIX_FOR[actual]}")
+
+
+# --- PDF ---------------------------------------------------------------------------------------------
+
+
+def _open_pdf(path: Path, settings: Settings) -> _PdfSource:
+    try:
+        pdf = pdfium.PdfDocument(path)
+    except pdfium.PdfiumError as exc:
+        raise IngestError(_pdf_load_message(exc)) from exc
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(pdf.close)
+        _validate_pdf(pdf, settings)
+        # So that filled-in form fields appear in page images as they do in a viewer; pdfium wants this
+        # before any page is loaded.
+        pdf.init_forms()
+        on_error.pop_all()  # valid: the source owns the handle from here on
+    return _PdfSource(pdf, settings.pdf_dpi)
+
+
+def _pdf_load_message(exc: pdfium.PdfiumError) -> str:
+    if exc.err_code in (pdfium_c.FPDF_ERR_PASSWORD, pdfium_c.FPDF_ERR_SECURITY):
+        return (
+            "the PDF is encrypted / password-protected: remove the password, e.g. "
+            "`qpdf --decrypt --password=PASSWORD in.pdf out.pdf`, and ingest out.pdf"
+        )
+    return (
+        f"the PDF is corrupt or truncated ({exc}): re-export or re-download it; "
+        "`qpdf --check` describes the damage and `qpdf in.pdf out.pdf` can often repair it"
+    )
+
+
+def _validate_pdf(pdf: pdfium.PdfDocument, settings: Settings) -> None:
+    num_pages = len(pdf)
+    if num_pages == 0:
+        raise IngestError("the PDF has no pages: re-export it")
+    if num_pages > settings.max_pdf_pages:
+        raise IngestError(
+            f"the PDF has {num_pages} pages, over the limit of {settings.max_pdf_pages}: "
+            "split it (e.g. `qpdf in.pdf --split-pages=100 out.pdf`) or raise MMRAG_MAX_PDF_PAGES"
+        )
+    # Page sizes come from the page tree without loading pages, so a huge page is refused before any
+    # rendering starts rather than after the first hundred pages went through.
+    for index in range(num_pages):
+        try:
+            size_pt = pdf.get_page_size(index)
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_page_damaged_message(index + 1, exc)) from exc
+        _check_page_pixels(size_pt, index + 1, settings)
+
+
+def _check_page_pixels(size_pt: tuple[float, float], number: int, settings: Settings) -> None:
+    width, height = (_pixels_at(v, settings.pdf_dpi) for v in size_pt)
+    if width < 1 or height < 1:
+        raise IngestError(
+            f"page {number} has no area ({size_pt[0]:g}x{size_pt[1]:g} pt): repair or re-export the PDF"
+        )
+    if width * height > settings.max_image_pixels:
+        raise IngestError(
+            f"page {number} would render at {width}x{height} px ({width * height:,} pixels) at "
+            f"{settings.pdf_dpi} dpi, over the limit of {settings.max_image_pixels:,}: lower MMRAG_PDF_DPI, "
+            "or raise MMRAG_MAX_IMAGE_PIXELS if the PDF is trusted"
+        )
+
+
+def _pixels_at(points: float, dpi: int) -> int:
+    # The same arithmetic as pypdfium2's render(): ceil(points * scale) with scale = dpi / 72.
+    return math.ceil(points * (dpi / 72))
+
+
+class _PdfSource:
+    """Renders pages of one open pdfium document; owns the handle until close()."""
+
+    def __init__(self, pdf: pdfium.PdfDocument, dpi: int) -> None:
+        self._pdf = pdf
+        self._dpi = dpi
+        self.num_pages = len(pdf)
+
+    def raster(self, index: int) -> _Raster:
+        number = index + 1
+        try:
+            page = self._pdf[index]
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_page_damaged_message(number, exc)) from exc
+        # Child handles are closed before their parent (textpage, then page; the document in close()),
+        # and before anything is yielded, so an abandoned iteration leaves nothing open but the document.
+        try:
+            started = time.perf_counter()
+            image = self._render(page, number)
+            rendered = time.perf_counter()
+            text = self._text_layer(page, number)
+            done = time.perf_counter()
+        finally:
+            page.close()
+        return _Raster(image, text, self._dpi, {"render": rendered - started, "text": done - rendered})
+
+    def _render(self, page: pdfium.PdfPage, number: int) -> Image.Image:
+        try:
+            bitmap = page.render(scale=self._dpi / 72)
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_page_damaged_message(number, exc)) from exc
+        try:
+            # An explicit copy: the bitmap's buffer is freed below, and whether to_pil() shares it
+            # depends on the pixel format pdfium picked.
+            return normalise_image(bitmap.to_pil().copy())
+        finally:
+            bitmap.close()
+
+    def _text_layer(self, page: pdfium.PdfPage, number: int) -> str:
+        try:
+            textpage = page.get_textpage()
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_page_damaged_message(number, exc)) from exc
+        try:
+            return normalise_text(textpage.get_text_range())
+        finally:
+            textpage.close()
+
+    def close(self) -> None:
+        self._pdf.close()
+
+
+def _page_damaged_message(number: int, exc: Exception) -> str:
+    return (
+        f"page {number} cannot be read or rendered ({exc}): the PDF is damaged; "
+        "repair it with `qpdf in.pdf out.pdf` or re-export it"
+    )
+
+
+# --- images ------------------------------------------------------------------------------------------
+
+
+def _open_image(data: bytes, fmt: str, settings: Settings) -> _ImageSource:
+    """Check every frame's declared size from its header, then decode it fully, before accepting."""
+    try:
+        with Image.open(io.BytesIO(data), formats=[fmt]) as im:
+            frames = _frame_count(im, fmt)
+            for index in range(frames):
+                im.seek(index)
+                _check_image_pixels(im.size, settings)  # header only: nothing decoded yet
+                im.load()  # a full decode: truncation shows up here, not at open()
+    except Image.DecompressionBombError as exc:
+        raise IngestError(_pillow_bomb_message(settings)) from exc
+    except _PIL_DECODE_ERRORS as exc:
+        raise IngestError(_image_damaged_message(fmt, exc)) from exc
+    return _ImageSource(data, fmt, frames)
+
+
+def _frame_count(im: Image.Image, fmt: str) -> int:
+    # Only TIFF frames are pages (multi-page scans); an animated PNG/WebP is one picture, its first frame.
+    return getattr(im, "n_frames", 1) if fmt == "TIFF" else 1
+
+
+def _check_image_pixels(size: tuple[int, int], settings: Settings) -> None:
+    width, height = size
+    if width * height > settings.max_image_pixels:
+        raise IngestError(
+            f"the image is {width}x{height} px ({width * height:,} pixels), over the limit of "
+            f"{settings.max_image_pixels:,}: downscale it, or raise MMRAG_MAX_IMAGE_PIXELS if the image is trusted"
+        )
+
+
+def _pillow_bomb_message(settings: Settings) -> str:
+    # Pillow's own hard stop (2 x Image.MAX_IMAGE_PIXELS, ~179 MP) fires inside open()/seek(), before our
+    # check sees the size. We read that global but never set it: it is process-wide, and other code in
+    # the process (the feature store, the engine) relies on it too.
+    pillow_cap = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    return (
+        f"the image declares more than {pillow_cap:,} pixels, over Pillow's hard decompression-bomb limit, "
+        f"which applies whatever MMRAG_MAX_IMAGE_PIXELS ({settings.max_image_pixels:,}) says: downscale it"
+    )
+
+
+def _image_damaged_message(fmt: str, exc: Exception, number: int | None = None) -> str:
+    where = f"frame {number} of the {fmt} image" if number else f"the {fmt} image"
+    return (
+        f"{where} cannot be decoded ({type(exc).__name__}: {exc}): it is damaged or truncated; "
+        "re-export or re-download it"
+    )
+
+
+class _ImageSource:
+    """Decodes frames of an image already validated and held in memory (so its bytes match file_sha256)."""
+
+    def __init__(self, data: bytes, fmt: str, frames: int) -> None:
+        self._data = data
+        self._fmt = fmt
+        self.num_pages = frames
+
+    def raster(self, index: int) -> _Raster:
+        started = time.perf_counter()
+        try:
+            with Image.open(io.BytesIO(self._data), formats=[self._fmt]) as im:
+                im.seek(index)
+                dpi = _image_dpi(im)
+                # Photos of documents carry their rotation in EXIF; the model should see them upright.
+                image = normalise_image(ImageOps.exif_transpose(im))
+        except _PIL_DECODE_ERRORS as exc:
+            raise IngestError(_image_damaged_message(self._fmt, exc, index + 1)) from exc
+        return _Raster(image, None, dpi, {"render": time.perf_counter() - started})
+
+    def close(self) -> None:
+        self._data = b""
+
+
+def _image_dpi(im: Image.Image) -> float | None:
+    dpi = im.info.get("dpi")
+    if not dpi or not dpi[0] or dpi[0] < 1:
+        return None
+    return float(dpi[0])
+
+
+# --- normalisation -----------------------------------------------------------------------------------
+
+
+_WHITE = (255, 255, 255, 255)
+_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f\ufffe\uffff]")
+
+
+def normalise_image(img: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited over white, so one picture always has one content hash."""
+    if img.has_transparency_data:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, _WHITE), rgba).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def normalise_text(text: str) -> str:
+    """Single spaces within lines, one newline between non-empty lines, no control characters.
+
+    The same words then embed the same whether they came from a text layer (CRLF, tabs) or tesseract
+    (trailing form feed, blank lines).
+    """
+    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    lines = (" ".join(line.split()) for line in text.split("\n"))
+    return "\n".join(line for line in lines if line)
+
+
+def has_meaningful_text(text: str) -> bool:
+    return sum(not c.isspace() for c in text) >= MIN_TEXT_CHARS
+
+
+# --- the document ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Raster:
+    """A page as its source produced it, before text decisions and hashing."""
+
+    image: Image.Image  # normalised RGB
+    text_layer: str | None  # None: the source has no text layer (images)
+    dpi: float | None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _PageSource(Protocol):
+    num_pages: int
+
+    def raster(self, index: int) -> _Raster: ...
+
+    def close(self) -> None: ...
+
+
+class Document:
+    """An opened, validated source file; ``pages()`` renders one page at a time.
+
+    Holds a pdfium handle for PDFs: use it as a context manager, from one thread (pdfium is not
+    thread-safe).
+    """
+
+    def __init__(self, path: Path, file_sha256: str, source: _PageSource, settings: Settings) -> None:
+        self.path = str(path)
+        self.doc = path.name
+        self.doc_id = doc_id_for(self.path)
+        self.file_sha256 = file_sha256
+        self.num_pages = source.num_pages
+        self._source = source
+        self._ocr = settings.ocr
+        self._ocr_lang = settings.ocr_lang
+        self._closed = False
+
+    def pages(self) -> Iterator[RenderedPage]:
+        for index in range(self.num_pages):
+            if self._closed:
+                raise ValueError(f"{self.doc}: pages() used after the Document was closed")
+            yield self._page(index)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._source.close()
+
+    def __enter__(self) -> Document:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Document({self.doc!r}, pages={self.num_pages}, doc_id={self.doc_id})"
+
+    def _page(self, index: int) -> RenderedPage:
+        raster = self._source.raster(index)
+        timings = dict(raster.timings)
+        text, source = self._text_for(raster, index + 1, timings)
+        image = raster.image
+        return RenderedPage(
+            doc_id=self.doc_id,
+            doc=self.doc,
+            path=self.path,
+            page=index + 1,
+            image=image,
+            content_hash=content_hash_of(image.mode, image.size, image.tobytes()),
+            text=text,
+            text_source=source,
+            timings=timings,
+        )
+
+    def _text_for(self, raster: _Raster, number: int, timings: dict[str, float]) -> tuple[str, TextSource]:
+        layer = raster.text_layer or ""
+        if has_meaningful_text(layer):
+            return layer, TextSource.TEXT_LAYER
+        if self._ocr:
+            started = time.perf_counter()
+            text = self._run_ocr(raster, number)
+            timings["ocr"] = time.perf_counter() - started
+            if text:
+                return text, TextSource.OCR
+        # OCR off or empty: a short text layer (a caption, a page number) is still better than nothing.
+        return (layer, TextSource.TEXT_LAYER) if layer else ("", TextSource.NONE)
+
+    def _run_ocr(self, raster: _Raster, number: int) -> str:
+        try:
+            return normalise_text(ocr.ocr_image(raster.image, self._ocr_lang, dpi=raster.dpi))
+        except ocr.OcrError as exc:
+            raise IngestError(
+                f"OCR failed on page {number} ({exc}): check the tesseract install, or set MMRAG_OCR=false"
+            ) from exc

@@ -1,0 +1,241 @@
+"""`mmrag ingest` end to end on the sample corpus with the tiny model, Qdrant local mode and a real store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from core.settings import Settings
+from ingestion.embed import TextEmbedder
+from ingestion.index import PageIndex
+from ingestion.pipeline import Ingestor
+from ingestion.store import DiskFeatureStore, open_feature_store
+from ingestion.vision import VisionEncoder
+from mmrag.ingest_cmd import open_index
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_model) -> VisionEncoder:
+    return VisionEncoder(tiny_model, Settings(model=str(tiny_model)).resolution_policy)
+
+
+@pytest.fixture(scope="module")
+def text_embedder() -> TextEmbedder:
+    return TextEmbedder()
+
+
+def make_ingestor(data_dir: Path, tiny_model: Path, encoder, text_embedder, **overrides) -> Ingestor:
+    settings = Settings(model=str(tiny_model), data_dir=data_dir, ocr=False, **overrides)
+    return Ingestor(
+        settings,
+        encoder=encoder,
+        store=open_feature_store(settings.data_dir, settings.redis_url),
+        index=open_index(settings, text_embedder.dim),
+        text_embedder=text_embedder,
+    )
+
+
+def close(ingestor: Ingestor) -> None:
+    ingestor.index.client.close()
+
+
+def points_by_id(index: PageIndex) -> dict:
+    return {p.id: p.payload for p in index.all_points()}
+
+
+def manifest_pages(corpus: Path) -> list[dict]:
+    docs = json.loads((corpus / "manifest.json").read_text())["documents"]
+    return [dict(page, file=d["file"]) for d in docs for page in d["pages"]]
+
+
+def test_ingesting_the_sample_corpus_indexes_every_page_and_shares_recurring_figures(
+    tmp_path, sample_corpus, tiny_model, encoder, text_embedder
+):
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder)
+    report = ing.run([sample_corpus])
+    pages = manifest_pages(sample_corpus)
+    assert report.failed == []
+    assert report.pages == len(pages) == ing.index.count()
+    distinct = {p["image_key"] for p in points_by_id(ing.index).values()}
+    # One vision forward per distinct page image: duplicated pages are encoded once and shared.
+    assert report.encoded == len(distinct) == len(list(ing.store.keys()))
+    assert report.cached == report.pages - report.encoded
+    duplicates = [p for p in pages if p.get("duplicate_of")]
+    assert duplicates and report.encoded < report.pages
+    by_page = {(p["doc"], p["page"]): p["image_key"] for p in points_by_id(ing.index).values()}
+    for dup in duplicates:
+        file, page = dup["duplicate_of"].split("#")
+        assert by_page[(dup["file"], dup["page"])] == by_page[(file, int(page))]
+    payload = next(iter(points_by_id(ing.index).values()))
+    assert {"doc_id", "doc", "path", "page", "image_key", "text", "content_hash"} <= payload.keys()
+    close(ing)
+
+
+def test_reingesting_an_unchanged_corpus_encodes_nothing_and_writes_no_point(
+    tmp_path, sample_corpus, tiny_model, encoder, text_embedder, monkeypatch
+):
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder)
+    ing.run([sample_corpus])
+    before = points_by_id(ing.index)
+    writes = []
+    monkeypatch.setattr(ing.index, "replace_document", lambda *a, **k: writes.append(a))  # a spy, not a fake
+    forwards = encoder.forwards
+    again = ing.run([sample_corpus])
+    assert (again.encoded, encoder.forwards - forwards, writes) == (0, 0, [])
+    assert again.cached == again.pages == len(before)
+    assert points_by_id(ing.index) == before
+    close(ing)
+
+
+def test_adding_one_file_encodes_only_its_pages(tmp_path, sample_corpus, tiny_model, encoder, text_embedder):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(sample_corpus, corpus)
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder)
+    first = ing.run([corpus])
+    Image.new("RGB", (640, 360), (12, 200, 90)).save(corpus / "new-slide.png")
+    second = ing.run([corpus])
+    assert (second.encoded, second.pages - second.cached) == (1, 1)
+    assert ing.index.count() == first.pages + 1
+    close(ing)
+
+
+def test_bad_files_leave_no_point_and_the_others_still_ingest(
+    tmp_path, sample_corpus, tiny_model, encoder, text_embedder
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = sorted(sample_corpus.glob("*.png"))[0]
+    shutil.copy(good, corpus / good.name)
+    (corpus / "empty.pdf").write_bytes(b"")
+    (corpus / "notes.docx").write_bytes(b"PK\x03\x04 not a document we read")
+    # Page 1 is fine; page 2 is so large at the DPI that it trips the pixel limit: no page of it may be stored.
+    pages = [Image.new("RGB", (100, 100), (255, 255, 255)), Image.new("RGB", (3000, 3000), (0, 0, 0))]
+    pages[0].save(corpus / "half.pdf", save_all=True, append_images=pages[1:], resolution=72.0)
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder,
+                        vision_batch_size=1, max_image_pixels=4_000_000, pdf_dpi=72)
+    report = ing.run([corpus])
+    failed = {Path(f.path).name: f.error for f in report.failed}
+    assert set(failed) == {"empty.pdf", "notes.docx", "half.pdf"}, failed
+    assert all(len(msg) > 20 for msg in failed.values())
+    docs = {p["doc"] for p in points_by_id(ing.index).values()}
+    assert docs == {good.name}
+    assert report.pages == 1
+    close(ing)
+
+
+def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_corpus, tiny_model, encoder,
+                                                               text_embedder):
+    from ingestion.embed import ImageEmbedder
+
+    settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, clip_random_init=True)
+    image = ImageEmbedder(settings.clip_model, None)
+    ing = Ingestor(settings, encoder=encoder, store=open_feature_store(settings.data_dir),
+                   index=open_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
+    one = sorted(sample_corpus.glob("*.png"))[:2]
+    ing.run(one)
+    points = ing.index.all_points(with_vectors=True)
+    assert len(points) == 2 and all(len(p.vector["image"]) == image.dim for p in points)
+    close(ing)
+
+
+def test_redis_backend_stores_the_same_entries(tmp_path, sample_corpus, tiny_model, encoder, text_embedder,
+                                               redis_url):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder, redis_url=redis_url)
+    report = ing.run(sorted(sample_corpus.glob("*.png"))[:3])
+    assert ing.store.backend == "redis"
+    assert len(list(ing.store.keys())) == report.encoded > 0
+    assert ing.store.stats.writes == report.encoded
+    close(ing)
+
+
+# --- the CLI as a user runs it ------------------------------------------------------------------------
+
+
+def cli_env(data_dir: Path, tiny_model: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, MMRAG_DATA_DIR=str(data_dir), MMRAG_MODEL=str(tiny_model), MMRAG_OCR="false",
+               HF_HUB_OFFLINE="1")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mmrag", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def snapshot(data_dir: Path) -> tuple[dict, dict]:
+    """Feature entries (name → bytes) and points (id → payload) of a data dir: what "the store" is."""
+    features = {p.name: p.read_bytes() for p in DiskFeatureStore(data_dir / "features").root.glob("??/*")}
+    from qdrant_client import QdrantClient
+
+    client = QdrantClient(path=str(data_dir / "qdrant"))
+    try:
+        points, _ = client.scroll("mmrag_pages", limit=10_000, with_payload=True, with_vectors=True)
+        return features, {p.id: (p.payload, {k: [round(x, 5) for x in v] for k, v in p.vector.items()})
+                          for p in points}
+    finally:
+        client.close()
+
+
+def test_cli_json_report_has_the_documented_shape_and_exit_code(tmp_path, sample_corpus, tiny_model):
+    bad = tmp_path / "broken.pdf"
+    bad.write_bytes(b"%PDF-1.7\n garbage")
+    result = run_cli("ingest", str(sorted(sample_corpus.glob("*.png"))[0]), str(bad), "--json",
+                     env=cli_env(tmp_path / "data", tiny_model))
+    assert result.returncode == 1, result.stderr
+    out = json.loads(result.stdout)
+    assert {"files", "pages", "encoded", "cached", "failed", "seconds"} <= out.keys()
+    assert (out["files"], out["pages"], out["encoded"]) == (2, 1, 1)
+    assert out["failed"][0]["path"].endswith("broken.pdf") and out["failed"][0]["error"]
+
+
+def test_a_run_killed_half_way_and_rerun_ends_with_the_uninterrupted_store(tmp_path, sample_corpus, tiny_model):
+    # Batch size 1 in both runs: the store must match byte for byte, and batching may round differently.
+    reference = tmp_path / "reference"
+    ref_env = cli_env(reference, tiny_model, MMRAG_VISION_BATCH_SIZE="1")
+    assert run_cli("ingest", str(sample_corpus), env=ref_env).returncode == 0
+    expected = snapshot(reference)
+
+    killed = tmp_path / "killed"
+    env = cli_env(killed, tiny_model, MMRAG_VISION_BATCH_SIZE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mmrag", "ingest", str(sample_corpus)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    features = killed / "features"
+    deadline = time.monotonic() + 300
+    while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
+        assert proc.poll() is None, "the run finished before it could be killed; make the corpus larger"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = snapshot(killed)
+    assert len(partial[0]) < len(expected[0])
+
+    assert run_cli("ingest", str(sample_corpus), env=env).returncode == 0
+    assert snapshot(killed) == expected
+
+
+def test_cli_says_what_to_do_when_the_qdrant_folder_is_held(tmp_path, sample_corpus, tiny_model):
+    from qdrant_client import QdrantClient
+
+    holder = QdrantClient(path=str(tmp_path / "data" / "qdrant"))
+    try:
+        result = run_cli("ingest", str(sample_corpus), env=cli_env(tmp_path / "data", tiny_model))
+    finally:
+        holder.close()
+    assert result.returncode == 2
+    assert "MMRAG_QDRANT_URL" in result.stderr and "Traceback" not in result.stderr
