@@ -43,11 +43,11 @@ class PageRef:
     text: str = ""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, eq=False)  # eq=False: tensors have no boolean ==
 class EncodedImage:
     """One page's image tokens as the vision encoder produced them (ViT + merger output)."""
 
-    image_tokens: torch.Tensor  # (n_tokens, hidden), contiguous, CPU
+    image_tokens: torch.Tensor  # (n_tokens, hidden), contiguous, CPU, owns its storage
     grid_thw: torch.Tensor  # (1, 3) int64: temporal, height, width patches before merging
 
     @property

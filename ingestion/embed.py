@@ -31,7 +31,7 @@ class TextEmbedder:
             )
         self.model = SentenceTransformer(path, device="cpu")
         self.name = Path(path).name
-        self.dim = int(self.model.get_sentence_embedding_dimension())
+        self.dim = int(self.model.get_embedding_dimension())
         self.batch_size = batch_size
 
     def embed(self, texts: list[str]) -> np.ndarray:

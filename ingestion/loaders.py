@@ -91,14 +91,22 @@ def discover(paths: list[Path], *, recursive: bool) -> tuple[list[Path], list[Fi
             if resolved in seen:
                 continue
             seen.add(resolved)
-            # Unsupported files found by walking a directory are reported, not skipped: a .docx in a
-            # folder of reports is most likely a document the user expects to be searchable, and leaving
-            # it out silently makes answers quietly incomplete. Hidden files never get this far.
-            if _format_for(path) is None:
-                failures.append(FileFailure(str(path), unsupported_message(path)))
-            else:
+            if _format_for(path) is not None:
                 files.append(path)
+            elif path is arg or path.suffix.lower() in CONVERTIBLE_DOCUMENTS:
+                # A file named on the command line, or an office document found in a folder of reports, is
+                # most likely something the user expects to be searchable: leaving it out silently would make
+                # answers quietly incomplete. Other files in a folder (manifest.json, notes.txt, .csv) are
+                # not documents and are passed over.
+                failures.append(FileFailure(str(path), unsupported_message(path)))
     return files, failures
+
+
+# Document formats people keep beside PDFs; found in a folder, they are reported rather than passed over.
+CONVERTIBLE_DOCUMENTS = frozenset(
+    {".doc", ".docx", ".odt", ".rtf", ".ppt", ".pptx", ".odp", ".key", ".pages", ".xls", ".xlsx", ".ods",
+     ".epub", ".djvu", ".bmp", ".gif", ".heic", ".svg", ".eps", ".ps", ".xps"}
+)
 
 
 def unsupported_message(path: Path) -> str:

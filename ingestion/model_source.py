@@ -26,17 +26,15 @@ class ModelNotFoundError(RuntimeError):
 
 def resolve_model(settings: Settings, *, build_tiny: bool = True) -> ModelSource:
     """The configured checkpoint (local folder or a hub id already in the local HF cache), else the tiny model."""
-    from ingestion.tiny_model import build_tiny_model, is_random_weight_model
+    from ingestion.tiny_model import MODEL_NAME, ensure_tiny_model, is_random_weight_model
 
     if settings.model:
         path = _local_checkpoint(settings.model)
         return ModelSource(path, settings.model, is_random_weight_model(path))
     tiny = settings.tiny_model_dir
-    if not (tiny / "config.json").is_file():
-        if not build_tiny:
-            raise ModelNotFoundError(f"no MMRAG_MODEL configured and no tiny model at {tiny}; run `mmrag model tiny`")
-        build_tiny_model(tiny)
-    return ModelSource(tiny, "mmrag-tiny-qwen2vl", True)
+    if not build_tiny and not (tiny / "config.json").is_file():
+        raise ModelNotFoundError(f"no MMRAG_MODEL configured and no tiny model at {tiny}; run `mmrag model tiny`")
+    return ModelSource(ensure_tiny_model(tiny), MODEL_NAME, True)
 
 
 def _local_checkpoint(model: str) -> Path:

@@ -24,6 +24,7 @@ from core.pages import EncodedImage
 
 _KEY_META = "mmrag_image_key"
 _SUFFIX = ".safetensors"
+_TMP_PREFIX = ".tmp-"
 
 
 class FeatureStoreError(RuntimeError):
@@ -95,6 +96,15 @@ class DiskFeatureStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.stats = StoreStats()
+        self._remove_orphaned_temp_files()
+
+    def _remove_orphaned_temp_files(self) -> None:
+        # A writer killed between mkstemp and rename leaves its temp file behind. Temp names carry the
+        # writer's PID, so files of a live writer (a concurrent ingest) are left alone.
+        for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
+            pid = int(tmp.name[len(_TMP_PREFIX):].split("-", 1)[0])
+            if not _pid_alive(pid):
+                tmp.unlink(missing_ok=True)
 
     def path_for(self, key: ImageKey) -> Path:
         return self.root / key.content_hash[:2] / f"{key}{_SUFFIX}"
@@ -120,7 +130,7 @@ class DiskFeatureStore:
         blob = encode_entry(key, value)
         # Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either
         # no entry or the whole entry, never a torn file.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=_SUFFIX)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
@@ -184,6 +194,16 @@ class RedisFeatureStore:
         names = sorted(n.decode() for n in self.client.scan_iter(match=pattern, count=1000))
         for name in names:
             yield ImageKey.parse(name[len(self.prefix) :])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
 
 def open_feature_store(data_dir: Path, redis_url: str = "") -> FeatureStore:

@@ -260,7 +260,7 @@ def corpus(tmp_path) -> Path:
     (root / "sub" / "deeper").mkdir(parents=True)
     (root / ".git").mkdir()
     (root / "sub" / ".cache").mkdir()
-    for rel in ["b.PNG", "a.pdf", "notes.docx", ".DS_Store", "sub/c.jpeg", "sub/deeper/d.TIFF",
+    for rel in ["b.PNG", "a.pdf", "notes.docx", "manifest.json", ".DS_Store", "sub/c.jpeg", "sub/deeper/d.TIFF",
                 ".git/e.pdf", "sub/.cache/f.png", "sub/.hidden.pdf"]:  # fmt: skip
         (root / rel).write_bytes(b"x")
     return root
@@ -271,6 +271,14 @@ def test_discover_without_recursive_takes_the_top_level_and_ignores_subdirectori
     assert files == [corpus / "a.pdf", corpus / "b.PNG"]
     assert failures == [FileFailure(str(corpus / "notes.docx"), "unsupported file type .docx: convert it to "
                                     "PDF or an image (PDF, PNG, JPEG, WebP, TIFF)")]  # fmt: skip
+
+
+def test_discover_reports_office_documents_in_a_folder_but_passes_over_other_files(corpus):
+    files, failures = discover([corpus], recursive=False)
+    assert str(corpus / "notes.docx") in [f.path for f in failures]
+    assert str(corpus / "manifest.json") not in [f.path for f in failures] + [str(p) for p in files]
+    named, failed = discover([corpus / "manifest.json"], recursive=False)
+    assert named == [] and "unsupported file type .json" in failed[0].error
 
 
 def test_discover_with_recursive_walks_the_tree_sorted_and_skips_hidden_entries(corpus):

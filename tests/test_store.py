@@ -90,6 +90,7 @@ def test_disk_store_never_leaves_a_torn_entry_when_killed_mid_write(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     store = DiskFeatureStore(root)
+    assert list(root.glob("??/.tmp-*")) == [], "a killed writer's temp file must be removed on open"
     keys = list(store.keys())
     assert keys, "the writer was killed before writing anything"
     for k in keys:

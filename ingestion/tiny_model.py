@@ -1,0 +1,314 @@
+"""A tiny random-weight Qwen2-VL checkpoint, built offline in seconds, for tests and benchmarks.
+
+The checkpoint is a real Qwen2-VL (same architecture, processor and chat template as the released models,
+just small) so that vLLM, transformers and our vision service load it exactly as they would a real one.
+Its weights are random: answers generated with it mean nothing, and the ``mmrag_model.json`` marker lets
+the CLI and the service say so plainly. See /work/shared/notes/vllm-cpu.md, "A tiny Qwen2-VL made offline".
+
+Only the build needs torch/transformers/tokenizers; they are imported inside it so that checking the marker
+(:func:`is_random_weight_model`, :func:`read_marker`) stays cheap and never imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MARKER_FILE = "mmrag_model.json"
+MODEL_NAME = "mmrag-tiny-qwen2vl"
+
+# The 14 added tokens of the released Qwen2-VL tokenizers, in their id order.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# The chat template shipped with Qwen2-VL-*-Instruct: an image content part becomes
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor/engine expands to the image's tokens.
+QWEN2VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Tokenizer training text: a fixed, ordered list of stdlib sources (code plus English docstrings), so the
+# tokenizer is identical on every build with the same Python. Any Python 3.11+ ships all of them.
+_CORPUS_FILES = (
+    "argparse.py",
+    "csv.py",
+    "dataclasses.py",
+    "difflib.py",
+    "functools.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "pathlib.py",
+    "string.py",
+    "textwrap.py",
+)
+
+_HEAD_DIM = 64  # fixed so that mrope_section [8, 12, 12] (sums to head_dim / 2) fits every size
+_MROPE_SECTION = [8, 12, 12]
+_INIT_STD = 0.08  # the default 0.02 gives near-uniform logits: greedy outputs would not depend on the image
+_VOCAB_MULTIPLE = 64
+
+
+@dataclass(slots=True, frozen=True)
+class TinyModelSpec:
+    """Everything that determines the checkpoint's bytes; recorded in the marker file."""
+
+    seed: int = 0
+    hidden: int = 256  # text hidden size = image token width
+    layers: int = 2
+    vision_depth: int = 2
+    vision_embed_dim: int = 128
+    bpe_vocab: int = 2000  # before the 14 special tokens and padding
+    min_pixels: int = 56 * 56
+    max_pixels: int = 448 * 448  # a 448x448 image -> 256 image tokens
+    max_positions: int = 4096
+
+    def __post_init__(self) -> None:
+        # kv heads = heads / 2 with head_dim 64, hence multiples of 128.
+        if self.hidden % (2 * _HEAD_DIM) or self.vision_embed_dim % _HEAD_DIM:
+            raise ValueError(
+                f"hidden must be a multiple of {2 * _HEAD_DIM} and vision_embed_dim of {_HEAD_DIM}, "
+                f"got {self.hidden}, {self.vision_embed_dim}"
+            )
+
+
+def build_tiny_model(
+    out: Path,
+    *,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 2,
+    vision_depth: int = 2,
+    vision_embed_dim: int = 128,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 448 * 448,
+    max_positions: int = 4096,
+) -> Path:
+    """Build a random-weight Qwen2-VL checkpoint in ``out`` (which must not exist) and return ``out``.
+
+    Deterministic: the same arguments give byte-identical weight and tokenizer files (for one Python and
+    transformers version: the tokenizer learns from the stdlib sources, config.json records the
+    transformers version). The defaults give the ~3 M-parameter test model; larger ``hidden``, ``layers``,
+    ``vision_depth`` give a benchmark model (hidden=1024, layers=8: 125 M parameters, ~5 s).
+    """
+    spec = TinyModelSpec(
+        seed=seed,
+        hidden=hidden,
+        layers=layers,
+        vision_depth=vision_depth,
+        vision_embed_dim=vision_embed_dim,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        max_positions=max_positions,
+    )
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; remove it or build into another folder")
+    # Build beside the target and rename, so a crash never leaves a half-written model that looks valid.
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    if tmp.exists():  # left by an earlier crashed build of this same pid number
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        _write_checkpoint(tmp, spec)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def ensure_tiny_model(out: Path, **params: int) -> Path:
+    """Return ``out`` if it already holds a tiny model built with ``params``, else build it there."""
+    out = Path(out)
+    wanted = asdict(TinyModelSpec(**params))
+    marker = read_marker(out)
+    if marker is not None and marker.get("spec") == wanted:
+        return out
+    if out.exists():
+        raise FileExistsError(
+            f"{out} exists but does not hold the tiny model {wanted}; remove it (it is rebuilt in seconds)"
+        )
+    return build_tiny_model(out, **params)
+
+
+def read_marker(path: str | Path) -> dict[str, Any] | None:
+    """The parsed ``mmrag_model.json`` of a model folder, or None when there is none (a real model)."""
+    marker = Path(path) / MARKER_FILE
+    if not marker.is_file():
+        return None
+    return json.loads(marker.read_text(encoding="utf-8"))
+
+
+def is_random_weight_model(path: str | Path) -> bool:
+    """True when ``path`` is a folder built by :func:`build_tiny_model` (its answers are meaningless)."""
+    marker = read_marker(path)
+    return marker is not None and marker.get("random_weights") is True
+
+
+def _write_checkpoint(folder: Path, spec: TinyModelSpec) -> None:
+    tokenizer = _build_tokenizer(spec)
+    processor = _build_processor(tokenizer, spec)
+    model = _build_model(tokenizer, spec)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    # transformers writes the weights through a private temp file (mode 0600); a model folder is shared data
+    # (a container's serving user must read it), so give every file ordinary read permissions.
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    marker = {"name": MODEL_NAME, "random_weights": True, "seed": spec.seed, "spec": asdict(spec)}
+    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    missing = [name for name in _CORPUS_FILES if not (stdlib / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the tiny model's tokenizer trains on Python stdlib sources, but {missing} are missing under "
+            f"{stdlib}; use a Python install that ships its .py sources (not a .pyc-only image)"
+        )
+    return [(stdlib / name).read_text(encoding="utf-8") for name in _CORPUS_FILES]
+
+
+def _build_tokenizer(spec: TinyModelSpec):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.bpe_vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    # Added after training so that, as in Qwen, they take the ids right after the BPE vocabulary.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN2VL_CHAT_TEMPLATE,
+        model_max_length=spec.max_positions,
+    )
+
+
+def _build_processor(tokenizer, spec: TinyModelSpec):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
+    patches = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixels, **patches),
+        tokenizer=tokenizer,
+        # transformers 5 requires a video processor even for an image-only use.
+        video_processor=Qwen2VLVideoProcessor(**pixels, **patches),
+        chat_template=QWEN2VL_CHAT_TEMPLATE,
+    )
+
+
+def _build_config(tokenizer, spec: TinyModelSpec):
+    from transformers import Qwen2VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    vocab_size = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    heads = spec.hidden // _HEAD_DIM
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": 4 * spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "max_position_embeddings": spec.max_positions,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": list(_MROPE_SECTION)},
+        "initializer_range": _INIT_STD,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    vision = {
+        "depth": spec.vision_depth,
+        "embed_dim": spec.vision_embed_dim,
+        "hidden_size": spec.hidden,  # the merger projects straight to the text width
+        "num_heads": spec.vision_embed_dim // _HEAD_DIM,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": _INIT_STD,
+    }
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def _build_model(tokenizer, spec: TinyModelSpec):
+    import torch
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+
+    config = _build_config(tokenizer, spec)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, spec.seed)
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id,
+        eos_token_id=[text.eos_token_id, text.bos_token_id],
+        pad_token_id=text.pad_token_id,
+    )
+    return model
+
+
+def _init_weights(model, seed: int) -> None:
+    """Overwrite every parameter from one seeded generator, in name order: the bytes depend on the seed only."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.ndim >= 2:  # linear, embedding and patch-conv weights
+                param.normal_(0.0, _INIT_STD, generator=gen)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:  # 1-D weights are norm scales
+                param.fill_(1.0)

@@ -1,0 +1,3 @@
+from mmrag.cli import main
+
+main()
