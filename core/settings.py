@@ -45,6 +45,17 @@ class Settings(BaseSettings):
     clip_weights: Path | None = None  # local open_clip weights; none: the image channel is off
     clip_random_init: bool = False  # tests only: a random-weight CLIP to exercise the image channel
 
+    # Engine (vLLM)
+    engine_urls: str = ""  # comma-separated `vllm serve` replicas; empty: the in-process engine
+    kv_block_size: int = 0  # 0: vLLM's platform default (128 on CPU, 16 on GPU); only full blocks are cached
+    kv_cache_gib: int = 2  # CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPUs size it from memory
+    max_model_len: int = 4096
+    max_images_per_prompt: int = 4
+    max_num_seqs: int = 64
+    enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
+    engine_dtype: str = "auto"
+    answer_max_tokens: int = 128
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self.resolution_policy  # validates the bounds with a message that names the fix
@@ -67,6 +78,10 @@ class Settings(BaseSettings):
     @property
     def qdrant_path(self) -> Path:
         return self.data_dir / "qdrant"
+
+    @property
+    def engine_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.engine_urls.split(",") if u.strip()]
 
     @property
     def tiny_model_dir(self) -> Path:

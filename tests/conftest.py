@@ -68,3 +68,56 @@ def sample_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus")
     build_sample_corpus(out)
     return out
+
+
+# --- the engine: one vLLM per test session --------------------------------------------------------------
+
+ENGINE_ENV = dict(
+    MMRAG_KV_BLOCK_SIZE="32",  # CPU attention wants multiples of 32; small blocks let more of a prefix hit
+    MMRAG_KV_CACHE_GIB="1",
+    MMRAG_ENFORCE_EAGER="true",  # ~20 s start-up instead of 25-50 s of torch.compile
+    MMRAG_ENGINE_DTYPE="float32",  # exactness is compared in fp32
+    MMRAG_MAX_MODEL_LEN="2048",
+    MMRAG_OCR="false",
+)
+
+
+@pytest.fixture(scope="session")
+def engine_settings(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
+    """Settings for a session data dir holding the tiny model; engine-facing values as in ENGINE_ENV."""
+    from core.settings import Settings
+
+    data_dir = tmp_path_factory.mktemp("engine-data")
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    return Settings(model=str(tiny_model), data_dir=data_dir)
+
+
+@pytest.fixture(scope="session")
+def ingested(engine_settings, sample_corpus):
+    """The sample corpus ingested once into the session data dir: the store and index the engines read."""
+    from mmrag.ingest_cmd import build_ingestor
+    from rich.console import Console
+
+    ingestor = build_ingestor(engine_settings, Console(quiet=True))
+    report = ingestor.run([sample_corpus])
+    assert not report.failed, report.failed
+    ingestor.index.client.close()
+    return report
+
+
+@pytest.fixture(scope="session")
+async def inprocess_engine(engine_settings, ingested):
+    from ingestion.model_source import resolve_model
+    from ingestion.store import open_feature_store
+    from serving.engine.config import EngineConfig
+    from serving.engine.features import FeatureProvider
+    from serving.engine.inprocess import InProcessEngine
+
+    engine = InProcessEngine.start(
+        resolve_model(engine_settings),
+        FeatureProvider(open_feature_store(engine_settings.data_dir)),
+        EngineConfig.from_settings(engine_settings),
+    )
+    yield engine
+    await engine.close()

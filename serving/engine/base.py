@@ -1,0 +1,95 @@
+"""What an engine takes (a prompt plan) and gives back (a completion with per-request cache accounting)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from core.keys import ImageKey
+
+
+class Layout(str, enum.Enum):
+    # [system][images][text]: prompts that share leading images share a KV prefix.
+    CANONICAL = "canonical"
+    # [system][text][images]: the question comes first, so two prompts diverge before any image.
+    # Kept as the baseline the benchmark and the scheduler tests compare against.
+    NAIVE = "naive"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingSpec:
+    max_tokens: int = 64
+    temperature: float = 0.0  # greedy by default: answers over documents should not vary run to run
+    stop: tuple[str, ...] = ()
+    json_schema: str | None = None  # guided decoding (structured output) when set
+
+
+@dataclass(slots=True, frozen=True)
+class PromptPlan:
+    """Everything that determines a prompt. Identical plans render byte-identical prompts."""
+
+    images: tuple[ImageKey, ...]
+    text: str
+    system_prompt_id: str = "default"
+    sampling: SamplingSpec = SamplingSpec()
+    layout: Layout = Layout.CANONICAL
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    image_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's own count)
+    cached_image_tokens: int = 0  # of those, image tokens
+    vision_encodes: int = 0  # vision forwards done for this request (0 when every page was ingested)
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+    def add(self, other: Usage) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    usage: Usage
+    model: str
+    finish_reason: str | None = None
+    replica: str = ""  # which engine instance served it (remote: the replica URL)
+
+
+@dataclass(slots=True, frozen=True)
+class KVCapacity:
+    blocks: int
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counts since start, as the engine reports them (tokens)."""
+
+    requests: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    image_tokens: int = 0
+    cached_image_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    model_name: str
+    random_weights: bool
+
+    async def generate(self, plan: PromptPlan) -> Completion: ...
+
+    async def kv_capacity(self) -> KVCapacity: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,61 @@
+"""Engine settings derived from Settings, shared by the in-process engine and `mmrag engine serve`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.settings import Settings
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    block_size: int | None  # None: vLLM's default for the platform (128 on CPU, 16 on GPU)
+    kv_cache_gib: int
+    max_model_len: int
+    max_images_per_prompt: int
+    enforce_eager: bool
+    dtype: str
+    max_num_seqs: int
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> EngineConfig:
+        return cls(
+            block_size=s.kv_block_size or None,
+            kv_cache_gib=s.kv_cache_gib,
+            max_model_len=s.max_model_len,
+            max_images_per_prompt=s.max_images_per_prompt,
+            enforce_eager=s.enforce_eager,
+            dtype=s.engine_dtype,
+            max_num_seqs=s.max_num_seqs,
+        )
+
+    def vllm_kwargs(self) -> dict:
+        """Arguments for vLLM's EngineArgs: prefix caching on, precomputed image embeddings accepted."""
+        kwargs = dict(
+            enable_prefix_caching=True,
+            enable_mm_embeds=True,
+            limit_mm_per_prompt={"image": self.max_images_per_prompt},
+            max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+        )
+        if self.block_size:
+            kwargs["block_size"] = self.block_size
+        return kwargs
+
+    def serve_flags(self) -> list[str]:
+        """The same configuration as `vllm serve` flags."""
+        import json
+
+        flags = [
+            "--enable-prefix-caching", "--enable-mm-embeds", "--enable-prompt-tokens-details",
+            "--limit-mm-per-prompt", json.dumps({"image": self.max_images_per_prompt}),
+            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+            "--max-num-seqs", str(self.max_num_seqs),
+        ]
+        if self.enforce_eager:
+            flags.append("--enforce-eager")
+        if self.block_size:
+            flags += ["--block-size", str(self.block_size)]
+        return flags

@@ -1,0 +1,100 @@
+"""The in-process engine: vLLM's AsyncLLM in this process (its engine core runs in a child process)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from core.pages import EncodedImage
+from ingestion.model_source import ModelSource
+from serving.engine.base import Completion, KVCapacity, PromptPlan, Usage
+from serving.engine.config import EngineConfig
+from serving.engine.features import FeatureProvider
+from serving.engine.prompt import PromptRenderer
+
+
+def sampling_params(plan: PromptPlan) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    spec = plan.sampling
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        stop=list(spec.stop) or None,
+        structured_outputs=StructuredOutputsParams(json=spec.json_schema) if spec.json_schema else None,
+        output_kind=RequestOutputKind.DELTA,  # stream deltas: the first one timestamps TTFT
+    )
+
+
+def image_data(features: list[EncodedImage]) -> dict[str, torch.Tensor]:
+    """All images of a prompt as one precomputed-embeddings item set (vLLM splits by grid size)."""
+    return {
+        "image_embeds": torch.cat([f.image_tokens for f in features]),
+        "image_grid_thw": torch.cat([f.grid_thw for f in features]),
+    }
+
+
+class InProcessEngine:
+    def __init__(self, llm: Any, model: ModelSource, features: FeatureProvider, config: EngineConfig) -> None:
+        self.llm = llm
+        self.model_name = model.name
+        self.random_weights = model.random_weights
+        self.features = features
+        self.config = config
+        self.renderer = PromptRenderer(llm.get_tokenizer())
+
+    @classmethod
+    def start(cls, model: ModelSource, features: FeatureProvider, config: EngineConfig) -> InProcessEngine:
+        """Start vLLM (tens of seconds on CPU). Call once per process and share the engine."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # vLLM's CPU backend sizes its KV cache from this variable, not from device memory.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        args = AsyncEngineArgs(model=str(model.path), **config.vllm_kwargs())
+        return cls(AsyncLLM.from_engine_args(args), model, features, config)
+
+    async def generate(self, plan: PromptPlan) -> Completion:
+        started = time.perf_counter()
+        feats, encodes = await self.features.load(plan.images)
+        prompt = self.renderer.render(plan)
+        layout = self.renderer.tokens(prompt, [f.num_tokens for f in feats])
+        request: dict[str, Any] = {"prompt": prompt}
+        if feats:
+            request["multi_modal_data"] = {"image": image_data(feats)}
+            # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.
+            request["multi_modal_uuids"] = {"image": [str(k) for k in plan.images]}
+        token_ids: list[int] = []
+        text, ttft, cached, finish, prompt_len = [], 0.0, 0, None, layout.prompt_tokens
+        async for out in self.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
+            if not ttft:
+                ttft = time.perf_counter() - started
+            cached = out.num_cached_tokens or 0
+            prompt_len = len(out.prompt_token_ids) if out.prompt_token_ids is not None else prompt_len
+            piece = out.outputs[0]
+            token_ids.extend(piece.token_ids)
+            text.append(piece.text)
+            finish = piece.finish_reason or finish
+        usage = Usage(
+            prompt_tokens=prompt_len,
+            image_tokens=layout.image_tokens,
+            cached_tokens=cached,
+            cached_image_tokens=layout.cached_image_tokens(cached),
+            vision_encodes=encodes,
+            completion_tokens=len(token_ids),
+            ttft_s=ttft,
+            latency_s=time.perf_counter() - started,
+        )
+        return Completion("".join(text), token_ids, usage, self.model_name, finish)
+
+    async def kv_capacity(self) -> KVCapacity:
+        cache = self.llm.vllm_config.cache_config
+        return KVCapacity(blocks=int(cache.num_gpu_blocks or 0), block_size=int(cache.block_size))
+
+    async def close(self) -> None:
+        self.llm.shutdown()

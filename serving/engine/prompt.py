@@ -1,0 +1,72 @@
+"""Prompt layout: ``[fixed system prompt][images in the plan's order][text]`` through the model's chat template.
+
+The same plan always renders the same bytes, so the KV of a shared prefix (system prompt + leading images)
+is reusable across requests. The image token spans of the rendered prompt are computed here too: they turn
+vLLM's "cached prompt tokens" into "cached image tokens".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from serving.engine.base import Layout, PromptPlan
+
+SYSTEM_PROMPTS: dict[str, str] = {
+    "default": (
+        "You are mmrag, an assistant that answers questions about document pages. Use only the pages "
+        "shown. Be brief, and cite pages as [document, page]."
+    ),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class PromptTokens:
+    prompt_tokens: int
+    image_spans: tuple[tuple[int, int], ...]  # (start, length) of each image's tokens, in prompt order
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(n for _, n in self.image_spans)
+
+    def cached_image_tokens(self, cached_tokens: int) -> int:
+        """Image tokens inside the cached prefix ``[0, cached_tokens)``."""
+        return sum(max(0, min(start + n, cached_tokens) - start) for start, n in self.image_spans)
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer: Any, *, image_pad_token: str = "<|image_pad|>") -> None:
+        self.tokenizer = tokenizer
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(image_pad_token)
+
+    def messages(self, plan: PromptPlan, image_parts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """OpenAI-style chat messages; ``image_parts`` replaces the bare image placeholders (remote engines)."""
+        parts = image_parts if image_parts is not None else [{"type": "image"} for _ in plan.images]
+        text = [{"type": "text", "text": plan.text}]
+        content = parts + text if plan.layout is Layout.CANONICAL else text + parts
+        return [
+            {"role": "system", "content": system_prompt(plan.system_prompt_id)},
+            {"role": "user", "content": content},
+        ]
+
+    def render(self, plan: PromptPlan) -> str:
+        return self.tokenizer.apply_chat_template(self.messages(plan), tokenize=False, add_generation_prompt=True)
+
+    def tokens(self, prompt: str, image_token_counts: list[int]) -> PromptTokens:
+        """Where each image's tokens land once vLLM expands its single placeholder to ``n`` tokens."""
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        pads = [i for i, t in enumerate(ids) if t == self.image_pad_id]
+        if len(pads) != len(image_token_counts):
+            raise ValueError(f"prompt has {len(pads)} image placeholders for {len(image_token_counts)} images")
+        spans, shift = [], 0
+        for pos, n in zip(pads, image_token_counts):
+            spans.append((pos + shift, n))
+            shift += n - 1
+        return PromptTokens(len(ids) + shift, tuple(spans))
+
+
+def system_prompt(prompt_id: str) -> str:
+    try:
+        return SYSTEM_PROMPTS[prompt_id]
+    except KeyError:
+        raise ValueError(f"unknown system prompt {prompt_id!r}; known: {sorted(SYSTEM_PROMPTS)}") from None
