@@ -62,13 +62,8 @@ class InProcessEngine:
     async def generate(self, plan: PromptPlan) -> Completion:
         started = time.perf_counter()
         feats, encodes = await self.features.load(plan.images)
-        prompt = self.renderer.render(plan)
-        layout = self.renderer.tokens(prompt, [f.num_tokens for f in feats])
-        request: dict[str, Any] = {"prompt": prompt}
-        if feats:
-            request["multi_modal_data"] = {"image": image_data(feats)}
-            # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.
-            request["multi_modal_uuids"] = {"image": [str(k) for k in plan.images]}
+        request = self.build_request(plan, feats)
+        layout = self.renderer.tokens(request["prompt"], [f.num_tokens for f in feats])
         token_ids: list[int] = []
         text, ttft, cached, finish, prompt_len = [], 0.0, 0, None, layout.prompt_tokens
         async for out in self.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
@@ -92,9 +87,21 @@ class InProcessEngine:
         )
         return Completion("".join(text), token_ids, usage, self.model_name, finish)
 
+    def build_request(self, plan: PromptPlan, feats: list[EncodedImage]) -> dict[str, Any]:
+        request: dict[str, Any] = {"prompt": self.renderer.render(plan)}
+        if feats:
+            request["multi_modal_data"] = {"image": image_data(feats)}
+            # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.
+            request["multi_modal_uuids"] = {"image": [str(k) for k in plan.images]}
+        return request
+
     async def kv_capacity(self) -> KVCapacity:
         cache = self.llm.vllm_config.cache_config
         return KVCapacity(blocks=int(cache.num_gpu_blocks or 0), block_size=int(cache.block_size))
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached block (benchmarks and cold-path tests start from here)."""
+        await self.llm.reset_prefix_cache()
 
     async def close(self) -> None:
         self.llm.shutdown()
