@@ -14,7 +14,7 @@ from typing import Any
 
 from qdrant_client import QdrantClient, models
 
-from core.keys import page_point_id
+from core.keys import ImageKey, page_point_id
 from ingestion.embed import IMAGE_VECTOR, TEXT_VECTOR
 
 # Payload fields that retrieval filters on get an index (keyword or integer).
@@ -128,20 +128,38 @@ class PageIndex:
         )
         self.client.delete(self.collection, points_selector=models.FilterSelector(filter=stale), wait=True)
 
+    def find_page(self, doc: str, page: int) -> dict[str, Any] | None:
+        """The payload of page ``page`` of the document named ``doc`` (file name or doc id), if indexed."""
+        for field in ("doc", "doc_id"):
+            found = self._scroll(
+                models.Filter(must=[_match(field, doc), _match("page", page)]), with_vectors=False, limit=2
+            )
+            if found:
+                return found[0].payload
+        return None
+
+    def image_pages(self) -> list[tuple[ImageKey, int]]:
+        """(image key, image tokens) of every indexed page: what warm-up ranks by recurrence."""
+        return [
+            (ImageKey.parse(p.payload["image_key"]), p.payload["image_tokens"])
+            for p in self._scroll(None, with_vectors=False)
+        ]
+
     def all_points(self, *, with_vectors: bool = False) -> list[models.Record]:
         return self._scroll(None, with_vectors=with_vectors)
 
-    def _scroll(self, condition: models.Condition | None, *, with_vectors: bool) -> list[models.Record]:
-        flt = models.Filter(must=[condition]) if condition is not None else None
+    def _scroll(self, condition: models.Condition | models.Filter | None, *, with_vectors: bool,
+                limit: int | None = None) -> list[models.Record]:
+        flt = condition if isinstance(condition, models.Filter) or condition is None else models.Filter(must=[condition])
         out: list[models.Record] = []
         offset = None
         while True:
             batch, offset = self.client.scroll(
-                self.collection, scroll_filter=flt, limit=256, offset=offset,
+                self.collection, scroll_filter=flt, limit=limit or 256, offset=offset,
                 with_payload=True, with_vectors=with_vectors,
             )
             out.extend(batch)
-            if offset is None:
+            if offset is None or (limit is not None and len(out) >= limit):
                 return out
 
 

@@ -77,6 +77,47 @@ def ingest(
     raise typer.Exit(1 if report.failed else 0)
 
 
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="The question, in quotes.")],
+    pages: Annotated[str, typer.Option("--pages", help="Pages to ask over: DOC:PAGE[,DOC:PAGE...], DOC being the "
+                                       "file name, e.g. report.pdf:2,slides.png:1.")],
+    max_tokens: Annotated[int | None, typer.Option(help="Answer length cap (MMRAG_ANSWER_MAX_TOKENS).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Ask a question over given pages. Uses MMRAG_ENGINE_URLS replicas, else starts vLLM in this process."""
+    from mmrag import ask_cmd
+
+    answer = ask_cmd.ask(question, pages, max_tokens=max_tokens, console=err)
+    if as_json:
+        typer.echo(json.dumps(answer.to_json()))
+    else:
+        ask_cmd.print_answer(answer, err)
+
+
+@app.command()
+def warm(
+    top: Annotated[int | None, typer.Option(help="Warm the N most recurring pages (default: all that fit).")] = None,
+    pages: Annotated[str | None, typer.Option("--pages", help="Warm these pages: DOC:PAGE[,DOC:PAGE...].")] = None,
+    share: Annotated[float, typer.Option(help="Share of each replica's KV cache warm-up may fill.")] = 0.5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Prefill the running engine's prefix cache with the pages most likely to be asked about.
+
+    Targets the replicas in MMRAG_ENGINE_URLS (see `mmrag engine serve`); pages that do not fit in the
+    KV budget are reported.
+    """
+    from mmrag import ask_cmd
+
+    report = ask_cmd.warm_pages(top=top, pages_spec=pages, share=share)
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+    else:
+        err.print(f"warmed {len(report.warmed)} pages ({report.warmed_tokens} image tokens) in "
+                  f"{report.seconds:.1f}s, {report.pages_per_s:.1f} pages/s; did not fit: {len(report.did_not_fit)} "
+                  f"(budget {report.budget_tokens} tokens)")
+
+
 @index_app.command("reset")
 def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False) -> None:
     """Delete and re-create the page collection (needed after changing embedders)."""
@@ -96,6 +137,9 @@ def main() -> None:
     # Our own progress bars say what is happening; transformers' per-load bars would only add noise.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # vLLM logs to stdout by default, which would corrupt `--json` output; keep stdout for results.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

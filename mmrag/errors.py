@@ -8,10 +8,18 @@ from ingestion.index import IndexConfigError
 from ingestion.model_source import ModelNotFoundError
 from ingestion.store import FeatureStoreError
 
+from mmrag.ask_cmd import ArgumentError, PageNotFoundError
+from serving.engine.factory import EngineNotConfiguredError
+from serving.engine.features import MissingFeaturesError
+
 USER_ERRORS: tuple[type[Exception], ...] = (
+    PageNotFoundError,
+    EngineNotConfiguredError,
+    MissingFeaturesError,
     IndexConfigError,
     FeatureStoreError,
     ModelNotFoundError,
     ValidationError,
     FileNotFoundError,
+    ArgumentError,
 )

@@ -105,3 +105,6 @@ class InProcessEngine:
 
     async def close(self) -> None:
         self.llm.shutdown()
+        # Drop the last reference now: AsyncLLM.__del__ shuts down again, which fails noisily if it only runs
+        # at interpreter exit, after the modules it needs are gone.
+        self.llm = None

@@ -1,0 +1,123 @@
+"""Wiring for `mmrag ask` and `mmrag warm`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from core.settings import Settings
+from ingestion.embed import clip_embed_dim
+from ingestion.index import PageIndex, open_qdrant
+from ingestion.model_source import resolve_model
+from rag.answer import Answer, answer_over_pages
+from serving.engine.factory import open_engine
+from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
+
+MINILM_DIM = 384
+
+
+class PageNotFoundError(LookupError):
+    pass
+
+
+class ArgumentError(ValueError):
+    """A command-line argument in the wrong form; the message shows the right one."""
+
+
+def parse_page_refs(spec: str) -> list[tuple[str, int]]:
+    """``report.pdf:2,slides.png:1`` → [("report.pdf", 2), ("slides.png", 1)]."""
+    refs = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        doc, sep, page = item.rpartition(":")
+        if not sep or not doc or not page.isdigit() or int(page) < 1:
+            raise ArgumentError(f"--pages takes DOC:PAGE items (e.g. report.pdf:2), got {item!r}")
+        refs.append((doc, int(page)))
+    if not refs:
+        raise ArgumentError("--pages is empty; give DOC:PAGE items, e.g. report.pdf:2,slides.png:1")
+    return refs
+
+
+def open_page_index(settings: Settings) -> PageIndex:
+    # Reading needs no embedder: the collection's sizes are checked when ingest writes to it.
+    index = PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
+                      text_dim=MINILM_DIM, image_dim=clip_embed_dim(settings.clip_model))
+    if not index.client.collection_exists(settings.qdrant_collection):
+        raise PageNotFoundError("no documents ingested yet: run `mmrag ingest PATH...` first")
+    return index
+
+
+def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    pages = []
+    for doc, page in refs:
+        payload = index.find_page(doc, page)
+        if payload is None:
+            raise PageNotFoundError(
+                f"page {page} of {doc!r} is not in the index: check `mmrag index stats`, or ingest the file first"
+            )
+        pages.append(payload)
+    return pages
+
+
+def ask(question: str, pages_spec: str, *, max_tokens: int | None, console: Console) -> Answer:
+    if not question.strip():
+        raise ArgumentError("the question is empty: ask something, e.g. mmrag ask \"What does the chart show?\"")
+    refs = parse_page_refs(pages_spec)
+    settings = Settings()
+    index = open_page_index(settings)
+    pages = lookup_pages(index, refs)
+    index.client.close()
+    model = resolve_model(settings)
+    console.print(f"model: {model.describe()}")
+    return asyncio.run(_ask(settings, model, question, pages, max_tokens or settings.answer_max_tokens))
+
+
+async def _ask(settings, model, question, pages, max_tokens) -> Answer:
+    engine = open_engine(settings, model)
+    try:
+        return await answer_over_pages(engine, question, pages, max_tokens=max_tokens)
+    finally:
+        await engine.close()
+
+
+def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> WarmReport:
+    """Warm the running engine replicas (MMRAG_ENGINE_URLS): never a throwaway engine in this process."""
+    settings = Settings()
+    model = resolve_model(settings)
+    engine = open_engine(settings, model, allow_inprocess=False)
+    index = open_page_index(settings)
+    try:
+        if pages_spec:
+            payloads = lookup_pages(index, parse_page_refs(pages_spec))
+            from core.keys import ImageKey
+
+            candidates = rank_by_demand((ImageKey.parse(p["image_key"]), p["image_tokens"]) for p in payloads)
+        else:
+            candidates = rank_by_demand(index.image_pages())
+            candidates = candidates[:top] if top else candidates
+    finally:
+        index.client.close()
+    return asyncio.run(_warm(engine, candidates, share))
+
+
+async def _warm(engine, candidates: list[WarmCandidate], share: float) -> WarmReport:
+    try:
+        return await warm(engine, candidates, share=share)
+    finally:
+        await engine.close()
+
+
+def print_answer(answer: Answer, console: Console) -> None:
+    data = answer.to_json()
+    if answer.random_weights:
+        console.print(f"[yellow]note:[/] {data['model']['note']}")
+    console.print(f"[bold]answer[/] ({answer.model}): {answer.answer}")
+    for c in answer.citations:
+        console.print(escape(f"  cited: [{c.doc}, page {c.page}] score {c.score:.3f}"))
+    u = data["usage"]
+    console.print(
+        f"usage: {u['prompt_tokens']} prompt tokens, {u['cached_tokens']} cached; {u['image_tokens']} image tokens, "
+        f"{u['cached_image_tokens']} from cache; vision encodes {u['vision_encodes']}; TTFT {u['ttft_s']:.3f}s"
+    )

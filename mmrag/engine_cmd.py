@@ -1,0 +1,66 @@
+"""`mmrag engine serve`: one `vllm serve` replica of the configured model, in the foreground.
+
+Registered in mmrag/cli.py as ``app.add_typer(engine_app, name="engine")``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+engine_app = typer.Typer(help="Run vLLM replicas for the remote engine (MMRAG_ENGINE_URLS).", no_args_is_help=True)
+
+err = Console(stderr=True)
+
+
+@engine_app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer /health.")] = 600.0,
+) -> None:
+    """Serve the configured model with `vllm serve` (prefix caching and image embeddings on) until Ctrl-C.
+
+    Uses the same engine settings (MMRAG_KV_BLOCK_SIZE, MMRAG_KV_CACHE_GIB, ...) as the in-process engine.
+    """
+    from core.settings import Settings
+    from ingestion.model_source import resolve_model
+    from serving.engine.config import EngineConfig
+    from serving.vllm_launch import ServerStartError, start_server
+
+    settings = Settings()
+    model = resolve_model(settings)
+    config = EngineConfig.from_settings(settings)
+    err.print(f"model: {model.describe()}")
+    err.print(f"starting vllm serve on {host}:{port} (30-40 s on CPU with the tiny model) ...")
+    handle = start_server(model.path, config, host=host, port=port, log_path=None)
+
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        # The server runs in its own session; hand it the signal so it shuts its engine core down cleanly.
+        nonlocal stopping
+        stopping = True
+        if handle.proc.poll() is None:
+            handle.proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        seconds = handle.wait_ready(ready_timeout)
+    except ServerStartError as exc:
+        if not stopping:
+            handle.stop()
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(1) from None
+    else:
+        err.print(f"[green]ready[/] in {seconds:.0f} s at [bold]{handle.url}[/]")
+        # stdout: the one line a script or another shell needs
+        typer.echo(f"MMRAG_ENGINE_URLS={handle.url}")
+        sys.stdout.flush()
+    code = handle.proc.wait()
+    raise typer.Exit(0 if stopping and code in (0, -signal.SIGINT, -signal.SIGTERM) else code)

@@ -1,0 +1,77 @@
+"""Answers with citations and cache accounting: the shape `mmrag ask --json` and `POST /v1/ask` return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.keys import ImageKey
+from serving.engine.base import Engine, PromptPlan, SamplingSpec, Usage
+
+RANDOM_MODEL_NOTE = (
+    "random-weight test model: its text is not meaningful; set MMRAG_MODEL to a Qwen2-VL checkpoint for real answers"
+)
+
+
+@dataclass(slots=True, frozen=True)
+class Citation:
+    doc: str
+    page: int
+    score: float
+    image_key: str = ""
+
+
+@dataclass(slots=True)
+class Answer:
+    answer: str
+    sub_questions: list[str]
+    citations: list[Citation]
+    usage: Usage
+    model: str
+    random_weights: bool
+    sub_question_source: str = "none"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        u = self.usage
+        return {
+            "answer": self.answer,
+            "sub_questions": self.sub_questions,
+            "sub_question_source": self.sub_question_source,
+            "citations": [{"doc": c.doc, "page": c.page, "score": round(c.score, 4)} for c in self.citations],
+            "usage": {
+                "prompt_tokens": u.prompt_tokens,
+                "cached_tokens": u.cached_tokens,
+                "image_tokens": u.image_tokens,
+                "cached_image_tokens": u.cached_image_tokens,
+                "vision_encodes": u.vision_encodes,
+                "completion_tokens": u.completion_tokens,
+                "ttft_s": round(u.ttft_s, 4),
+                "latency_s": round(u.latency_s, 4),
+            },
+            "model": {
+                "name": self.model,
+                "random_weights": self.random_weights,
+                "note": RANDOM_MODEL_NOTE if self.random_weights else "",
+            },
+            **self.extra,
+        }
+
+
+async def answer_over_pages(engine: Engine, question: str, pages: list[dict[str, Any]], *, max_tokens: int
+                            ) -> Answer:
+    """One prompt over explicitly chosen pages (``payload`` dicts from the index), in the order given."""
+    plan = PromptPlan(
+        images=tuple(ImageKey.parse(p["image_key"]) for p in pages),
+        text=question,
+        sampling=SamplingSpec(max_tokens=max_tokens),
+    )
+    completion = await engine.generate(plan)
+    return Answer(
+        answer=completion.text,
+        sub_questions=[question],
+        citations=[Citation(p["doc"], p["page"], 1.0, p["image_key"]) for p in pages],
+        usage=completion.usage,
+        model=completion.model,
+        random_weights=engine.random_weights,
+    )
