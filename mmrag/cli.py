@@ -63,17 +63,32 @@ def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Files or folders: PDF, PNG, JPEG, WebP, TIFF.")],
     recursive: Annotated[bool, typer.Option("--recursive", "-r", help="Walk folders recursively.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    warm_after: Annotated[bool, typer.Option("--warm", help="Then warm the running engine replicas "
+                                             "(MMRAG_ENGINE_URLS) with the most recurring pages.")] = False,
 ) -> None:
     """Render pages, pre-encode them to image tokens, and index them in Qdrant.
 
     Re-running on an unchanged corpus encodes nothing; a killed run can simply be run again.
     Exit code 1 if any file failed (the others are still ingested).
     """
+    if warm_after:
+        from core.settings import Settings
+        from serving.engine.factory import require_engine_urls
+
+        require_engine_urls(Settings())  # fail before the work, not after it
     report = ingest_cmd.run(paths, recursive=recursive, console=err, show_progress=not as_json or sys.stderr.isatty())
+    out = report.to_json()
+    if warm_after:
+        from mmrag import ask_cmd
+
+        out["warm"] = ask_cmd.warm_pages(top=None, pages_spec=None, share=0.5).to_json()
     if as_json:
-        typer.echo(json.dumps(report.to_json()))
+        typer.echo(json.dumps(out))
     else:
         ingest_cmd.print_report(report, err)
+        if warm_after:
+            w = out["warm"]
+            err.print(f"warmed {len(w['warmed'])} pages in {w['seconds']}s; did not fit: {len(w['did_not_fit'])}")
     raise typer.Exit(1 if report.failed else 0)
 
 

@@ -17,13 +17,20 @@ def open_engine(settings: Settings, model: ModelSource, *, allow_inprocess: bool
 
         return RemoteEngine(settings.engine_url_list, model, features)
     if not allow_inprocess:
+        require_engine_urls(settings)
+    from serving.engine.inprocess import InProcessEngine
+
+    return InProcessEngine.start(model, features, EngineConfig.from_settings(settings))
+
+
+def require_engine_urls(settings: Settings) -> list[str]:
+    """The remote replicas; commands that must act on a running engine (warm-up) stop here without them."""
+    if not settings.engine_url_list:
         raise EngineNotConfiguredError(
             "no running engine to talk to: start one with `mmrag engine serve` and set MMRAG_ENGINE_URLS="
             "http://127.0.0.1:8100 (comma-separate several replicas)"
         )
-    from serving.engine.inprocess import InProcessEngine
-
-    return InProcessEngine.start(model, features, EngineConfig.from_settings(settings))
+    return settings.engine_url_list
 
 
 class EngineNotConfiguredError(RuntimeError):
