@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from mmrag import ingest_cmd
+from mmrag.engine_cmd import engine_app
 from mmrag.errors import USER_ERRORS
 
 app = typer.Typer(
@@ -28,6 +29,7 @@ index_app = typer.Typer(help="Inspect or reset the Qdrant page index.", no_args_
 app.add_typer(model_app, name="model")
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(index_app, name="index")
+app.add_typer(engine_app, name="engine")
 
 err = Console(stderr=True)
 

@@ -12,9 +12,15 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-engine_app = typer.Typer(help="Run vLLM replicas for the remote engine (MMRAG_ENGINE_URLS).", no_args_is_help=True)
+engine_app = typer.Typer(no_args_is_help=True)
 
 err = Console(stderr=True)
+
+
+@engine_app.callback()
+def engine() -> None:
+    """Run vLLM replicas for the remote engine (list their URLs in MMRAG_ENGINE_URLS)."""
+    # A callback keeps `serve` a subcommand even while it is the group's only command.
 
 
 @engine_app.command("serve")
@@ -30,26 +36,28 @@ def serve(
     from core.settings import Settings
     from ingestion.model_source import resolve_model
     from serving.engine.config import EngineConfig
-    from serving.vllm_launch import ServerStartError, start_server
+    from serving.vllm_launch import ServerHandle, ServerStartError, start_server
 
     settings = Settings()
     model = resolve_model(settings)
     config = EngineConfig.from_settings(settings)
     err.print(f"model: {model.describe()}")
     err.print(f"starting vllm serve on {host}:{port} (30-40 s on CPU with the tiny model) ...")
-    handle = start_server(model.path, config, host=host, port=port, log_path=None)
-
+    handle: ServerHandle | None = None
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
         # The server runs in its own session; hand it the signal so it shuts its engine core down cleanly.
         nonlocal stopping
         stopping = True
-        if handle.proc.poll() is None:
+        if handle is not None and handle.proc.poll() is None:
             handle.proc.send_signal(signum)
 
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGINT, forward)  # installed first: no window in which Ctrl-C orphans the server
     signal.signal(signal.SIGTERM, forward)
+    handle = start_server(model.path, config, host=host, port=port, log_path=None)
+    if stopping:
+        handle.proc.send_signal(signal.SIGINT)
     try:
         seconds = handle.wait_ready(ready_timeout)
     except ServerStartError as exc:
@@ -58,9 +66,9 @@ def serve(
             err.print(f"[red]error:[/] {exc}")
             raise typer.Exit(1) from None
     else:
-        err.print(f"[green]ready[/] in {seconds:.0f} s at [bold]{handle.url}[/]")
-        # stdout: the one line a script or another shell needs
-        typer.echo(f"MMRAG_ENGINE_URLS={handle.url}")
-        sys.stdout.flush()
+        if not stopping:  # after a stop signal during start-up the server is going down: do not announce it
+            err.print(f"[green]ready[/] in {seconds:.0f} s at [bold]{handle.url}[/]")
+            typer.echo(f"MMRAG_ENGINE_URLS={handle.url}")  # stdout: the one line a script or another shell needs
+            sys.stdout.flush()
     code = handle.proc.wait()
     raise typer.Exit(0 if stopping and code in (0, -signal.SIGINT, -signal.SIGTERM) else code)

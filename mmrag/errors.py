@@ -11,11 +11,13 @@ from ingestion.store import FeatureStoreError
 from mmrag.ask_cmd import ArgumentError, PageNotFoundError
 from serving.engine.factory import EngineNotConfiguredError
 from serving.engine.features import MissingFeaturesError
+from serving.engine.remote import EngineUnavailableError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
     PageNotFoundError,
     EngineNotConfiguredError,
     MissingFeaturesError,
+    EngineUnavailableError,
     IndexConfigError,
     FeatureStoreError,
     ModelNotFoundError,

@@ -121,3 +121,34 @@ async def inprocess_engine(engine_settings, ingested):
     )
     yield engine
     await engine.close()
+
+
+# --- vllm_server: one `vllm serve` replica per session (tests/test_remote_engine.py) ---------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of one `vllm serve` replica of the tiny model, with the engine settings of ENGINE_ENV."""
+    from ingestion.model_source import resolve_model
+    from serving.engine.config import EngineConfig
+    from serving.vllm_launch import start_server
+
+    # Dev mode adds POST /reset_prefix_cache, which warm-up tests use to start from a cold cache.
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        handle = start_server(
+            resolve_model(engine_settings).path,
+            EngineConfig.from_settings(engine_settings),
+            port=free_port(),
+            log_path=tmp_path_factory.mktemp("vllm-serve") / "server.log",
+        )
+    finally:
+        del os.environ["VLLM_SERVER_DEV_MODE"]
+    try:
+        handle.wait_ready(timeout=300)
+        yield handle.url
+    finally:
+        handle.stop()
+
+
+# --- end vllm_server -------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 from core.keys import ImageKey
@@ -88,7 +89,9 @@ class Engine(Protocol):
     model_name: str
     random_weights: bool
 
-    async def generate(self, plan: PromptPlan) -> Completion: ...
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+        """Run one plan. ``on_first_token`` fires once prefill is done (its KV is then reusable)."""
+        ...
 
     async def kv_capacity(self) -> KVCapacity: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ class InProcessEngine:
         args = AsyncEngineArgs(model=str(model.path), **config.vllm_kwargs())
         return cls(AsyncLLM.from_engine_args(args), model, features, config)
 
-    async def generate(self, plan: PromptPlan) -> Completion:
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
         feats, encodes = await self.features.load(plan.images)
         request = self.build_request(plan, feats)
@@ -69,6 +70,8 @@ class InProcessEngine:
         async for out in self.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
             if not ttft:
                 ttft = time.perf_counter() - started
+                if on_first_token is not None:
+                    on_first_token()  # prefill is done: the prompt's blocks are now in the prefix cache
             cached = out.num_cached_tokens or 0
             prompt_len = len(out.prompt_token_ids) if out.prompt_token_ids is not None else prompt_len
             piece = out.outputs[0]

@@ -17,6 +17,16 @@ SYSTEM_PROMPTS: dict[str, str] = {
         "You are mmrag, an assistant that answers questions about document pages. Use only the pages "
         "shown. Be brief, and cite pages as [document, page]."
     ),
+    "synthesize": (
+        "Combine the answers to the sub-questions below into one brief answer to the question. Keep their "
+        "page citations."
+    ),
+    # rag/decompose.py; the JSON schema sent as guided decoding fixes the reply's shape and item limits.
+    "decompose": (
+        "You split a question about documents into short, self-contained sub-questions, each answerable from "
+        "one page. Reuse the question's own words and add no topic it does not mention. If it asks one thing, "
+        'return it unchanged as the only sub-question. Reply with JSON only: {"sub_questions": ["..."]}.'
+    ),
 }
 
 

