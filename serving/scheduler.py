@@ -1,0 +1,255 @@
+"""Prefix-aware scheduling of prompt plans in front of the engine.
+
+The sub-question plans of all in-flight requests enter one queue. A policy orders the queue — FCFS, LPM
+(longest prefix already sent first) or DFS-weight (SGLang's: walk the trie of image-key prefixes, heavier
+subtrees first, so plans sharing a figure leave back to back). On top of the order:
+
+- group gating: a plan whose leading image is being prefilled by another in-flight plan waits for that
+  prefill to finish, so it hits the KV the first plan creates instead of computing it a second time;
+- a concurrency limit to the engine, and admission by image tokens in flight (the guard against KV
+  exhaustion);
+- fairness: a plan that has waited ``max_wait_ms`` goes next, whatever the policy says;
+- above ``queue_cap`` waiting plans, plain FCFS, to bound the policy's own cost.
+
+Ordering functions are pure, over plain lists, and testable without an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from serving.engine.base import Completion, Engine, PromptPlan
+
+T = TypeVar("T")
+Key = Hashable
+
+
+class Policy(str, enum.Enum):
+    FCFS = "fcfs"
+    LPM = "lpm"
+    DFS_WEIGHT = "dfs-weight"
+
+
+# --- pure ordering functions over lists of image-key tuples ---------------------------------------------
+
+
+def order_fcfs(prefixes: Sequence[tuple[Key, ...]]) -> list[int]:
+    return list(range(len(prefixes)))
+
+
+def order_lpm(prefixes: Sequence[tuple[Key, ...]], matched: Callable[[tuple[Key, ...]], int]) -> list[int]:
+    """Longest already-cached prefix first (``matched`` says how many leading images are cached); stable."""
+    return sorted(range(len(prefixes)), key=lambda i: -matched(prefixes[i]))
+
+
+def order_dfs_weight(prefixes: Sequence[tuple[Key, ...]]) -> list[int]:
+    """Depth-first over the trie of image prefixes, heavier subtrees first; arrival order breaks ties.
+
+    Plans that end at a node leave before the node's children, so the shortest plan of a group — whose
+    prefix the others extend — goes first and its KV is there for its siblings.
+    """
+    root = _Node()
+    for i, prefix in enumerate(prefixes):
+        node = root
+        node.weight += 1
+        for k in prefix:
+            node = node.children.setdefault(k, _Node(first=i))
+            node.weight += 1
+        node.plans.append(i)
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        out.extend(node.plans)
+        # Push lighter subtrees first so the heaviest is popped next; ties: earliest arrival first.
+        stack.extend(sorted(node.children.values(), key=lambda n: (n.weight, -n.first)))
+    return out
+
+
+@dataclass(slots=True)
+class _Node:
+    first: int = 0
+    weight: int = 0
+    plans: list[int] = field(default_factory=list)
+    children: dict[Key, _Node] = field(default_factory=dict)
+
+
+# --- the scheduler --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    policy: Policy = Policy.DFS_WEIGHT
+    max_concurrency: int = 4
+    max_image_tokens_in_flight: int = 16_384
+    max_wait_ms: float = 2_000.0
+    queue_cap: int = 128
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counts for serving/metrics; the scheduler only counts, the metrics module exports."""
+
+    submitted: int = 0
+    dispatched: int = 0
+    fairness_overrides: int = 0
+    fcfs_fallbacks: int = 0
+    gated: int = 0  # times a plan was held back to wait for its group leader's prefill
+    queue_waits_s: list[float] = field(default_factory=list)  # drained by the metrics layer
+    group_sizes: list[int] = field(default_factory=list)  # plans per leading image, per dispatch round
+
+
+@dataclass(slots=True)
+class _Waiting:
+    plan: PromptPlan
+    seq: int
+    arrival: float
+    image_tokens: int
+    future: asyncio.Future = field(repr=False)
+
+
+class Scheduler:
+    """``await scheduler.submit(plan)`` instead of ``await engine.generate(plan)``."""
+
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(), *,
+                 image_tokens: Callable[[PromptPlan], int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.config = config
+        self.stats = SchedulerStats()
+        self._image_tokens = image_tokens
+        self._clock = clock
+        self._queue: list[_Waiting] = []
+        self._seq = itertools.count()
+        self._in_flight = 0
+        self._tokens_in_flight = 0
+        self._prefilling: dict[Key, int] = {}  # leading image → plans of it still in prefill
+        self._recent: OrderedDict[tuple[Key, ...], None] = OrderedDict()  # LPM's view of what is cached
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def submit(self, plan: PromptPlan) -> Completion:
+        loop = asyncio.get_running_loop()
+        tokens = self._image_tokens(plan)
+        if tokens > self.config.max_image_tokens_in_flight:
+            raise ValueError(
+                f"a plan with {tokens} image tokens can never fit the {self.config.max_image_tokens_in_flight}-token "
+                "in-flight budget: lower top-k or max_pixels, or raise the budget"
+            )
+        item = _Waiting(plan, next(self._seq), self._clock(), tokens, loop.create_future())
+        self._queue.append(item)
+        self.stats.submitted += 1
+        self._dispatch()
+        return await item.future
+
+    # The dispatcher runs synchronously at every event that can free capacity: a submit, a first token,
+    # a completion. No background loop, so nothing to start or stop.
+    def _dispatch(self) -> None:
+        while self._queue and self._in_flight < self.config.max_concurrency:
+            item = self._next()
+            if item is None:
+                return
+            self._queue.remove(item)
+            self._start(item)
+
+    def _next(self) -> _Waiting | None:
+        now = self._clock()
+        overdue = [w for w in self._queue if (now - w.arrival) * 1000 >= self.config.max_wait_ms]
+        if overdue:
+            self.stats.fairness_overrides += 1
+            candidates = overdue  # already in arrival order
+        elif len(self._queue) > self.config.queue_cap:
+            self.stats.fcfs_fallbacks += 1
+            candidates = self._queue
+        else:
+            candidates = [self._queue[i] for i in self._order([w.plan.images for w in self._queue])]
+        for w in candidates:
+            if self._tokens_in_flight and self._tokens_in_flight + w.image_tokens > self.config.max_image_tokens_in_flight:
+                continue
+            if w not in overdue and self._gated(w):
+                self.stats.gated += 1
+                continue
+            return w
+        return None
+
+    def _order(self, prefixes: list[tuple[Key, ...]]) -> list[int]:
+        policy = self.config.policy
+        if policy is Policy.DFS_WEIGHT:
+            return order_dfs_weight(prefixes)
+        if policy is Policy.LPM:
+            return order_lpm(prefixes, self._matched)
+        return order_fcfs(prefixes)
+
+    def _gated(self, w: _Waiting) -> bool:
+        """Hold a plan while another plan is prefilling its leading image for the first time.
+
+        Once one prefill of that image finished, its blocks are in the prefix cache and followers can run
+        concurrently. FCFS is the no-cleverness baseline: it never holds a plan back.
+        """
+        if self.config.policy is Policy.FCFS or not w.plan.images:
+            return False
+        lead = w.plan.images[0]
+        return lead in self._prefilling and (lead,) not in self._recent
+
+    def _matched(self, prefix: tuple[Key, ...]) -> int:
+        return max((n for n in range(len(prefix), 0, -1) if prefix[:n] in self._recent), default=0)
+
+    def _start(self, w: _Waiting) -> None:
+        self._in_flight += 1
+        self._tokens_in_flight += w.image_tokens
+        self.stats.dispatched += 1
+        self.stats.queue_waits_s.append(self._clock() - w.arrival)
+        lead = w.plan.images[0] if w.plan.images else None
+        if lead is not None:
+            self._prefilling[lead] = self._prefilling.get(lead, 0) + 1
+            self.stats.group_sizes.append(1 + sum(1 for q in self._queue if q.plan.images[:1] == (lead,)))
+        task = asyncio.get_running_loop().create_task(self._run(w, lead))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, w: _Waiting, lead: Any) -> None:
+        prefilled = False
+
+        def on_first_token() -> None:
+            nonlocal prefilled
+            if not prefilled:
+                prefilled = True
+                self._end_prefill(lead, w.plan)
+
+        try:
+            completion = await self.engine.generate(w.plan, on_first_token=on_first_token)
+        except BaseException as exc:  # the caller gets the engine's own error; the scheduler moves on
+            if not w.future.done():
+                w.future.set_exception(exc)
+        else:
+            w.future.set_result(completion)
+        finally:
+            on_first_token()
+            self._in_flight -= 1
+            self._tokens_in_flight -= w.image_tokens
+            self._dispatch()
+
+    def _end_prefill(self, lead: Any, plan: PromptPlan) -> None:
+        if lead is not None:
+            self._prefilling[lead] -= 1
+            if not self._prefilling[lead]:
+                del self._prefilling[lead]
+        for n in range(1, len(plan.images) + 1):
+            self._recent[plan.images[:n]] = None
+            self._recent.move_to_end(plan.images[:n])
+        while len(self._recent) > 4096:
+            self._recent.popitem(last=False)
+        self._dispatch()

@@ -1,0 +1,156 @@
+"""The prefix-aware scheduler: pure ordering functions on plain lists, then the queue's rules.
+
+The queue-rule tests drive the scheduler with `RecordingEngine`, a test double that completes plans when
+the test says so: it makes dispatch order, gating and admission observable step by step. The cache effect
+itself is measured on the real vLLM engine (tests/test_scheduler_engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.engine.base import Completion, PromptPlan, Usage
+from serving.scheduler import Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
+
+
+def test_fcfs_keeps_arrival_order():
+    assert order_fcfs([("b",), ("a",), ("c",)]) == [0, 1, 2]
+
+
+def test_dfs_weight_sends_plans_sharing_a_figure_back_to_back_heaviest_group_first():
+    prefixes = [("x", "p"), ("a", "b"), ("y",), ("a", "c"), ("x", "q"), ("a",)]
+    order = order_dfs_weight(prefixes)
+    assert order == [5, 1, 3, 0, 4, 2]  # group a (3 plans), then x (2), then y
+
+
+def test_dfs_weight_puts_the_shortest_plan_of_a_group_before_the_plans_extending_it():
+    order = order_dfs_weight([("a", "b", "d"), ("a", "b"), ("a",)])
+    assert order == [2, 1, 0]
+
+
+def test_dfs_weight_breaks_weight_ties_by_arrival():
+    assert order_dfs_weight([("b",), ("a",), ("b",), ("a",)]) == [0, 2, 1, 3]
+
+
+def test_lpm_puts_longest_cached_prefix_first_and_is_stable():
+    cached = {("a",), ("a", "b")}
+    matched = lambda p: max((n for n in range(len(p), 0, -1) if p[:n] in cached), default=0)  # noqa: E731
+    assert order_lpm([("c",), ("a", "x"), ("a", "b", "z"), ("d",)], matched) == [2, 1, 0, 3]
+
+
+class RecordingEngine:
+    """Test double: records dispatch order and finishes a plan's prefill / the plan itself on demand."""
+
+    model_name = "recording"
+    random_weights = True
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.prefill: dict[str, asyncio.Event] = {}
+        self.done: dict[str, asyncio.Event] = {}
+
+    async def generate(self, plan: PromptPlan, *, on_first_token=None) -> Completion:
+        self.started.append(plan.text)
+        self.prefill[plan.text], self.done[plan.text] = asyncio.Event(), asyncio.Event()
+        await self.prefill[plan.text].wait()
+        if on_first_token:
+            on_first_token()
+        await self.done[plan.text].wait()
+        return Completion(plan.text, [], Usage(), self.model_name)
+
+    async def finish(self, name: str, *, prefill_only: bool = False) -> None:
+        self.prefill[name].set()
+        if not prefill_only:
+            self.done[name].set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+def plan(name: str, *images: str) -> PromptPlan:
+    return PromptPlan(images=tuple(images), text=name)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def scheduler(engine, **kw) -> Scheduler:
+    return Scheduler(engine, SchedulerConfig(**kw), image_tokens=lambda p: 100 * len(p.images))
+
+
+async def test_siblings_wait_for_the_group_leaders_prefill_then_run_together():
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=4)
+    tasks = [asyncio.create_task(s.submit(plan(n, "A", x))) for n, x in [("p1", "B"), ("p2", "C"), ("p3", "D")]]
+    await settle()
+    assert eng.started == ["p1"] and s.waiting == 2 and s.stats.gated > 0
+    await eng.finish("p1", prefill_only=True)
+    assert sorted(eng.started) == ["p1", "p2", "p3"]
+    for name in ("p1", "p2", "p3"):
+        await eng.finish(name)
+    assert [t.result().text for t in tasks] == ["p1", "p2", "p3"]
+
+
+async def test_fcfs_never_holds_a_plan_back():
+    eng = RecordingEngine()
+    s = scheduler(eng, policy=Policy.FCFS, max_concurrency=4)
+    tasks = [asyncio.create_task(s.submit(plan(n, "A"))) for n in ("p1", "p2")]
+    await settle()
+    assert eng.started == ["p1", "p2"]
+    for n in ("p1", "p2"):
+        await eng.finish(n)
+    await asyncio.gather(*tasks)
+
+
+async def test_concurrency_limit_and_image_token_admission_bound_what_is_in_flight():
+    eng = RecordingEngine()
+    s = scheduler(eng, policy=Policy.FCFS, max_concurrency=2, max_image_tokens_in_flight=250)
+    tasks = [asyncio.create_task(s.submit(plan(f"p{i}", f"K{i}", f"L{i}"))) for i in range(3)]  # 200 tokens each
+    await settle()
+    assert eng.started == ["p0"]  # a second 200-token plan would exceed the 250-token budget
+    await eng.finish("p0")
+    assert eng.started == ["p0", "p1"]
+    await eng.finish("p1")
+    await eng.finish("p2")
+    await asyncio.gather(*tasks)
+    assert s.in_flight == 0 and s.waiting == 0
+
+
+async def test_a_plan_that_can_never_fit_the_budget_is_refused_with_the_fix():
+    s = scheduler(RecordingEngine(), max_image_tokens_in_flight=150)
+    with pytest.raises(ValueError, match="lower top-k"):
+        await s.submit(plan("big", "A", "B"))
+
+
+async def test_a_plan_waiting_past_max_wait_goes_next_whatever_the_policy():
+    now = [0.0]
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=1, max_wait_ms=1000),
+                  image_tokens=lambda p: 1, clock=lambda: now[0])
+    first = asyncio.create_task(s.submit(plan("busy", "Z")))
+    await settle()
+    lonely = asyncio.create_task(s.submit(plan("lonely", "Y")))
+    now[0] = 0.5
+    crowd = [asyncio.create_task(s.submit(plan(f"c{i}", "X"))) for i in range(3)]  # heavier group
+    await settle()
+    now[0] = 2.0  # "lonely" has now waited 2 s > 1 s
+    await eng.finish("busy")
+    assert eng.started == ["busy", "lonely"] and s.stats.fairness_overrides >= 1
+    await eng.finish("lonely")
+    for i in range(3):
+        await eng.finish(f"c{i}")
+    await asyncio.gather(first, lonely, *crowd)
+
+
+async def test_engine_errors_reach_the_caller_and_free_the_slot():
+    class Failing(RecordingEngine):
+        async def generate(self, plan, *, on_first_token=None):
+            raise RuntimeError("engine said no")
+
+    s = scheduler(Failing(), max_concurrency=1)
+    with pytest.raises(RuntimeError, match="engine said no"):
+        await s.submit(plan("p", "A"))
+    assert s.in_flight == 0
