@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from core.settings import Settings
+
+
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,7 +35,12 @@ class EngineConfig:
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on, precomputed image embeddings accepted."""
+        from vllm.config import StructuredOutputsConfig
+
         kwargs = dict(
+            # Guided JSON without free whitespace: otherwise a weak model pads between tokens until
+            # max_tokens and the sub-question JSON comes back truncated. Must be set engine-wide.
+            structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS),
             enable_prefix_caching=True,
             enable_mm_embeds=True,
             limit_mm_per_prompt={"image": self.max_images_per_prompt},
@@ -46,13 +55,12 @@ class EngineConfig:
 
     def serve_flags(self) -> list[str]:
         """The same configuration as `vllm serve` flags."""
-        import json
-
         flags = [
             "--enable-prefix-caching", "--enable-mm-embeds", "--enable-prompt-tokens-details",
             "--limit-mm-per-prompt", json.dumps({"image": self.max_images_per_prompt}),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
             "--max-num-seqs", str(self.max_num_seqs),
+            "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS),
         ]
         if self.enforce_eager:
             flags.append("--enforce-eager")
