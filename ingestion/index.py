@@ -45,13 +45,16 @@ class IndexedPage:
 
 
 def open_qdrant(url: str, path: Path) -> QdrantClient:
-    """A Qdrant server when ``url`` is set, otherwise embedded local mode in ``path``.
-
-    Local mode allows one process per folder. We probe its lock first so a second process gets a message
-    that says what to do, instead of qdrant-client's RuntimeError.
-    """
+    """A Qdrant server when ``url`` is set, otherwise embedded local mode in ``path``."""
     if url:
         return QdrantClient(url=url)
+    probe_local_lock(path)
+    return QdrantClient(path=str(path))
+
+
+def probe_local_lock(path: Path) -> None:
+    """Local mode allows one client per folder (per open file, so per process too). Probe its lock first so a
+    second client gets a message that says what to do, instead of qdrant-client's RuntimeError."""
     path.mkdir(parents=True, exist_ok=True)
     with open(path / ".lock", "a+") as probe:
         try:
@@ -63,7 +66,6 @@ def open_qdrant(url: str, path: Path) -> QdrantClient:
                 "and set MMRAG_QDRANT_URL so several processes can share the index."
             ) from exc
         fcntl.flock(probe, fcntl.LOCK_UN)
-    return QdrantClient(path=str(path))
 
 
 class PageIndex:

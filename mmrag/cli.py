@@ -13,6 +13,7 @@ from rich.console import Console
 
 from mmrag import ingest_cmd
 from mmrag.engine_cmd import engine_app
+from mmrag.retrieval_cmd import retrieval_app
 from mmrag.errors import USER_ERRORS
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(index_app, name="index")
 app.add_typer(engine_app, name="engine")
+app.add_typer(retrieval_app, name="retrieval")
 
 err = Console(stderr=True)
 

@@ -11,6 +11,7 @@ from ingestion.store import FeatureStoreError
 from mmrag.ask_cmd import ArgumentError, PageNotFoundError
 from serving.engine.factory import EngineNotConfiguredError
 from serving.engine.features import MissingFeaturesError
+from retrieval.search import RetrievalError
 from serving.engine.remote import EngineUnavailableError
 
 USER_ERRORS: tuple[type[Exception], ...] = (
@@ -18,6 +19,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     EngineNotConfiguredError,
     MissingFeaturesError,
     EngineUnavailableError,
+    RetrievalError,
     IndexConfigError,
     FeatureStoreError,
     ModelNotFoundError,
