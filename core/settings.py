@@ -56,6 +56,18 @@ class Settings(BaseSettings):
     engine_dtype: str = "auto"
     answer_max_tokens: int = 128
 
+    # Scheduler in front of the engine (serving/scheduler.py)
+    scheduler_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight
+    max_concurrency: int = 4
+    max_image_tokens_in_flight: int = 32_768
+    max_wait_ms: float = 2_000.0
+    queue_cap: int = 128
+
+    # RAG
+    top_k: int = 3  # pages per sub-question
+    max_sub_questions: int = 4
+    max_question_chars: int = 2000
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self.resolution_policy  # validates the bounds with a message that names the fix

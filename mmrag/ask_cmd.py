@@ -13,6 +13,7 @@ from ingestion.embed import clip_embed_dim
 from ingestion.index import PageIndex, open_qdrant
 from ingestion.model_source import resolve_model
 from rag.answer import Answer, answer_over_pages
+from rag.pipeline import open_pipeline
 from serving.engine.factory import open_engine
 from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
 
@@ -61,23 +62,37 @@ def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[dict[str
     return pages
 
 
-def ask(question: str, pages_spec: str, *, max_tokens: int | None, console: Console) -> Answer:
+def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_tokens: int | None,
+        console: Console) -> Answer:
+    """Over given pages (``--pages``), or through the whole pipeline: sub-questions, retrieval, cited answer."""
     if not question.strip():
         raise ArgumentError("the question is empty: ask something, e.g. mmrag ask \"What does the chart show?\"")
-    refs = parse_page_refs(pages_spec)
+    refs = parse_page_refs(pages_spec) if pages_spec else None
     settings = Settings()
-    index = open_page_index(settings)
-    pages = lookup_pages(index, refs)
-    index.client.close()
+    if max_tokens:
+        settings = settings.model_copy(update={"answer_max_tokens": max_tokens})
+    pages = None
+    if refs is not None:
+        index = open_page_index(settings)
+        try:
+            pages = lookup_pages(index, refs)
+        finally:
+            index.client.close()
     model = resolve_model(settings)
     console.print(f"model: {model.describe()}")
-    return asyncio.run(_ask(settings, model, question, pages, max_tokens or settings.answer_max_tokens))
+    return asyncio.run(_ask(settings, model, question, pages, docs))
 
 
-async def _ask(settings, model, question, pages, max_tokens) -> Answer:
+async def _ask(settings: Settings, model, question: str, pages, docs) -> Answer:
     engine = open_engine(settings, model)
     try:
-        return await answer_over_pages(engine, question, pages, max_tokens=max_tokens)
+        if pages is not None:
+            return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens)
+        pipeline = open_pipeline(settings, engine)
+        try:
+            return await pipeline.ask(question, docs=docs)
+        finally:
+            await pipeline.searcher.client.close()
     finally:
         await engine.close()
 
@@ -113,7 +128,11 @@ def print_answer(answer: Answer, console: Console) -> None:
     data = answer.to_json()
     if answer.random_weights:
         console.print(f"[yellow]note:[/] {data['model']['note']}")
-    console.print(f"[bold]answer[/] ({answer.model}): {answer.answer}")
+    if len(answer.sub_questions) > 1 or answer.sub_question_source != "none":
+        console.print(f"sub-questions ({answer.sub_question_source}):")
+        for q in answer.sub_questions:
+            console.print(escape(f"  - {q}"))
+    console.print(f"[bold]answer[/] ({escape(answer.model)}): {escape(answer.answer)}")
     for c in answer.citations:
         console.print(escape(f"  cited: [{c.doc}, page {c.page}] score {c.score:.3f}"))
     u = data["usage"]

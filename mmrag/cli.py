@@ -99,15 +99,19 @@ def ingest(
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="The question, in quotes.")],
-    pages: Annotated[str, typer.Option("--pages", help="Pages to ask over: DOC:PAGE[,DOC:PAGE...], DOC being the "
-                                       "file name, e.g. report.pdf:2,slides.png:1.")],
+    pages: Annotated[str | None, typer.Option("--pages", help="Skip retrieval and ask over these pages: "
+                                              "DOC:PAGE[,DOC:PAGE...], DOC being the file name.")] = None,
+    doc: Annotated[list[str] | None, typer.Option("--doc", help="Only search this document (repeatable).")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Answer length cap (MMRAG_ANSWER_MAX_TOKENS).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Ask a question over given pages. Uses MMRAG_ENGINE_URLS replicas, else starts vLLM in this process."""
+    """Ask a question: split it into sub-questions, retrieve pages for each, answer with page citations.
+
+    Uses the MMRAG_ENGINE_URLS replicas, else starts vLLM in this process (tens of seconds on CPU).
+    """
     from mmrag import ask_cmd
 
-    answer = ask_cmd.ask(question, pages, max_tokens=max_tokens, console=err)
+    answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err)
     if as_json:
         typer.echo(json.dumps(answer.to_json()))
     else:

@@ -11,6 +11,7 @@ from ingestion.store import FeatureStoreError
 from mmrag.ask_cmd import ArgumentError, PageNotFoundError
 from serving.engine.factory import EngineNotConfiguredError
 from serving.engine.features import MissingFeaturesError
+from rag.decompose import BadQuestionError
 from retrieval.search import RetrievalError
 from serving.engine.remote import EngineUnavailableError
 
@@ -20,6 +21,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     MissingFeaturesError,
     EngineUnavailableError,
     RetrievalError,
+    BadQuestionError,
     IndexConfigError,
     FeatureStoreError,
     ModelNotFoundError,
