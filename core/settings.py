@@ -63,6 +63,14 @@ class Settings(BaseSettings):
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128
 
+    # REST service
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str = ""  # when set, required on everything but /healthz, /readyz and /metrics
+    ingest_root: Path | None = None  # POST /v1/ingest takes server-side paths under this folder only
+    max_request_bytes: int = 65_536
+    warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none
+
     # RAG
     top_k: int = 3  # pages per sub-question
     max_sub_questions: int = 4

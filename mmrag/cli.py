@@ -141,6 +141,25 @@ def warm(
                   f"(budget {report.budget_tokens} tokens)")
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on (MMRAG_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (MMRAG_PORT).")] = None,
+) -> None:
+    """Serve the REST API (POST /v1/ask, /v1/documents, /v1/ingest, /metrics; docs at /docs).
+
+    Starts the engine in this process unless MMRAG_ENGINE_URLS names replicas, then warms it with the most
+    recurring pages (MMRAG_WARM_TOP: -1 all that fit, 0 none).
+    """
+    import uvicorn
+
+    from core.settings import Settings
+    from serving.api.main import create_app
+
+    settings = Settings()
+    uvicorn.run(create_app(settings), host=host or settings.host, port=port or settings.port, log_level="info")
+
+
 @index_app.command("reset")
 def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False) -> None:
     """Delete and re-create the page collection (needed after changing embedders)."""

@@ -152,3 +152,37 @@ def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFact
 
 
 # --- end vllm_server -------------------------------------------------------------------------------------
+
+
+# --- the REST app on a real port, in the session loop (it shares the session's in-process engine) ----------
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_factory, sample_corpus):
+    """Base URL of `mmrag serve`'s app on 127.0.0.1, on a copy of the session data dir (Qdrant local mode
+    allows one client per folder, and other tests read the original)."""
+    import asyncio
+
+    import uvicorn
+
+    from serving.api.main import create_app
+
+    data = tmp_path_factory.mktemp("api-data")
+    shutil.copytree(engine_settings.data_dir / "qdrant", data / "qdrant")
+    shutil.copytree(engine_settings.data_dir / "features", data / "features")
+    root = tmp_path_factory.mktemp("ingest-root")
+    settings = engine_settings.model_copy(update={
+        "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
+    })
+    app = create_app(settings, engine=inprocess_engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "app": app, "root": root, "settings": settings}
+    server.should_exit = True
+    await task

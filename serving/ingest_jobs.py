@@ -1,0 +1,104 @@
+"""Ingest jobs inside the server: documents are added while it serves, through the server's own index client.
+
+Qdrant local mode allows one client per folder, and the server already holds it (async). Ingestion is sync
+code running in a worker thread, so it reaches the index through `LoopBridge`, which runs each call on the
+server's event loop. Jobs run one at a time: ingestion is CPU-bound and the machine has few cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ingestion.pipeline import Ingestor
+
+
+class LoopBridge:
+    """A sync facade over an async client: each method call runs on ``loop`` and waits for the result."""
+
+    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._client, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(method(*args, **kwargs), self._loop).result()
+
+        return call
+
+
+class PathOutsideRootError(PermissionError):
+    pass
+
+
+@dataclass(slots=True)
+class Job:
+    id: str
+    paths: list[str]
+    recursive: bool
+    status: str = "queued"  # queued | running | done | failed
+    report: dict[str, Any] | None = None
+    error: str | None = None
+    submitted_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "paths": self.paths, "recursive": self.recursive, "status": self.status,
+                "report": self.report, "error": self.error, "submitted_at": self.submitted_at,
+                "finished_at": self.finished_at}
+
+
+class IngestJobs:
+    def __init__(self, root: Path | None, make_ingestor: Callable[[], Ingestor]) -> None:
+        self.root = root.resolve() if root else None
+        self._make_ingestor = make_ingestor
+        self._ingestor: Ingestor | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmrag-ingest")
+        self._jobs: dict[str, Job] = {}
+        self._ids = itertools.count(1)
+
+    def allowed(self, raw: list[str]) -> list[Path]:
+        if self.root is None:
+            raise PathOutsideRootError(
+                "server-side ingest is off: set MMRAG_INGEST_ROOT to the folder clients may ingest from"
+            )
+        paths = []
+        for p in raw:
+            resolved = (self.root / p).resolve() if not Path(p).is_absolute() else Path(p).resolve()
+            if not resolved.is_relative_to(self.root):
+                raise PathOutsideRootError(f"{p} is outside the ingest root {self.root}: use a path under it")
+            paths.append(resolved)
+        return paths
+
+    def submit(self, raw: list[str], *, recursive: bool) -> Job:
+        paths = self.allowed(raw)
+        job = Job(id=f"job-{next(self._ids)}", paths=[str(p) for p in paths], recursive=recursive)
+        self._jobs[job.id] = job
+        self._pool.submit(self._run, job, paths)
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def _run(self, job: Job, paths: list[Path]) -> None:
+        job.status = "running"
+        try:
+            if self._ingestor is None:
+                self._ingestor = self._make_ingestor()
+            report = self._ingestor.run(paths, recursive=job.recursive)
+        except Exception as exc:  # the job records the cause; the server keeps serving
+            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+        else:
+            job.status, job.report = "done", report.to_json()
+        job.finished_at = time.time()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

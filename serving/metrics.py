@@ -1,0 +1,361 @@
+"""Every Prometheus name mmrag exports, in one place (prefix ``mmrag_``).
+
+The rest of the code counts into plain dataclasses (``Usage``, ``SchedulerStats``, ``StoreStats``); this
+module alone turns them into Prometheus series. Counters are in tokens or items; rates and ratios are left to
+PromQL (serving/dashboards.py), so any window and any number of replicas aggregate correctly.
+
+Engine-side KV usage and prefix-cache counters use vLLM's own names, so one dashboard query covers both
+engine modes:
+
+- in-process engine: vLLM's AsyncLLM registers ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``
+  and ``vllm:prefix_cache_hits_total`` (labels ``model_name``, ``engine``) in prometheus_client's global
+  ``REGISTRY``. Build ``Metrics(REGISTRY)`` and they appear on the same /metrics; nothing to do here.
+- remote replicas: ``register_remote_replicas(urls)`` re-exposes those three families, fetched from each
+  replica's /metrics at scrape time, under the same names with a ``replica`` label added.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from serving.engine.base import Usage
+from serving.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from ingestion.store import FeatureStore
+
+log = logging.getLogger(__name__)
+
+# --- names (families: a counter's samples carry `_total`, a histogram's `_bucket`/`_sum`/`_count`) ---------
+
+ENGINE_REQUESTS = "mmrag_engine_requests"
+PROMPT_TOKENS = "mmrag_prompt_tokens"
+PROMPT_TOKENS_CACHED = "mmrag_prompt_tokens_cached"
+IMAGE_TOKENS = "mmrag_image_tokens"
+IMAGE_TOKENS_CACHED = "mmrag_image_tokens_cached"
+COMPLETION_TOKENS = "mmrag_completion_tokens"
+VISION_FORWARDS = "mmrag_vision_forwards"
+TTFT = "mmrag_ttft_seconds"
+IMAGE_TOKENS_PER_REQUEST = "mmrag_image_tokens_per_request"
+
+ANSWERS = "mmrag_answers"
+REQUEST_LATENCY = "mmrag_request_latency_seconds"
+
+QUEUE_WAIT = "mmrag_queue_wait_seconds"
+GROUP_SIZE = "mmrag_scheduler_group_size"
+SCHEDULER_SUBMITTED = "mmrag_scheduler_submitted"
+SCHEDULER_DISPATCHED = "mmrag_scheduler_dispatched"
+SCHEDULER_FAIRNESS_OVERRIDES = "mmrag_scheduler_fairness_overrides"
+SCHEDULER_FCFS_FALLBACKS = "mmrag_scheduler_fcfs_fallbacks"
+SCHEDULER_GATED = "mmrag_scheduler_gated"
+
+WARM_SET_PAGES = "mmrag_warm_set_pages"
+WARM_SET_TOKENS = "mmrag_warm_set_tokens"
+
+STORE_LOOKUPS = "mmrag_feature_store_lookups"
+STORE_HITS = "mmrag_feature_store_hits"
+STORE_BYTES_READ = "mmrag_feature_store_bytes_read"
+STORE_WRITES = "mmrag_feature_store_writes"
+STORE_BYTES_WRITTEN = "mmrag_feature_store_bytes_written"
+
+REPLICA_UP = "mmrag_replica_up"
+REPLICA_SCRAPE_ERRORS = "mmrag_replica_scrape_errors"
+
+HTTP_NAMESPACE = "mmrag"  # the instrumentator's series: mmrag_http_requests_total, mmrag_http_request_duration_*
+
+# vLLM's own families (its names, not ours): re-exposed from remote replicas, registered by vLLM in-process.
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # gauge, 0..1 despite the name
+VLLM_PREFIX_QUERIES = "vllm:prefix_cache_queries"  # counter, tokens
+VLLM_PREFIX_HITS = "vllm:prefix_cache_hits"  # counter, tokens
+_VLLM_FAMILIES = {VLLM_KV_USAGE: "gauge", VLLM_PREFIX_QUERIES: "counter", VLLM_PREFIX_HITS: "counter"}
+
+UNINSTRUMENTED_HANDLERS = ("/metrics", "/healthz")
+
+# --- buckets ---------------------------------------------------------------------------------------------
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+_QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
+_GROUP_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+_IMAGE_TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+_SCHEDULER_COUNTS = {
+    "submitted": (SCHEDULER_SUBMITTED, "Plans submitted to the scheduler."),
+    "dispatched": (SCHEDULER_DISPATCHED, "Plans the scheduler sent to the engine."),
+    "fairness_overrides": (SCHEDULER_FAIRNESS_OVERRIDES, "Dispatch rounds where an overdue plan overrode the policy."),
+    "fcfs_fallbacks": (SCHEDULER_FCFS_FALLBACKS, "Dispatch rounds in plain FCFS because the queue was over its cap."),
+    "gated": (SCHEDULER_GATED, "Times a plan was held back to wait for its group leader's prefill."),
+}
+
+
+class Metrics:
+    """The app's metrics, registered in ``registry`` (the app passes prometheus_client's global REGISTRY)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self._engine_requests = Counter(ENGINE_REQUESTS, "Engine requests (prompt plans) completed.", registry=r)
+        self._prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens sent to the engine.", registry=r)
+        self._prompt_cached = Counter(PROMPT_TOKENS_CACHED, "Prompt tokens whose KV came from the prefix cache.",
+                                      registry=r)
+        self._image_tokens = Counter(IMAGE_TOKENS, "Image tokens in prompts sent to the engine.", registry=r)
+        self._image_cached = Counter(IMAGE_TOKENS_CACHED, "Image tokens whose KV came from the prefix cache.",
+                                     registry=r)
+        self._completion_tokens = Counter(COMPLETION_TOKENS, "Tokens generated.", registry=r)
+        self._vision_forwards = Counter(VISION_FORWARDS, "Vision-encoder forwards done at request time "
+                                        "(0 while every page was ingested ahead).", registry=r)
+        self._ttft = Histogram(TTFT, "Time to first token per engine request.", buckets=_TTFT_BUCKETS, registry=r)
+        self._image_per_request = Histogram(IMAGE_TOKENS_PER_REQUEST, "Image tokens per engine request.",
+                                            buckets=_IMAGE_TOKEN_BUCKETS, registry=r)
+
+        self._answers = Counter(ANSWERS, "Answers to /v1/ask, by outcome (ok | error).", ["outcome"], registry=r)
+        for outcome in ("ok", "error"):
+            self._answers.labels(outcome)  # both series exist from the start, so rate() has a zero to start from
+        self._latency = Histogram(REQUEST_LATENCY, "End-to-end latency of /v1/ask, errors included.",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+
+        self._queue_wait = Histogram(QUEUE_WAIT, "Time a plan waited in the scheduler queue.",
+                                     buckets=_QUEUE_WAIT_BUCKETS, registry=r)
+        self._group_size = Histogram(GROUP_SIZE, "Plans sharing the leading image of a dispatched plan.",
+                                     buckets=_GROUP_SIZE_BUCKETS, registry=r)
+        self._scheduler_counters = {f: Counter(name, doc, registry=r) for f, (name, doc) in _SCHEDULER_COUNTS.items()}
+        self._scheduler_seen: SchedulerStats | None = None
+        self._scheduler_last = dict.fromkeys(_SCHEDULER_COUNTS, 0)
+        self._scheduler_lock = threading.Lock()
+
+        self._warm_pages = Gauge(WARM_SET_PAGES, "Pages in the current warm set.", registry=r)
+        self._warm_tokens = Gauge(WARM_SET_TOKENS, "Image tokens in the current warm set.", registry=r)
+
+        self._stores = _StoreCollector()
+        r.register(self._stores)
+        self._replicas: _ReplicaCollector | None = None
+        self._own = [c for c in vars(self).values() if isinstance(c, (Counter, Gauge, Histogram))]
+        self._own += list(self._scheduler_counters.values())
+
+    # -- per engine request and per answer --
+
+    def record_completion(self, usage: Usage) -> None:
+        """One engine request (a sub-question's plan). Warm-up prefills should not be recorded here: they
+        are not user traffic and would skew the hit rates."""
+        self._engine_requests.inc()
+        self._prompt_tokens.inc(usage.prompt_tokens)
+        self._prompt_cached.inc(usage.cached_tokens)
+        self._image_tokens.inc(usage.image_tokens)
+        self._image_cached.inc(usage.cached_image_tokens)
+        self._completion_tokens.inc(usage.completion_tokens)
+        self._vision_forwards.inc(usage.vision_encodes)
+        self._image_per_request.observe(usage.image_tokens)
+        if usage.ttft_s > 0:  # 0 means no token came back: there is no first-token time to observe
+            self._ttft.observe(usage.ttft_s)
+
+    def record_answer(self, latency_s: float, ok: bool) -> None:
+        """One /v1/ask, end to end."""
+        self._answers.labels("ok" if ok else "error").inc()
+        self._latency.observe(latency_s)
+
+    # -- scheduler --
+
+    def drain_scheduler(self, stats: SchedulerStats) -> None:
+        """Observe and clear the scheduler's wait and group-size lists; add its counts' growth to counters.
+
+        Call it from the event loop after each /v1/ask (the scheduler only changes while plans run). Counts
+        are exported by delta from the last call; a different stats object (a new scheduler) starts from 0.
+        """
+        with self._scheduler_lock:
+            for wait in _drain(stats.queue_waits_s):
+                self._queue_wait.observe(wait)
+            for size in _drain(stats.group_sizes):
+                self._group_size.observe(size)
+            if stats is not self._scheduler_seen:
+                self._scheduler_seen = stats
+                self._scheduler_last = dict.fromkeys(_SCHEDULER_COUNTS, 0)
+            for field, counter in self._scheduler_counters.items():
+                now = getattr(stats, field)
+                counter.inc(max(now - self._scheduler_last[field], 0))
+                self._scheduler_last[field] = now
+
+    # -- warm set --
+
+    def set_warm_set(self, pages: int, tokens: int) -> None:
+        """The warm set now held in the engine's prefix cache (from WarmReport: len(warmed), warmed_tokens)."""
+        self._warm_pages.set(pages)
+        self._warm_tokens.set(tokens)
+
+    # -- feature stores --
+
+    def register_store(self, store: FeatureStore) -> None:
+        """Export the store's StoreStats by backend, read at scrape time. Same-backend stores are summed."""
+        self._stores.add(store)
+
+    # -- remote replicas --
+
+    def register_remote_replicas(self, urls: Sequence[str], *, timeout_s: float = 2.0) -> None:
+        """Re-expose each replica's KV usage and prefix-cache counters, fetched at scrape time.
+
+        A replica that does not answer within ``timeout_s`` (or answers garbage) is left out of that scrape
+        and counted in ``mmrag_replica_scrape_errors_total{replica}``. The fetch is synchronous: the
+        instrumentator's /metrics handler is a plain ``def``, which FastAPI runs in its thread pool, so the
+        event loop never waits on a replica.
+        """
+        if self._replicas is not None:
+            raise RuntimeError("remote replicas are already registered with these metrics; register them once")
+        urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not urls:
+            raise ValueError("register_remote_replicas needs at least one replica URL (MMRAG_ENGINE_URLS)")
+        collector = _ReplicaCollector(urls, timeout_s)
+        try:
+            self.registry.register(collector)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}. The vllm:* families are already in this registry, so an in-process vLLM engine exports "
+                "them itself: register remote replicas only when the engine is remote (MMRAG_ENGINE_URLS)."
+            ) from exc
+        self._replicas = collector
+
+    # -- the FastAPI app --
+
+    def instrument_app(self, app: Any) -> None:
+        """HTTP metrics for every handler but /metrics and /healthz, and /metrics serving this registry.
+
+        The instrumentator's /metrics always answers the classic text format. Keep it that way: with
+        OpenMetrics negotiation, prometheus_client 0.26 rewrites the `vllm:` samples to `vllm_`
+        (prometheus/client_python#1177) and the vLLM panels would go blank.
+        """
+        from prometheus_fastapi_instrumentator import Instrumentator
+
+        # Anchored: a bare "/metrics" pattern would also drop a future "/metrics-foo" handler.
+        excluded = [f"^{h}$" for h in UNINSTRUMENTED_HANDLERS]
+        instrumentator = Instrumentator(excluded_handlers=excluded, registry=self.registry)
+        instrumentator.instrument(app, metric_namespace=HTTP_NAMESPACE)
+        instrumentator.expose(app, endpoint="/metrics", include_in_schema=False)
+
+    def unregister(self) -> None:
+        """Remove every collector this object registered (an app factory called twice on one registry)."""
+        for collector in [*self._own, self._stores, self._replicas]:
+            if collector is not None:
+                self.registry.unregister(collector)
+        if self._replicas is not None:
+            self._replicas.close()
+            self._replicas = None
+
+
+def _drain(values: list) -> list:
+    # Slice then delete the same count: an append racing with us lands after the slice and is kept.
+    n = len(values)
+    taken = values[:n]
+    del values[:n]
+    return taken
+
+
+class _StoreCollector(Collector):
+    """StoreStats of the registered stores, read at scrape time, summed by backend."""
+
+    _FIELDS = {
+        "lookups": (STORE_LOOKUPS, "Feature-store lookups (image tokens looked up by ImageKey)."),
+        "hits": (STORE_HITS, "Feature-store lookups that found the entry."),
+        "bytes_read": (STORE_BYTES_READ, "Bytes read from the feature store on hits."),
+        "writes": (STORE_WRITES, "Entries written to the feature store."),
+        "bytes_written": (STORE_BYTES_WRITTEN, "Bytes written to the feature store."),
+    }
+
+    def __init__(self) -> None:
+        self._stores: list[FeatureStore] = []
+
+    def add(self, store: FeatureStore) -> None:
+        if not any(s is store for s in self._stores):
+            self._stores.append(store)
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(name, doc, labels=["backend"]) for name, doc in self._FIELDS.values()]
+
+    def collect(self) -> Iterable[Metric]:
+        totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(self._FIELDS, 0))
+        for store in list(self._stores):
+            for field in self._FIELDS:
+                totals[store.backend][field] += getattr(store.stats, field)
+        for field, (name, doc) in self._FIELDS.items():
+            family = CounterMetricFamily(name, doc, labels=["backend"])
+            for backend in sorted(totals):
+                family.add_metric([backend], totals[backend][field])
+            yield family
+
+
+class _ReplicaCollector(Collector):
+    """vLLM's KV-usage and prefix-cache families from remote replicas, with a ``replica`` label added.
+
+    Also ``mmrag_replica_up`` and ``mmrag_replica_scrape_errors_total``, yielded after the fetches so a
+    scrape's own failures are in that same scrape.
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float) -> None:
+        self.urls = urls
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s))
+        self._errors = dict.fromkeys(urls, 0)
+        self._lock = threading.Lock()  # two scrapes at once (two Prometheus servers) both count errors
+        self._down: set[str] = set()  # to log a replica going down once, not at every scrape
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only: lets the registry refuse a clash with in-process vllm:* without fetching anything.
+        return [*self._empty_families().values(), GaugeMetricFamily(REPLICA_UP, ""),
+                CounterMetricFamily(REPLICA_SCRAPE_ERRORS, "")]
+
+    def collect(self) -> Iterator[Metric]:
+        with ThreadPoolExecutor(max_workers=min(len(self.urls), 16)) as pool:
+            scraped = list(pool.map(self._fetch, self.urls))
+        families = self._empty_families()
+        up = GaugeMetricFamily(REPLICA_UP, "1 if the replica's /metrics answered at this scrape.", labels=["replica"])
+        errors = CounterMetricFamily(REPLICA_SCRAPE_ERRORS, "Failed fetches of a replica's /metrics.",
+                                     labels=["replica"])
+        for url, parsed in zip(self.urls, scraped):
+            up.add_metric([url], 0 if parsed is None else 1)
+            errors.add_metric([url], self._errors[url])
+            if parsed is not None:
+                self._add_samples(url, parsed, families)
+        yield from families.values()
+        yield up
+        yield errors
+
+    def close(self) -> None:
+        self._client.close()
+
+    @staticmethod
+    def _empty_families() -> dict[str, Metric]:
+        return {name: Metric(name, f"{name} of each remote vLLM replica (re-exposed by mmrag).", typ)
+                for name, typ in _VLLM_FAMILIES.items()}
+
+    def _fetch(self, url: str) -> list[Metric] | None:
+        try:
+            resp = self._client.get(f"{url}/metrics")
+            resp.raise_for_status()
+            families = list(text_string_to_metric_families(resp.text))  # parsed here: garbage is an error too
+        except (httpx.HTTPError, ValueError) as exc:
+            with self._lock:
+                self._errors[url] += 1
+            if url not in self._down:
+                log.warning("replica %s: /metrics failed (%s); leaving it out until it answers", url, exc)
+                self._down.add(url)
+            return None
+        self._down.discard(url)
+        return families
+
+    @staticmethod
+    def _add_samples(url: str, scraped: list[Metric], families: dict[str, Metric]) -> None:
+        for family in scraped:
+            out = families.get(family.name)
+            if out is None or family.type != out.type:
+                continue
+            wanted = f"{family.name}_total" if family.type == "counter" else family.name  # no `_created`
+            for sample in family.samples:
+                if sample.name == wanted:
+                    out.add_sample(sample.name, {**sample.labels, "replica": url}, sample.value)

@@ -1,0 +1,134 @@
+"""The REST service on a real port: answers, documents, pages, ingest jobs, health, auth and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import httpx
+import pytest
+
+from tests.conftest import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+async def http(api_server):
+    async with httpx.AsyncClient(base_url=api_server["url"], timeout=120) as client:
+        yield client
+
+
+async def test_ask_returns_the_cli_json_shape_with_citations(http):
+    r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert {"answer", "sub_questions", "citations", "usage", "model"} <= body.keys()
+    assert body["citations"] and {"doc", "page", "score"} == body["citations"][0].keys()
+    assert body["model"]["random_weights"] is True and "not meaningful" in body["model"]["note"]
+
+
+async def test_warm_up_at_start_up_filled_the_serving_engine(api_server):
+    services = api_server["app"].state.services
+    assert services.warm_report is not None and len(services.warm_report.warmed) == 4
+
+
+async def test_everything_but_health_and_metrics_needs_the_api_key(http):
+    r = await http.post("/v1/ask", json={"question": "q"})
+    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["fix"]
+    wrong = await http.get("/v1/documents", headers={"X-API-Key": "nope"})
+    assert wrong.status_code == 401
+    assert (await http.get("/healthz")).status_code == 200
+    assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_readyz_checks_engine_qdrant_and_redis(http):
+    r = await http.get("/readyz")
+    assert r.status_code == 200, r.text
+    assert set(r.json()["checks"]) == {"engine", "qdrant", "redis"} and r.json()["ready"] is True
+
+
+async def test_documents_pages_and_page_images(http):
+    docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
+    assert {"operations_manual.pdf", "q3_quarterly_report.pdf"} <= {d["doc"] for d in docs}
+    answer = (await http.post("/v1/ask", json={"question": "What was the Q3 revenue of the Nordic division?"},
+                              headers=AUTH)).json()
+    from core.keys import page_point_id
+
+    cited = answer["citations"][0]
+    doc_id = next(d["doc_id"] for d in docs if d["doc"] == cited["doc"])
+    page_id = page_point_id(doc_id, cited["page"])
+    page = (await http.get(f"/v1/pages/{page_id}", headers=AUTH)).json()
+    assert (page["doc"], page["page"]) == (cited["doc"], cited["page"]) and page["image_key"]
+    image = await http.get(f"/v1/pages/{page_id}/image", headers=AUTH)
+    assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
+    missing = await http.get("/v1/pages/not-a-page", headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["fix"]
+
+
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        ({"question": "   "}, 400, "bad_question"),
+        ({"question": "x" * 10_000}, 400, "bad_question"),
+        ({"question": "What was the revenue?", "docs": ["no_such.pdf"]}, 404, "unknown_document"),
+        ({"not_a_question": 1}, 422, "invalid_request"),
+    ],
+)
+async def test_bad_requests_get_json_errors_with_the_fix(http, body, status, kind):
+    r = await http.post("/v1/ask", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == kind and err["message"]
+
+
+async def test_oversized_bodies_are_refused_before_reading(http):
+    r = await http.post("/v1/ask", content=b'{"question": "' + b"x" * 100_000 + b'"}', headers={
+        **AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and "MMRAG_MAX_REQUEST_BYTES" in r.json()["error"]["fix"]
+
+
+async def test_ingest_jobs_add_documents_while_serving(http, api_server, sample_corpus):
+    outside = await http.post("/v1/ingest", json={"paths": ["/etc"]}, headers=AUTH)
+    assert outside.status_code == 403 and "MMRAG_INGEST_ROOT" in outside.json()["error"]["fix"]
+    slide = sorted(sample_corpus.glob("*.png"))[0]
+    shutil.copy(slide, api_server["root"] / "new_slide.png")
+    (api_server["root"] / "broken.pdf").write_bytes(b"%PDF-1.7 broken")
+    job = (await http.post("/v1/ingest", json={"paths": ["."]}, headers=AUTH)).json()
+    for _ in range(600):
+        status = (await http.get(f"/v1/ingest/{job['id']}", headers=AUTH)).json()
+        if status["status"] in ("done", "failed"):
+            break
+        await asyncio.sleep(0.1)
+    assert status["status"] == "done", status
+    assert status["report"]["pages"] == 1 and [f["path"] for f in status["report"]["failed"]][0].endswith("broken.pdf")
+    docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
+    assert "new_slide.png" in {d["doc"] for d in docs}
+    assert (await http.get("/healthz")).status_code == 200  # still serving
+
+
+async def test_openapi_docs_list_the_endpoints(http):
+    spec = (await http.get("/openapi.json")).json()
+    assert {"/v1/ask", "/v1/documents", "/v1/pages/{page_id}", "/v1/ingest", "/healthz", "/readyz"} <= set(spec["paths"])
+
+
+async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(engine_settings, ingested, tmp_path):
+    from ingestion.model_source import resolve_model
+    from ingestion.store import open_feature_store
+    from serving.api.main import create_app
+    from serving.engine.features import FeatureProvider
+    from serving.engine.remote import RemoteEngine
+
+    shutil.copytree(engine_settings.data_dir / "qdrant", tmp_path / "qdrant")
+    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "warm_top": 0})
+    dead = RemoteEngine(["http://127.0.0.1:9"], resolve_model(settings),
+                        FeatureProvider(open_feature_store(engine_settings.data_dir)))
+    app = create_app(settings, engine=dead)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            r = await client.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"})
+            ready = await client.get("/readyz")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
+    assert "mmrag engine serve" in r.json()["error"]["message"]
+    assert ready.status_code == 503 and ready.json()["checks"]["engine"]["ok"] is False
