@@ -59,7 +59,8 @@ async def warm_at_startup(services: Services) -> None:
         return
     candidates = rank_by_demand(pages)
     top = services.settings.warm_top
-    report = await warm(services.engine, candidates[:top] if top > 0 else candidates)
+    # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
+    report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates)
     services.warm_report = report
     services.metrics.set_warm_set(len(report.warmed), report.warmed_tokens)
     log.info("warmed %d pages (%d image tokens) in %.1fs; %d did not fit", len(report.warmed),

@@ -1,0 +1,192 @@
+"""Grafana dashboards as code (grafana-foundation-sdk), rendered to JSON files committed under deploy/.
+
+    python -m serving.dashboards --out deploy/grafana/dashboards
+
+The panels and their PromQL are plain data (``PANELS``), so ``dashboard_expressions()`` needs no SDK and a
+test can evaluate every expression against a real Prometheus. Every metric name comes from serving/metrics.
+Rates use a 1-minute window and ``sum(...)`` across series, so a ratio stays right with several replicas
+(ratios of sums, never averages of ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving import metrics as m
+
+WINDOW = "1m"
+DATASOURCE_UID = "prometheus"  # deploy/grafana/provisioning/datasources/prometheus.yml names it so
+DASHBOARD_UID = "mmrag-serving"
+DASHBOARD_FILE = f"{DASHBOARD_UID}.json"
+
+
+@dataclass(slots=True, frozen=True)
+class Query:
+    expr: str
+    legend: str
+    ref_id: str = "A"
+
+
+@dataclass(slots=True, frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    max: float | None = None  # ratios are drawn on 0..1
+
+
+def _rate(family: str, suffix: str = "_total") -> str:
+    return f"sum(rate({family}{suffix}[{WINDOW}]))"
+
+
+def _ratio(numerator: str, denominator: str) -> str:
+    return f"{_rate(numerator)} / {_rate(denominator)}"
+
+
+def _quantile(q: float, histogram: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket[{WINDOW}])))"
+
+
+def _quantiles(histogram: str) -> tuple[Query, ...]:
+    return (Query(_quantile(0.5, histogram), "p50", "A"), Query(_quantile(0.99, histogram), "p99", "B"))
+
+
+PANELS: tuple[PanelSpec, ...] = (
+    PanelSpec(
+        "Image-prefix hit rate",
+        "Share of image tokens whose KV came from the prefix cache (mmrag's own accounting per request).",
+        "percentunit",
+        (Query(_ratio(m.IMAGE_TOKENS_CACHED, m.IMAGE_TOKENS), "image tokens cached"),),
+        max=1,
+    ),
+    PanelSpec(
+        "Vision-token cache hit rate",
+        "Feature-store lookups that found the page's image tokens (no vision forward needed).",
+        "percentunit",
+        (Query(_ratio(m.STORE_HITS, m.STORE_LOOKUPS), "feature-store hits"),),
+        max=1,
+    ),
+    PanelSpec("Time to first token", "Per engine request.", "s", _quantiles(m.TTFT)),
+    PanelSpec(
+        "Throughput",
+        "Answers to /v1/ask (by outcome) and engine requests (one per sub-question plan), per second.",
+        "reqps",
+        (
+            Query(f"sum by (outcome) (rate({m.ANSWERS}_total[{WINDOW}]))", "answers {{outcome}}", "A"),
+            Query(_rate(m.ENGINE_REQUESTS), "engine requests", "B"),
+        ),
+    ),
+    PanelSpec(
+        "Image prefill share",
+        "Of the prompt tokens actually computed (not served from the prefix cache), the share that are image "
+        "tokens: what prefix reuse has left to save.",
+        "percentunit",
+        (Query(f"({_rate(m.IMAGE_TOKENS)} - {_rate(m.IMAGE_TOKENS_CACHED)}) / "
+               f"({_rate(m.PROMPT_TOKENS)} - {_rate(m.PROMPT_TOKENS_CACHED)})", "image share of computed prefill"),),
+        max=1,
+    ),
+    PanelSpec("Scheduler queue wait", "Time a plan waited before dispatch to the engine.", "s",
+              _quantiles(m.QUEUE_WAIT)),
+    PanelSpec(
+        "KV cache usage",
+        "vLLM's KV-cache usage (0..1), mean and fullest over engines and replicas.",
+        "percentunit",
+        # A usage fraction is not additive: sum() over two replicas would read 120%.
+        (Query(f"avg({m.VLLM_KV_USAGE})", "mean", "A"), Query(f"max({m.VLLM_KV_USAGE})", "max", "B")),
+        max=1,
+    ),
+    PanelSpec(
+        "vLLM prefix-cache hit rate",
+        "vLLM's own count: prompt tokens (all, not just image) found in the prefix cache.",
+        "percentunit",
+        (Query(_ratio(m.VLLM_PREFIX_HITS, m.VLLM_PREFIX_QUERIES), "prefix-cache hits"),),
+        max=1,
+    ),
+)
+
+
+def dashboard_expressions() -> list[str]:
+    """Every PromQL expression of every panel, in panel order."""
+    return [q.expr for panel in PANELS for q in panel.queries]
+
+
+def build_dashboard() -> dict:
+    """The serving dashboard as Grafana JSON (a dict), built with grafana-foundation-sdk."""
+    try:
+        from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
+    except ImportError as exc:
+        raise ImportError("rendering dashboards needs grafana-foundation-sdk: pip install -e '.[dashboards]' "
+                          "(make setup installs it)") from exc
+    from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, TooltipDisplayMode
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+    datasource = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
+    board = (
+        dashboard.Dashboard("mmrag serving")
+        .uid(DASHBOARD_UID)
+        .tags(["mmrag"])
+        .description("Image-prefix KV reuse, feature-store hits, latency and throughput of the mmrag API.")
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
+    )
+    for panel in PANELS:
+        ts = (
+            timeseries.Panel()
+            .title(panel.title)
+            .description(panel.description)
+            .datasource(datasource)
+            .unit(panel.unit)
+            .min(0)
+            .span(12)
+            .height(8)
+            # Explicit options: left unset they render as `"options": null`.
+            .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                    .placement(LegendPlacement.BOTTOM).show_legend(True))
+            .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI))
+        )
+        if panel.max is not None:
+            ts = ts.max(panel.max)
+        for q in panel.queries:
+            ts = ts.with_target(
+                prometheus.Dataquery().expr(q.expr).legend_format(q.legend).ref_id(q.ref_id).datasource(datasource)
+            )
+        board = board.with_panel(ts)
+    return json.loads(json.dumps(board.build().to_json(), default=_to_json))
+
+
+def _to_json(obj: object) -> object:
+    to_json = getattr(obj, "to_json", None)
+    if callable(to_json):
+        return to_json()
+    raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+def render_json(board: dict) -> str:
+    """The committed form: sorted keys, 2-space indent, trailing newline (stable diffs)."""
+    return json.dumps(board, indent=2, sort_keys=True) + "\n"
+
+
+def render(out_dir: Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / DASHBOARD_FILE
+    path.write_text(render_json(build_dashboard()))
+    return [path]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m serving.dashboards", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("deploy/grafana/dashboards"),
+                        help="folder to write the dashboard JSON files to")
+    args = parser.parse_args(argv)
+    for path in render(args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
