@@ -1,0 +1,82 @@
+"""A real Prometheus scrapes the running app (tiny model) while questions flow; every dashboard expression
+must return data through Prometheus' HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from serving.dashboards import dashboard_expressions
+from tests.conftest import API_KEY, free_port
+
+CONFIG = """
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: mmrag
+    metrics_path: /metrics
+    static_configs:
+      - targets: ["{target}"]
+"""
+
+
+@pytest.fixture
+def prometheus(api_server, tmp_path):
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.skip("prometheus is not installed: apt-get install prometheus (make test does it as root)")
+    (tmp_path / "prometheus.yml").write_text(CONFIG.format(target=urlparse(api_server["url"]).netloc))
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "prometheus did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def query(prom: str, expr: str) -> list:
+    async with httpx.AsyncClient(timeout=10) as client:
+        body = (await client.get(f"{prom}/api/v1/query", params={"query": expr})).json()
+    assert body["status"] == "success", (expr, body)
+    return [r for r in body["data"]["result"] if r["value"][1] not in ("NaN", "+Inf", "-Inf")]
+
+
+async def test_every_dashboard_expression_has_data_while_traffic_flows(api_server, prometheus):
+    questions = ["What is the retry limit and the timeout of the ingest service?",
+                 "What was the Q3 revenue of the Nordic division?",
+                 "Which components appear in the system architecture?"]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    missing: list[str] = dashboard_expressions()
+    async with httpx.AsyncClient(base_url=api_server["url"], timeout=120) as client:
+        deadline = time.monotonic() + 90
+        i = 0
+        while missing and time.monotonic() < deadline:
+            # Traffic in waves: rates need two scrapes with a change between them.
+            await asyncio.gather(*(client.post("/v1/ask", json={"question": questions[(i + k) % 3]}, headers=headers)
+                                   for k in range(3)))
+            i += 1
+            await asyncio.sleep(1.0)
+            missing = [e for e in missing if not await query(prometheus, e)]
+    assert missing == [], f"dashboard expressions without data: {missing}"
