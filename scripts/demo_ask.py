@@ -1,0 +1,62 @@
+"""Part of `make demo`: ask the running server a few questions, print cited answers and cache hit rates."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.markup import escape
+
+QUESTIONS = [
+    "What is the retry limit and the timeout of the ingest service?",
+    "What was the Q3 revenue of the Nordic division, and how did the operating margin develop?",
+    "Which components appear in the system architecture, and how long are backups retained?",
+]
+out = Console()
+
+
+def totals(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def rate(num: float, den: float) -> str:
+    return f"{num / den:.1%}" if den else "n/a"
+
+
+def main(url: str) -> None:
+    for q in QUESTIONS:
+        r = httpx.post(f"{url}/v1/ask", json={"question": q}, timeout=600)
+        r.raise_for_status()
+        a = r.json()
+        out.rule(escape(q))
+        if a["model"]["random_weights"]:
+            out.print(f"[yellow]{escape(a['model']['note'])}[/]")
+        out.print(f"sub-questions ({a['sub_question_source']}): " + escape("; ".join(a["sub_questions"])))
+        out.print(f"[bold]answer:[/] {escape(a['answer'].strip())}")
+        out.print("citations: " + escape(", ".join(f"[{c['doc']}, p.{c['page']}] {c['score']:.2f}"
+                                                   for c in a["citations"])))
+        u = a["usage"]
+        out.print(f"cache: {u['cached_image_tokens']}/{u['image_tokens']} image tokens and {u['cached_tokens']}/"
+                  f"{u['prompt_tokens']} prompt tokens from the prefix cache; vision encodes {u['vision_encodes']}")
+    m = totals(url)
+    out.rule("hit rates since the server started (warm-up included)")
+    out.print(f"image-prefix hit rate (image tokens served from KV): "
+              f"{rate(m.get('mmrag_image_tokens_cached_total', 0), m.get('mmrag_image_tokens_total', 0))}")
+    out.print(f"prompt-token hit rate: "
+              f"{rate(m.get('mmrag_prompt_tokens_cached_total', 0), m.get('mmrag_prompt_tokens_total', 0))}")
+    out.print(f"vision-token cache (feature store) hit rate: "
+              f"{rate(m.get('mmrag_feature_store_hits_total', 0), m.get('mmrag_feature_store_lookups_total', 0))}")
+    out.print(f"vLLM's own prefix-cache hit rate: "
+              f"{rate(m.get('vllm:prefix_cache_hits_total', 0), m.get('vllm:prefix_cache_queries_total', 0))}")
+    out.print(f"vision forwards while answering: {m.get('mmrag_vision_forwards_total', 0):.0f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8080")
