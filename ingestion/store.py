@@ -87,7 +87,42 @@ class FeatureStore(Protocol):
     def keys(self) -> Iterator[ImageKey]: ...
 
 
-class DiskFeatureStore:
+class _BlobStore:
+    """Shared get/contains/put over a backend's raw blob I/O; every call is counted in ``stats``."""
+
+    stats: StoreStats
+
+    def get(self, key: ImageKey) -> EncodedImage | None:
+        blob = self._read(key)
+        if blob is None:
+            self.stats.record_lookup(hit=False)
+            return None
+        value = decode_entry(key, blob)
+        self.stats.record_lookup(hit=True, nbytes=len(blob))
+        return value
+
+    def contains(self, key: ImageKey) -> bool:
+        hit = self._exists(key)
+        self.stats.record_lookup(hit=hit)
+        return hit
+
+    def put(self, key: ImageKey, value: EncodedImage) -> None:
+        blob = encode_entry(key, value)
+        self._write(key, blob)
+        self.stats.writes += 1
+        self.stats.bytes_written += len(blob)
+
+    def _read(self, key: ImageKey) -> bytes | None:
+        raise NotImplementedError
+
+    def _exists(self, key: ImageKey) -> bool:
+        raise NotImplementedError
+
+    def _write(self, key: ImageKey, blob: bytes) -> None:
+        raise NotImplementedError
+
+
+class DiskFeatureStore(_BlobStore):
     """One safetensors file per key under ``root/<first two hex chars>/``; atomic writes (temp + rename)."""
 
     backend = "disk"
@@ -109,25 +144,18 @@ class DiskFeatureStore:
     def path_for(self, key: ImageKey) -> Path:
         return self.root / key.content_hash[:2] / f"{key}{_SUFFIX}"
 
-    def get(self, key: ImageKey) -> EncodedImage | None:
+    def _read(self, key: ImageKey) -> bytes | None:
         try:
-            blob = self.path_for(key).read_bytes()
+            return self.path_for(key).read_bytes()
         except FileNotFoundError:
-            self.stats.record_lookup(hit=False)
             return None
-        value = decode_entry(key, blob)
-        self.stats.record_lookup(hit=True, nbytes=len(blob))
-        return value
 
-    def contains(self, key: ImageKey) -> bool:
-        hit = self.path_for(key).is_file()
-        self.stats.record_lookup(hit=hit)
-        return hit
+    def _exists(self, key: ImageKey) -> bool:
+        return self.path_for(key).is_file()
 
-    def put(self, key: ImageKey, value: EncodedImage) -> None:
+    def _write(self, key: ImageKey, blob: bytes) -> None:
         path = self.path_for(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        blob = encode_entry(key, value)
         # Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either
         # no entry or the whole entry, never a torn file.
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
@@ -140,15 +168,13 @@ class DiskFeatureStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self.stats.writes += 1
-        self.stats.bytes_written += len(blob)
 
     def keys(self) -> Iterator[ImageKey]:
         for path in sorted(self.root.glob(f"??/img1-*{_SUFFIX}")):
             yield ImageKey.parse(path.name[: -len(_SUFFIX)])
 
 
-class RedisFeatureStore:
+class RedisFeatureStore(_BlobStore):
     """Entries as Redis strings under ``<prefix><key>``; a SET is atomic, so no torn entries either."""
 
     backend = "redis"
@@ -169,25 +195,14 @@ class RedisFeatureStore:
     def _name(self, key: ImageKey) -> str:
         return f"{self.prefix}{key}"
 
-    def get(self, key: ImageKey) -> EncodedImage | None:
-        blob = self.client.get(self._name(key))
-        if blob is None:
-            self.stats.record_lookup(hit=False)
-            return None
-        value = decode_entry(key, blob)
-        self.stats.record_lookup(hit=True, nbytes=len(blob))
-        return value
+    def _read(self, key: ImageKey) -> bytes | None:
+        return self.client.get(self._name(key))
 
-    def contains(self, key: ImageKey) -> bool:
-        hit = bool(self.client.exists(self._name(key)))
-        self.stats.record_lookup(hit=hit)
-        return hit
+    def _exists(self, key: ImageKey) -> bool:
+        return bool(self.client.exists(self._name(key)))
 
-    def put(self, key: ImageKey, value: EncodedImage) -> None:
-        blob = encode_entry(key, value)
+    def _write(self, key: ImageKey, blob: bytes) -> None:
         self.client.set(self._name(key), blob)
-        self.stats.writes += 1
-        self.stats.bytes_written += len(blob)
 
     def keys(self) -> Iterator[ImageKey]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "img1-*"  # the prefix is literal, not a glob
