@@ -154,3 +154,18 @@ async def test_engine_errors_reach_the_caller_and_free_the_slot():
     with pytest.raises(RuntimeError, match="engine said no"):
         await s.submit(plan("p", "A"))
     assert s.in_flight == 0
+
+
+async def test_above_the_queue_cap_the_order_falls_back_to_fcfs():
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=1, queue_cap=2)
+    first = asyncio.create_task(s.submit(plan("busy", "Z")))
+    await settle()
+    # Arrival order: a lone plan, then a heavier group that dfs-weight would send first.
+    waiting = [asyncio.create_task(s.submit(plan(n, k))) for n, k in [("lone", "Y"), ("g1", "X"), ("g2", "X")]]
+    await settle()
+    await eng.finish("busy")
+    assert eng.started == ["busy", "lone"] and s.stats.fcfs_fallbacks >= 1
+    for n in ("lone", "g1", "g2"):
+        await eng.finish(n)
+    await asyncio.gather(first, *waiting)

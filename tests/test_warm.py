@@ -67,3 +67,14 @@ async def test_mmrag_warm_fills_the_running_replica_and_later_questions_hit(remo
     cold = await remote.generate(PromptPlan(images=(control,), text="What is plotted?", sampling=sampling))
     assert hit.usage.cached_image_tokens >= hit.usage.image_tokens // 32 * 32 - 32 > 0
     assert cold.usage.cached_image_tokens == 0
+
+
+def test_ingest_with_warm_warms_the_running_replica(vllm_server, engine_settings, sample_corpus, tmp_path):
+    slide = sorted(sample_corpus.glob("*.png"))[-1]
+    env = dict(os.environ, MMRAG_DATA_DIR=str(tmp_path / "data"), MMRAG_MODEL=engine_settings.model,
+               MMRAG_ENGINE_URLS=vllm_server, MMRAG_OCR="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "mmrag", "ingest", str(slide), "--warm", "--json"],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    assert out["pages"] == 1 and len(out["warm"]["warmed"]) == 1 and out["warm"]["did_not_fit"] == []
