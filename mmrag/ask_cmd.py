@@ -8,17 +8,14 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from core.keys import ImageKey
 from core.settings import Settings
-from ingestion.embed import clip_embed_dim
 from ingestion.index import PageIndex, open_qdrant
 from ingestion.model_source import resolve_model
 from rag.answer import Answer, answer_over_pages
 from rag.pipeline import open_pipeline
 from serving.engine.factory import open_engine
 from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
-
-MINILM_DIM = 384
-
 
 class PageNotFoundError(LookupError):
     pass
@@ -42,9 +39,9 @@ def parse_page_refs(spec: str) -> list[tuple[str, int]]:
 
 
 def open_page_index(settings: Settings) -> PageIndex:
-    # Reading needs no embedder: the collection's sizes are checked when ingest writes to it.
+    # Read-only use: no embedder is loaded and no sizes are needed; writers check them (ensure_collection).
     index = PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                      text_dim=MINILM_DIM, image_dim=clip_embed_dim(settings.clip_model))
+                      text_dim=0, image_dim=0)
     if not index.client.collection_exists(settings.qdrant_collection):
         raise PageNotFoundError("no documents ingested yet: run `mmrag ingest PATH...` first")
     return index
@@ -106,8 +103,6 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> Warm
     try:
         if pages_spec:
             payloads = lookup_pages(index, parse_page_refs(pages_spec))
-            from core.keys import ImageKey
-
             candidates = rank_by_demand((ImageKey.parse(p["image_key"]), p["image_tokens"]) for p in payloads)
         else:
             candidates = rank_by_demand(index.image_pages())
