@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from mmrag import ingest_cmd
+from mmrag.bench_cmd import bench
 from mmrag.engine_cmd import engine_app
 from mmrag.retrieval_cmd import retrieval_app
 from mmrag.errors import USER_ERRORS
@@ -32,6 +33,7 @@ app.add_typer(corpus_app, name="corpus")
 app.add_typer(index_app, name="index")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
+app.command("bench")(bench)
 
 err = Console(stderr=True)
 

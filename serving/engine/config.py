@@ -20,6 +20,9 @@ class EngineConfig:
     enforce_eager: bool
     dtype: str
     max_num_seqs: int
+    # False: vLLM's prefix caching and its multimodal processor cache both off — the benchmark's baselines
+    # that must recompute every prompt (bench/). Every serving path keeps the default.
+    caching: bool = True
 
     @classmethod
     def from_settings(cls, s: Settings) -> EngineConfig:
@@ -34,14 +37,15 @@ class EngineConfig:
         )
 
     def vllm_kwargs(self) -> dict:
-        """Arguments for vLLM's EngineArgs: prefix caching on, precomputed image embeddings accepted."""
+        """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
+        embeddings accepted."""
         from vllm.config import StructuredOutputsConfig
 
         kwargs = dict(
             # Guided JSON without free whitespace: otherwise a weak model pads between tokens until
             # max_tokens and the sub-question JSON comes back truncated. Must be set engine-wide.
             structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS),
-            enable_prefix_caching=True,
+            enable_prefix_caching=self.caching,
             enable_mm_embeds=True,
             limit_mm_per_prompt={"image": self.max_images_per_prompt},
             max_model_len=self.max_model_len,
@@ -51,12 +55,16 @@ class EngineConfig:
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size
+        if not self.caching:
+            kwargs["mm_processor_cache_gb"] = 0
         return kwargs
 
     def serve_flags(self) -> list[str]:
         """The same configuration as `vllm serve` flags."""
+        caching = ["--enable-prefix-caching"] if self.caching else ["--no-enable-prefix-caching",
+                                                                     "--mm-processor-cache-gb", "0"]
         flags = [
-            "--enable-prefix-caching", "--enable-mm-embeds", "--enable-prompt-tokens-details",
+            *caching, "--enable-mm-embeds", "--enable-prompt-tokens-details",
             "--limit-mm-per-prompt", json.dumps({"image": self.max_images_per_prompt}),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
             "--max-num-seqs", str(self.max_num_seqs),

