@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -339,7 +338,8 @@ def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, renderer: An
     spec, wl = result.spec, inputs.workload
 
     def prompts(layout_spec: ConfigSpec) -> list[PromptImages]:
-        plans = [p for q in wl.questions for p in question_plans(q, layout_spec, keys, inputs.corpus, wl.spec.max_tokens)]
+        plans = [p for q in wl.questions
+                 for p in question_plans(q, layout_spec, keys, inputs.corpus, wl.spec.max_tokens)]
         return prompt_images(plans, keys, renderer)
 
     # The workload's bound, over its canonical rendering: the same number for every config on these keys.
@@ -348,7 +348,10 @@ def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, renderer: An
     result.oracle_hit_rate = oracle_bound(canonical, capacity.block_size, warm_set)
     # What a prefix cache could reach with this config's own layout and the warm-up it really did.
     result.prefix_bound_hit_rate = prefix_bound(prompts(spec), capacity.block_size, warmed) if spec.caching else 0.0
-    # Where the hits were: the first image of a prompt, or the images behind it.
+
+
+def _hits_by_position(result: ConfigResult, keys: Keys, renderer: Any) -> None:
+    """Where the hits were: the first image of each prompt, or the images behind it."""
     first, later = [0, 0], [0, 0]
     for rec in result.records:
         spans = renderer.tokens(renderer.render(rec.plan), [keys.tokens[k] for k in rec.plan.images]).image_spans
@@ -370,7 +373,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
         group = [c for c in wanted if c.caching is caching]
         if not group:
             continue
-        config = _with_caching(inputs.engine_config, caching)
+        config = replace(inputs.engine_config, caching=caching)
         inputs.log(f"starting engine ({'prefix caching on' if caching else 'all caches off'}) ...")
         t = time.perf_counter()
         engine = InProcessEngine.start(inputs.model, features, config)
@@ -391,6 +394,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
                 result = await run_config(target, spec, inputs, keys)
                 result.probe, result.warm = probes, warm_info
                 _oracles(result, inputs, keys, engine.renderer, capacity, warmed)
+                _hits_by_position(result, keys, engine.renderer)
                 results[spec.name] = result
                 inputs.log(f"  {spec.name}: {result.wall_s:.1f} s, "
                            f"{len(inputs.workload.questions) / result.wall_s:.2f} questions/s")
@@ -401,7 +405,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
 
 async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[ImageKey, Image.Image]) -> float:
     """Seconds the vision encoder adds to a cold single-page prompt: pixels minus image tokens, same page."""
-    page = inputs.corpus.pages[-1]  # the least popular page: the workload's ordering is not disturbed
+    page = inputs.corpus.pages[-1]  # engine A caches nothing: the probe leaves no trace for the configs
     key = inputs.full.by_page[page.index]
     plan = PromptPlan(images=(key,), text="vision probe", sampling=SamplingSpec(max_tokens=1))
     pixels = PixelEngine(engine, images, inputs.full.tokens)
@@ -411,10 +415,6 @@ async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[
         tok = (await engine.generate(plan)).usage.ttft_s
         diffs.append(px - tok)
     return statistics.median(diffs)
-
-
-def _with_caching(config: EngineConfig, caching: bool) -> EngineConfig:
-    return replace(config, caching=caching)
 
 
 def default_engine_config(max_model_len: int = 4096) -> EngineConfig:

@@ -26,8 +26,7 @@ CONFIG_FIELDS = {
 def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
-    # `python -m mmrag.bench_cmd ARGS` is `mmrag bench ARGS` through the same CLI entry point.
-    cmd = [sys.executable, "-m", "mmrag.bench_cmd", "--quick", "--tiny", "--questions", "6", "--pages", "6",
+    cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
