@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -85,8 +86,10 @@ def test_disk_store_never_leaves_a_torn_entry_when_killed_mid_write(tmp_path):
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=os.getcwd())
     assert proc.stdout.readline().strip() == b"ready"
+    deadline = time.monotonic() + 120
     while len(list(root.glob("??/*.safetensors"))) < 3:
-        pass
+        assert proc.poll() is None and time.monotonic() < deadline, "the writer died or wrote nothing"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     store = DiskFeatureStore(root)
