@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Protocol
 
@@ -71,18 +71,6 @@ class KVCapacity:
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counts since start, as the engine reports them (tokens)."""
-
-    requests: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    image_tokens: int = 0
-    cached_image_tokens: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Engine(Protocol):
