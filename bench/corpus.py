@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from core.keys import ImageKey, ResolutionPolicy, content_hash_of
-from ingestion.store import FeatureStore
+from adapters.store import FeatureStore
 
 PAGE_PX = 448  # 448x448 = 200704 pixels: 1024 patches, 256 image tokens under the default policy
 PROBES = 2
@@ -114,7 +114,7 @@ def encode_corpus(corpus: BenchCorpus, model_path: Path, policy: ResolutionPolic
                   *, batch: int = 4) -> tuple[dict[int, ImageKey], dict[ImageKey, int], int]:
     """Image keys of every page (workload + probes) under ``policy``, their token counts, and the vision
     forwards this call ran (0 when the store already held every page: ingestion is done once)."""
-    from ingestion.vision import VisionEncoder
+    from adapters.vision import VisionEncoder
 
     encoder = VisionEncoder(model_path, policy)
     everything = corpus.pages + corpus.probes

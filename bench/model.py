@@ -1,4 +1,4 @@
-"""The benchmark model: a random-weight Qwen2-VL built offline by ingestion/tiny_model, larger than the test model.
+"""The benchmark model: a random-weight Qwen2-VL built offline by devkit/tiny_model, larger than the test model.
 
 Sized so that prefill, not fixed per-request overhead, dominates a cold prompt on a 2-core CPU (the share is
 measured at every run and written to the JSON). The vision tower keeps Qwen2-VL-2B's proportion to the LLM:
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ingestion.model_source import ModelSource
+from adapters.checkpoint import ModelSource
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,7 +43,7 @@ TINY_SPEC = BenchModelSpec(hidden=256, layers=2, vision_depth=2, vision_embed_di
 
 def ensure_bench_model(data_dir: Path, spec: BenchModelSpec) -> ModelSource:
     """Build the model under ``data_dir/models/`` once (seconds); later runs reuse it."""
-    from ingestion.tiny_model import ensure_tiny_model
+    from devkit.tiny_model import ensure_tiny_model
 
     path = ensure_tiny_model(
         Path(data_dir) / "models" / spec.folder_name,

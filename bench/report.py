@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.engine.base import Usage
+from core.engine import Usage
 
 from bench.runner import BenchRun, ConfigResult
 

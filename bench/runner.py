@@ -21,14 +21,14 @@ from PIL import Image
 from prometheus_client import REGISTRY
 
 from core.keys import ImageKey
-from ingestion.model_source import ModelSource
-from ingestion.store import FeatureStore
+from adapters.checkpoint import ModelSource
+from adapters.store import FeatureStore
 from rag.pipeline import build_plans
 from retrieval.search import Hit
-from serving.engine.base import Completion, KVCapacity, Layout, PromptPlan, SamplingSpec, Usage
+from core.engine import Completion, KVCapacity, Layout, PromptPlan, SamplingSpec, Usage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
-from serving.engine.inprocess import InProcessEngine, sampling_params
+from serving.engine.inprocess import InProcessEngine
 from serving.scheduler import Policy, Scheduler, SchedulerConfig
 from serving.warmup import rank_by_demand, warm
 
@@ -127,7 +127,8 @@ class BenchRun:
 
 class PixelEngine:
     """no_cache: the page pixels go to vLLM with a fresh uuid per request, so no vLLM cache can serve them
-    (its encoder cache is keyed by the uuid; the processor cache and prefix caching are off in engine A)."""
+    (its encoder cache is keyed by the uuid; the processor cache and prefix caching are off in engine A).
+    The request runs through the in-process engine's own loop (``InProcessEngine.run_request``)."""
 
     def __init__(self, inner: InProcessEngine, images: dict[ImageKey, Image.Image], tokens: dict[ImageKey, int]):
         self.inner = inner
@@ -139,28 +140,14 @@ class PixelEngine:
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
-        prompt = self.inner.renderer.render(plan)
-        layout = self.inner.renderer.tokens(prompt, [self.tokens[k] for k in plan.images])
         request = {
-            "prompt": prompt,
+            "prompt": self.inner.renderer.render(plan),
             "multi_modal_data": {"image": [self.images[k] for k in plan.images]},
             "multi_modal_uuids": {"image": [f"pixels-{uuid.uuid4().hex}" for _ in plan.images]},
         }
         self.forwards += len(plan.images)
-        ids: list[int] = []
-        ttft, cached, prompt_len = 0.0, 0, layout.prompt_tokens
-        async for out in self.inner.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
-            if not ttft:
-                ttft = time.perf_counter() - started
-                if on_first_token is not None:
-                    on_first_token()
-            cached = out.num_cached_tokens or 0
-            prompt_len = len(out.prompt_token_ids) if out.prompt_token_ids is not None else prompt_len
-            ids.extend(out.outputs[0].token_ids)
-        usage = Usage(prompt_tokens=prompt_len, image_tokens=layout.image_tokens, cached_tokens=cached,
-                      cached_image_tokens=layout.cached_image_tokens(cached), vision_encodes=len(plan.images),
-                      completion_tokens=len(ids), ttft_s=ttft, latency_s=time.perf_counter() - started)
-        return Completion("", ids, usage, self.model_name)
+        return await self.inner.run_request(plan, request, [self.tokens[k] for k in plan.images], started=started,
+                                            vision_encodes=len(plan.images), on_first_token=on_first_token)
 
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
@@ -207,8 +194,9 @@ def _hit(page: int, rank: int, keys: Keys, corpus: BenchCorpus) -> Hit:
     p = corpus.pages[page]
     key = keys.by_page[page]
     doc = p.docs[0] if p.docs else 0
-    return Hit(doc_id=f"bench-doc-{doc}", doc=f"doc-{doc}.pdf", page=page + 1, score=1.0 - 0.1 * rank,
-               snippet=p.title, image_key=key, image_tokens=keys.tokens[key], path=str(corpus.root / p.file))
+    return Hit(page_id=f"bench-page-{page}", doc_id=f"bench-doc-{doc}", doc=f"doc-{doc}.pdf", page=page + 1,
+               score=1.0 - 0.1 * rank, snippet=p.title, image_key=key, image_tokens=keys.tokens[key],
+               path=str(corpus.root / p.file))
 
 
 def prompt_images(plans: list[PromptPlan], keys: Keys, renderer: Any) -> list[PromptImages]:

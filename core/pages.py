@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from PIL import Image
+from core.keys import ContentHash
 
-from core.keys import ContentHash, ImageKey
+if TYPE_CHECKING:  # contracts import no torch/Pillow at run time (`mmrag --help` stays fast)
+    import torch
+    from PIL import Image
 
 
 class TextSource(str, enum.Enum):
@@ -30,17 +32,6 @@ class RenderedPage:
     text: str = ""
     text_source: TextSource = TextSource.NONE
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
-
-
-@dataclass(slots=True, frozen=True)
-class PageRef:
-    """A page as stored in the index: what retrieval returns and citations name."""
-
-    doc_id: str
-    doc: str
-    page: int
-    image_key: ImageKey
-    text: str = ""
 
 
 @dataclass(slots=True, frozen=True, eq=False)  # eq=False: tensors have no boolean ==

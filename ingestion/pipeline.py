@@ -13,6 +13,7 @@ uninterrupted run makes:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -22,11 +23,14 @@ from typing import Any
 from core.keys import ImageKey
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
-from ingestion.embed import IMAGE_VECTOR, TEXT_VECTOR, ImageEmbedder, TextEmbedder
-from ingestion.index import PageIndex, make_point
+from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PagePayload
+from adapters.embed import ImageEmbedder, TextEmbedder
+from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
-from ingestion.store import FeatureStore
-from ingestion.vision import VisionEncoder
+from adapters.store import FeatureStore
+from adapters.vision import VisionEncoder
+
+log = logging.getLogger(__name__)
 
 STAGES = ("render", "text", "ocr", "encode", "embed", "index")
 
@@ -90,11 +94,20 @@ class Ingestor:
         report = IngestReport(files=len(files) + len(failures), failed=list(failures))
         total = len(files)
         notify = progress or (lambda files_done, files_total, pages_done: None)
+        for failure in failures:
+            log.warning("failed %s: %s", failure.path, failure.error)
         for i, path in enumerate(files):
+            t0, pages, encoded, cached = time.perf_counter(), report.pages, report.encoded, report.cached
+            unchanged = report.unchanged_files
             try:
                 self.ingest_file(path, report, on_batch=lambda in_file: notify(i, total, report.pages + in_file))
             except IngestError as exc:
                 report.failed.append(FileFailure(str(path), str(exc)))
+                log.warning("failed %s: %s", path, exc)
+            else:
+                log.info("ingested %s: %d pages, %d encoded, %d cached in %.2f s%s", path, report.pages - pages,
+                         report.encoded - encoded, report.cached - cached, time.perf_counter() - t0,
+                         " (unchanged file)" if report.unchanged_files > unchanged else "")
             notify(i + 1, total, report.pages)
         report.seconds = time.perf_counter() - started
         return report
@@ -125,7 +138,7 @@ class Ingestor:
             return False
         if any(p.file_sha256 != doc.file_sha256 or p.fingerprint != self.fingerprint for p in have):
             return False
-        return all(self.store.contains(ImageKey.parse(p.image_key)) for p in have)
+        return all(self.store.contains(p.image_key) for p in have)
 
     def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport) -> list:
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
@@ -137,7 +150,7 @@ class Ingestor:
             for stage, secs in p.timings.items():
                 report.stage_seconds[stage] += secs
         return [
-            make_point(doc.doc_id, p.page, vecs, self._payload(doc, p, key))
+            make_point(vecs, self._payload(doc, p, key))
             for p, key, vecs in zip(pages, keys, vectors)
         ]
 
@@ -172,23 +185,23 @@ class Ingestor:
         report.stage_seconds["embed"] += time.perf_counter() - t0
         return vectors
 
-    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey) -> dict[str, Any]:
-        return {
-            "doc_id": doc.doc_id,
-            "doc": doc.doc,
-            "path": doc.path,
-            "page": page.page,
-            "num_pages": doc.num_pages,
-            "file_sha256": doc.file_sha256,
-            "content_hash": page.content_hash,
-            "image_key": str(key),
-            "image_tokens": self.encoder.num_tokens_for(page.image),
-            "width": page.image.width,
-            "height": page.image.height,
-            "text": page.text,
-            "text_source": page.text_source.value,
-            "fingerprint": self.fingerprint,
-        }
+    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey) -> PagePayload:
+        return PagePayload(
+            doc_id=doc.doc_id,
+            doc=doc.doc,
+            path=doc.path,
+            page=page.page,
+            num_pages=doc.num_pages,
+            file_sha256=doc.file_sha256,
+            content_hash=page.content_hash,
+            image_key=key,
+            image_tokens=self.encoder.num_tokens_for(page.image),
+            width=page.image.width,
+            height=page.image.height,
+            text=page.text,
+            text_source=page.text_source,
+            fingerprint=self.fingerprint,
+        )
 
 
 def _batches(pages: Iterator[RenderedPage], size: int) -> Iterator[list[RenderedPage]]:

@@ -1,21 +1,22 @@
-"""Wiring for `mmrag ask` and `mmrag warm`."""
+"""`mmrag ask` and `mmrag warm`: parts from mmrag/wiring.py."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
-from core.keys import ImageKey
 from core.settings import Settings
-from ingestion.index import PageIndex, open_qdrant
-from ingestion.model_source import resolve_model
+from mmrag import wiring
 from rag.answer import Answer, answer_over_pages
-from rag.pipeline import open_pipeline
-from serving.engine.factory import open_engine
 from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
+
+if TYPE_CHECKING:
+    from adapters.qdrant import PageIndex
+    from core.payload import PagePayload
+
 
 class PageNotFoundError(LookupError):
     pass
@@ -40,14 +41,13 @@ def parse_page_refs(spec: str) -> list[tuple[str, int]]:
 
 def open_page_index(settings: Settings) -> PageIndex:
     # Read-only use: no embedder is loaded and no sizes are needed; writers check them (ensure_collection).
-    index = PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                      text_dim=0, image_dim=0)
+    index = wiring.read_index(settings)
     if not index.client.collection_exists(settings.qdrant_collection):
         raise PageNotFoundError("no documents ingested yet: run `mmrag ingest PATH...` first")
     return index
 
 
-def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[dict[str, Any]]:
+def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[PagePayload]:
     pages = []
     for doc, page in refs:
         payload = index.find_page(doc, page)
@@ -75,17 +75,17 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
             pages = lookup_pages(index, refs)
         finally:
             index.client.close()
-    model = resolve_model(settings)
+    model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
     return asyncio.run(_ask(settings, model, question, pages, docs))
 
 
 async def _ask(settings: Settings, model, question: str, pages, docs) -> Answer:
-    engine = open_engine(settings, model)
+    engine = wiring.engine(settings, model)
     try:
         if pages is not None:
             return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens)
-        pipeline = open_pipeline(settings, engine)
+        pipeline, _ = wiring.pipeline(settings, engine)
         try:
             return await pipeline.ask(question, docs=docs)
         finally:
@@ -97,15 +97,16 @@ async def _ask(settings: Settings, model, question: str, pages, docs) -> Answer:
 def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> WarmReport:
     """Warm the running engine replicas (MMRAG_ENGINE_URLS): never a throwaway engine in this process."""
     settings = Settings()
-    model = resolve_model(settings)
-    engine = open_engine(settings, model, allow_inprocess=False)
+    model = wiring.resolve_model(settings)
+    engine = wiring.engine(settings, model, allow_inprocess=False)
     index = open_page_index(settings)
     try:
         if pages_spec:
             payloads = lookup_pages(index, parse_page_refs(pages_spec))
-            candidates = rank_by_demand((ImageKey.parse(p["image_key"]), p["image_tokens"]) for p in payloads)
         else:
-            candidates = rank_by_demand(index.image_pages())
+            payloads = index.pages()
+        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads)
+        if not pages_spec:
             candidates = candidates[:top] if top else candidates
     finally:
         index.client.close()

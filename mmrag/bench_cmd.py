@@ -53,13 +53,14 @@ def bench(
     """
     from core.keys import ResolutionPolicy
     from core.settings import Settings
-    from ingestion.store import DiskFeatureStore
+    from adapters.store import DiskFeatureStore
 
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus, encode_corpus
     from bench.report import build_json, markdown_tables, plot
     from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, run_all
     from bench.workload import WorkloadSpec, make_workload
+    from mmrag.cli import quiet_transformers
 
     if concurrency < 1 or max_tokens < 1 or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
@@ -72,6 +73,7 @@ def bench(
     preset = QUICK if quick else FULL
     n_pages = pages or preset["pages"]
     n_questions = questions or preset["questions"]
+    quiet_transformers()
     settings = Settings()
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")

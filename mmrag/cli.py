@@ -1,8 +1,14 @@
-"""The `mmrag` command line. Each command builds Settings from MMRAG_* variables at entry, never at import."""
+"""The `mmrag` command line. Each command builds Settings from MMRAG_* variables at entry, never at import.
+
+Importing this module (all `--help` needs) imports no torch, vLLM, transformers, Qdrant or plotting: the
+command modules import those inside the commands, and tests/test_cli.py checks it. Option and argument
+annotations are read by Typer at import time, so they stay plain types.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -11,11 +17,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from mmrag import ingest_cmd
 from mmrag.bench_cmd import bench
 from mmrag.engine_cmd import engine_app
+from mmrag.errors import is_user_error
 from mmrag.retrieval_cmd import retrieval_app
-from mmrag.errors import USER_ERRORS
 
 app = typer.Typer(
     help="mmrag: ask questions over figure-heavy documents with a VLM, reusing image-prefix KV on purpose.\n\n"
@@ -37,6 +42,41 @@ app.command("bench")(bench)
 
 err = Console(stderr=True)
 
+# Our top-level packages: their loggers print INFO milestones; every other library's only WARNING and up.
+OUR_PACKAGES = ("mmrag", "core", "adapters", "ingestion", "retrieval", "rag", "serving", "bench", "devkit")
+
+
+def quiet_transformers() -> None:
+    """transformers' own per-load progress bars off: our progress output says what is happening.
+
+    Called by the commands that load models, not at start-up: it imports transformers (about a second).
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time: while rich's live progress bar runs it redirects
+    stderr, and log lines then print above the bar instead of through it."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def configure_logging() -> None:
+    """Log lines to stderr (stdout carries the results, e.g. ``--json``): INFO from our packages, WARNING from
+    the rest. Once per process; vLLM, transformers and uvicorn keep their own handlers."""
+    logging.basicConfig(level=logging.WARNING, handlers=[_StderrHandler()],
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name in OUR_PACKAGES:
+        logging.getLogger(name).setLevel(logging.INFO)
+
 
 @model_app.command("tiny")
 def model_tiny(
@@ -44,7 +84,9 @@ def model_tiny(
     seed: Annotated[int, typer.Option(help="Weight seed; the same seed gives the same weights.")] = 0,
 ) -> None:
     """Build the tiny random-weight Qwen2-VL test model offline (a few seconds). Its answers are not meaningful."""
-    from ingestion.tiny_model import build_tiny_model
+    from devkit.tiny_model import build_tiny_model
+
+    quiet_transformers()
 
     path = build_tiny_model(out, seed=seed)
     err.print(f"tiny random-weight Qwen2-VL written to [bold]{path}[/] (set MMRAG_MODEL={path} to use it)")
@@ -56,7 +98,7 @@ def corpus_sample(
     seed: Annotated[int, typer.Option(help="Generator seed; the same seed gives the same files.")] = 0,
 ) -> None:
     """Generate the sample corpus: PDFs with a text layer, PNG slides, figures that recur across documents."""
-    from ingestion.corpus import build_sample_corpus
+    from devkit.corpus import build_sample_corpus
 
     manifest = build_sample_corpus(out, seed=seed)
     pages = sum(len(d.pages) for d in manifest.documents)
@@ -77,9 +119,12 @@ def ingest(
     Re-running on an unchanged corpus encodes nothing; a killed run can simply be run again.
     Exit code 1 if any file failed (the others are still ingested).
     """
+    from mmrag import ingest_cmd
+
+    quiet_transformers()
     if warm_after:
         from core.settings import Settings
-        from serving.engine.factory import require_engine_urls
+        from mmrag.wiring import require_engine_urls
 
         require_engine_urls(Settings())  # fail before the work, not after it
     report = ingest_cmd.run(paths, recursive=recursive, console=err, show_progress=not as_json or sys.stderr.isatty())
@@ -113,6 +158,7 @@ def ask(
     """
     from mmrag import ask_cmd
 
+    quiet_transformers()
     answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err)
     if as_json:
         typer.echo(json.dumps(answer.to_json()))
@@ -134,6 +180,7 @@ def warm(
     """
     from mmrag import ask_cmd
 
+    quiet_transformers()
     report = ask_cmd.warm_pages(top=top, pages_spec=pages, share=share)
     if as_json:
         typer.echo(json.dumps(report.to_json()))
@@ -156,8 +203,9 @@ def serve(
     import uvicorn
 
     from core.settings import Settings
-    from serving.api.main import create_app
+    from mmrag.wiring import create_app
 
+    quiet_transformers()
     settings = Settings()
     uvicorn.run(create_app(settings), host=host or settings.host, port=port or settings.port, log_level="info")
 
@@ -165,14 +213,19 @@ def serve(
 @index_app.command("reset")
 def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False) -> None:
     """Delete and re-create the page collection (needed after changing embedders)."""
+    from mmrag import ingest_cmd
+
     if not yes:
         typer.confirm("Delete every indexed page?", abort=True)
+    quiet_transformers()  # the text embedder is loaded for its vector size
     ingest_cmd.reset_index(err)
 
 
 @index_app.command("stats")
 def index_stats() -> None:
     """Pages and documents in the index, and feature-store entries."""
+    from mmrag import ingest_cmd
+
     typer.echo(json.dumps(ingest_cmd.stats()))
 
 
@@ -184,12 +237,12 @@ def main() -> None:
     # vLLM logs to stdout by default, which would corrupt `--json` output; keep stdout for results.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    configure_logging()
     try:
         app()
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise
         # Configuration and environment problems: one line that names the fix, no traceback.
         err.print(f"[red]error:[/] {exc}")
         sys.exit(2)

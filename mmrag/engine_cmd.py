@@ -34,13 +34,14 @@ def serve(
     Uses the same engine settings (MMRAG_KV_BLOCK_SIZE, MMRAG_KV_CACHE_GIB, ...) as the in-process engine.
     """
     from core.settings import Settings
-    from ingestion.model_source import resolve_model
-    from serving.engine.config import EngineConfig
+    from mmrag import wiring
+    from mmrag.cli import quiet_transformers
     from serving.vllm_launch import ServerHandle, ServerStartError, start_server
 
+    quiet_transformers()
     settings = Settings()
-    model = resolve_model(settings)
-    config = EngineConfig.from_settings(settings)
+    model = wiring.resolve_model(settings)
+    config = wiring.engine_config(settings)
     err.print(f"model: {model.describe()}")
     err.print(f"starting vllm serve on {host}:{port} (30-40 s on CPU with the tiny model) ...")
     handle: ServerHandle | None = None

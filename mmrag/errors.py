@@ -1,31 +1,41 @@
-"""Exceptions that mean "the configuration or environment needs fixing": shown as one line, exit code 2."""
+"""Exceptions that mean "the configuration or environment needs fixing": shown as one line, exit code 2.
+
+Named by module and class, not imported: the modules that define them pull in Qdrant, torch and vLLM, and
+``mmrag --help`` must not. An exception can only be raised once its class's module is imported, so
+:func:`is_user_error` looks the classes up among the modules already loaded and imports nothing.
+"""
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import importlib
+import sys
 
-from ingestion.index import IndexConfigError
-from ingestion.model_source import ModelNotFoundError
-from ingestion.store import FeatureStoreError
-
-from mmrag.ask_cmd import ArgumentError, PageNotFoundError
-from serving.engine.factory import EngineNotConfiguredError
-from serving.engine.features import MissingFeaturesError
-from rag.decompose import BadQuestionError
-from retrieval.search import RetrievalError
-from serving.engine.remote import EngineUnavailableError
-
-USER_ERRORS: tuple[type[Exception], ...] = (
-    PageNotFoundError,
-    EngineNotConfiguredError,
-    MissingFeaturesError,
-    EngineUnavailableError,
-    RetrievalError,
-    BadQuestionError,
-    IndexConfigError,
-    FeatureStoreError,
-    ModelNotFoundError,
-    ValidationError,
-    FileNotFoundError,
-    ArgumentError,
+USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
+    ("mmrag.ask_cmd", "PageNotFoundError"),
+    ("mmrag.wiring", "EngineNotConfiguredError"),
+    ("serving.engine.features", "MissingFeaturesError"),
+    ("serving.engine.remote", "EngineUnavailableError"),
+    ("retrieval.search", "RetrievalError"),
+    ("rag.decompose", "BadQuestionError"),
+    ("adapters.qdrant", "IndexConfigError"),
+    ("core.payload", "PayloadError"),  # an index written by another version: reset and re-ingest
+    ("adapters.store", "FeatureStoreError"),
+    ("adapters.checkpoint", "ModelNotFoundError"),
+    ("pydantic", "ValidationError"),  # Settings: an MMRAG_* variable with a bad value
+    ("builtins", "FileNotFoundError"),
+    ("mmrag.ask_cmd", "ArgumentError"),
 )
+
+
+def loaded_user_errors() -> tuple[type[BaseException], ...]:
+    """The user-error classes whose modules are imported already (the only ones anything can have raised)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERROR_NAMES if module in sys.modules)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Every user-error class, importing the modules that define them (heavy: tests and tools, not the CLI)."""
+    return tuple(getattr(importlib.import_module(module), name) for module, name in USER_ERROR_NAMES)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    return isinstance(exc, loaded_user_errors())

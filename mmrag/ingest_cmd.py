@@ -1,57 +1,30 @@
-"""Wiring for `mmrag ingest` and `mmrag index`: build the parts from Settings, show progress, print the report."""
+"""`mmrag ingest` and `mmrag index`: parts from mmrag/wiring.py, progress, the report."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from core.settings import Settings
-from ingestion.embed import ImageEmbedder, TextEmbedder, clip_embed_dim
-from ingestion.index import PageIndex, open_qdrant
-from ingestion.model_source import resolve_model
-from ingestion.pipeline import STAGES, IngestReport, Ingestor
-from ingestion.store import open_feature_store
-from ingestion.vision import VisionEncoder
+from mmrag import wiring
 
-
-def open_index(settings: Settings, text_dim: int) -> PageIndex:
-    index = PageIndex(
-        open_qdrant(settings.qdrant_url, settings.qdrant_path),
-        settings.qdrant_collection,
-        text_dim=text_dim,
-        image_dim=clip_embed_dim(settings.clip_model),
-    )
-    index.ensure_collection()
-    return index
-
-
-def build_ingestor(settings: Settings, console: Console) -> Ingestor:
-    model = resolve_model(settings)
-    console.print(f"model: {model.describe()}")
-    encoder = VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt)
-    text = TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
-    image = None
-    if settings.image_channel:
-        image = ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
-        console.print(f"image channel: on ({image.name})")
-    else:
-        console.print("image channel: off (no CLIP weights; set MMRAG_CLIP_WEIGHTS to a local open_clip file)")
-    return Ingestor(
-        settings,
-        encoder=encoder,
-        store=open_feature_store(settings.data_dir, settings.redis_url),
-        index=open_index(settings, text.dim),
-        text_embedder=text,
-        image_embedder=image,
-    )
+if TYPE_CHECKING:
+    from ingestion.pipeline import IngestReport
 
 
 def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: bool) -> IngestReport:
     settings = Settings()
-    ingestor = build_ingestor(settings, console)
+    model = wiring.resolve_model(settings)
+    console.print(f"model: {model.describe()}")
+    ingestor = wiring.ingestor(settings, model=model)
+    if ingestor.image_embedder is not None:
+        console.print(f"image channel: on ({ingestor.image_embedder.name})")
+    else:
+        console.print("image channel: off (no CLIP weights; set MMRAG_CLIP_WEIGHTS to a local open_clip file)")
     with Progress(
         TextColumn("[bold]ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
         TextColumn("{task.fields[pages]} pages, {task.fields[rate]:.1f} pages/s"), TimeElapsedColumn(),
@@ -67,6 +40,8 @@ def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: 
 
 
 def print_report(report: IngestReport, console: Console) -> None:
+    from ingestion.pipeline import STAGES
+
     table = Table(title="ingest", show_header=True)
     for col in ("files", "pages", "encoded", "cached", "failed", "seconds", "pages/s"):
         table.add_column(col, justify="right")
@@ -82,16 +57,20 @@ def print_report(report: IngestReport, console: Console) -> None:
 
 def reset_index(console: Console) -> None:
     settings = Settings()
-    text = TextEmbedder(settings.text_embedder)
-    index = PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                      text_dim=text.dim, image_dim=clip_embed_dim(settings.clip_model))
-    index.reset()
+    index = wiring.page_index(settings, wiring.text_embedder(settings).dim)
+    try:
+        index.reset()
+    finally:
+        index.client.close()
     console.print(f"collection {settings.qdrant_collection} re-created (empty)")
 
 
 def stats() -> dict:
     settings = Settings()
-    client = open_qdrant(settings.qdrant_url, settings.qdrant_path)
-    points = client.count(settings.qdrant_collection).count if client.collection_exists(settings.qdrant_collection) else 0
-    store = open_feature_store(settings.data_dir, settings.redis_url)
-    return {"pages": points, "feature_entries": sum(1 for _ in store.keys()), "store": store.backend}
+    index = wiring.read_index(settings)
+    try:
+        pages = index.count() if index.client.collection_exists(settings.qdrant_collection) else 0
+    finally:
+        index.client.close()
+    store = wiring.feature_store(settings)
+    return {"pages": pages, "feature_entries": sum(1 for _ in store.keys()), "store": store.backend}

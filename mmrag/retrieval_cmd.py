@@ -1,4 +1,8 @@
-"""`mmrag retrieval eval` and `mmrag retrieval latency`: retrieval quality and speed, from Settings."""
+"""`mmrag retrieval eval` and `mmrag retrieval latency`: retrieval quality and speed (parts from mmrag/wiring.py).
+
+Imported by mmrag/cli.py at start-up (for the sub-commands' --help): numpy, Qdrant, the embedders and the
+sample corpus' plotting are imported inside the functions that use them.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,25 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 import typer
-from qdrant_client import AsyncQdrantClient, models
 from rich.console import Console
 from rich.table import Table
 
-from core.keys import ContentHash, EncoderVersion, ImageKey, doc_id_for, page_point_id
-from core.settings import Settings
-from ingestion.corpus import CorpusManifest
-from ingestion.embed import IMAGE_VECTOR, TEXT_VECTOR, ImageEmbedder, TextEmbedder
-from retrieval.evaluate import chance_recall, evaluate
-from retrieval.search import Channel, PageSearcher, open_async_qdrant
+if TYPE_CHECKING:
+    import numpy as np
+    from qdrant_client import AsyncQdrantClient
+
+    from core.keys import ImageKey
+    from core.settings import Settings
+    from devkit.corpus import CorpusManifest
+    from retrieval.evaluate import LabelledQuestion
+    from retrieval.search import Channel, PageSearcher
 
 retrieval_app = typer.Typer(help="Measure page retrieval: recall on a labelled corpus, latency at scale.",
                             no_args_is_help=True)
 err = Console(stderr=True)
-
-
-def open_searcher(settings: Settings) -> PageSearcher:
-    text = TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
-    image = None
-    if settings.image_channel:
-        image = ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
-    client = open_async_qdrant(settings.qdrant_url, settings.qdrant_path)
-    return PageSearcher(client, settings.qdrant_collection, text, image)
 
 
 # --- eval ------------------------------------------------------------------------------------------------
@@ -46,6 +42,10 @@ def eval_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:
     """Recall@1, recall@5 and MRR of the labelled questions, per channel: text, image (if on), hybrid."""
+    from core.settings import Settings
+    from mmrag.cli import quiet_transformers
+
+    quiet_transformers()
     settings = Settings()
     manifest = load_manifest(corpus)
     report = asyncio.run(run_eval(settings, manifest))
@@ -56,6 +56,8 @@ def eval_command(
 
 
 def load_manifest(corpus: Path) -> CorpusManifest:
+    from devkit.corpus import CorpusManifest
+
     path = corpus / "manifest.json" if corpus.is_dir() else corpus
     if not path.is_file():
         raise FileNotFoundError(
@@ -65,14 +67,30 @@ def load_manifest(corpus: Path) -> CorpusManifest:
     return CorpusManifest.load(path)
 
 
+def labelled_questions(manifest: CorpusManifest) -> list[LabelledQuestion]:
+    from retrieval.evaluate import LabelledQuestion
+
+    return [LabelledQuestion(q.question, frozenset((a.file, a.page) for a in q.answers)) for q in manifest.questions]
+
+
 async def run_eval(settings: Settings, manifest: CorpusManifest) -> dict[str, Any]:
-    searcher = open_searcher(settings)
+    from qdrant_client import models
+
+    from core.pages import TextSource
+    from core.payload import PageField
+    from mmrag import wiring
+    from retrieval.evaluate import chance_recall, evaluate
+    from retrieval.search import Channel
+
+    searcher = wiring.searcher(settings)
+    labelled = labelled_questions(manifest)
     try:
         channels = [Channel.TEXT, *([Channel.IMAGE] if searcher.image_channel else []), Channel.HYBRID]
-        scores = await evaluate(searcher, manifest, channels)
+        scores = await evaluate(searcher, labelled, channels)
         client, collection = searcher.client, searcher.collection
         pages = (await client.count(collection, exact=True)).count
-        no_text = models.Filter(must=[models.FieldCondition(key="text_source", match=models.MatchValue(value="none"))])
+        no_text = models.Filter(must=[models.FieldCondition(key=PageField.TEXT_SOURCE.value,
+                                                            match=models.MatchValue(value=TextSource.NONE.value))])
         without_text = (await client.count(collection, count_filter=no_text, exact=True)).count
     finally:
         await searcher.client.close()
@@ -83,7 +101,7 @@ async def run_eval(settings: Settings, manifest: CorpusManifest) -> dict[str, An
         "pages_without_text": without_text,
         "image_channel": image.name if image else "off",
         "image_random_init": bool(image and settings.clip_weights is None),
-        "chance_recall@5": round(chance_recall(manifest, pages), 4),
+        "chance_recall@5": round(chance_recall(labelled, pages), 4),
     }
 
 
@@ -139,6 +157,10 @@ def latency_command(
     """
     if pages < 1 or queries < 1 or batch < 1:
         raise typer.BadParameter("--pages, --queries and --batch must be at least 1")
+    from core.settings import Settings
+    from mmrag.cli import quiet_transformers
+
+    quiet_transformers()
     settings = Settings()
     result = asyncio.run(run_latency(settings, pages=pages, queries=queries, batch=batch, seed=seed))
     if as_json:
@@ -148,15 +170,25 @@ def latency_command(
 
 
 async def run_latency(settings: Settings, *, pages: int, queries: int, batch: int, seed: int = 0) -> dict[str, Any]:
-    text = TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
-    image = ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
+    import numpy as np
+    from qdrant_client import AsyncQdrantClient
+
+    from adapters.embed import ImageEmbedder
+    from core.keys import ContentHash, EncoderVersion, ImageKey
+    from mmrag import wiring
+    from retrieval.search import Channel, PageSearcher
+
+    text = wiring.text_embedder(settings)
+    # Timing only: a random-weight CLIP when no weights are configured (random weights change no timing).
+    image = wiring.image_embedder(settings) or ImageEmbedder(settings.clip_model, None,
+                                                             batch_size=settings.embed_batch_size)
     client = AsyncQdrantClient(location=":memory:")
     try:
         t0 = time.perf_counter()
         key = ImageKey(ContentHash("0" * 64), EncoderVersion("0" * 16), settings.resolution_policy)
         await fill_synthetic(client, "latency", pages, text.dim, image.dim, key, np.random.default_rng(seed))
         build_s = time.perf_counter() - t0
-        searcher = PageSearcher(client, "latency", text, image)
+        searcher = PageSearcher(client, "latency", text, image, top_k=settings.top_k)
         questions = [f"How did metric {i} of region {i % 7} change in quarter {i % 4 + 1}?" for i in range(queries)]
         rows = [await _time_channel(searcher, questions, batch, ch) for ch in (Channel.TEXT, Channel.HYBRID)]
     finally:
@@ -166,6 +198,8 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
 
 
 async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int, channel: Channel) -> LatencyRow:
+    import numpy as np
+
     batches = [questions[i:i + batch] for i in range(0, len(questions), batch)]
     embed, qdrant = [], []
     for i, qs in enumerate([batches[0], *batches]):  # the first pass warms both models and Qdrant
@@ -187,6 +221,12 @@ async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int
 async def fill_synthetic(client: AsyncQdrantClient, collection: str, pages: int, text_dim: int, image_dim: int,
                          image_key: ImageKey, rng: np.random.Generator, chunk: int = 1000) -> None:
     """A collection shaped like the page index (same vector names, sizes and payload) of random pages."""
+    from qdrant_client import models
+
+    from core.keys import doc_id_for
+    from core.pages import TextSource
+    from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PagePayload
+
     await client.create_collection(collection, vectors_config={
         TEXT_VECTOR: models.VectorParams(size=text_dim, distance=models.Distance.COSINE),
         IMAGE_VECTOR: models.VectorParams(size=image_dim, distance=models.Distance.COSINE),
@@ -197,13 +237,15 @@ async def fill_synthetic(client: AsyncQdrantClient, collection: str, pages: int,
         points = []
         for j in range(n):
             doc = f"synthetic_{(start + j) // 20:05d}.pdf"
-            doc_id, page = doc_id_for(doc), (start + j) % 20 + 1
+            payload = PagePayload(
+                doc_id=doc_id_for(doc), doc=doc, path=f"/synthetic/{doc}", page=(start + j) % 20 + 1, num_pages=20,
+                file_sha256="0" * 64, content_hash=image_key.content_hash, image_key=image_key, image_tokens=256,
+                width=448, height=448, text=f"Synthetic page {(start + j) % 20 + 1} of {doc}. " + _FILLER,
+                text_source=TextSource.TEXT_LAYER, fingerprint="synthetic",
+            )
             points.append(models.PointStruct(
-                id=page_point_id(doc_id, page),
-                vector={TEXT_VECTOR: tv[j].tolist(), IMAGE_VECTOR: iv[j].tolist()},
-                payload={"doc_id": doc_id, "doc": doc, "path": f"/synthetic/{doc}", "page": page,
-                         "image_key": str(image_key), "image_tokens": 256, "text_source": "text_layer",
-                         "text": f"Synthetic page {page} of {doc}. " + _FILLER},
+                id=payload.page_id, vector={TEXT_VECTOR: tv[j].tolist(), IMAGE_VECTOR: iv[j].tolist()},
+                payload=payload.to_qdrant(),
             ))
         await client.upsert(collection, points=points, wait=True)
 
@@ -213,6 +255,8 @@ _FILLER = ("Quarterly revenue, regional headcount and platform latency figures a
 
 
 def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    import numpy as np
+
     x = rng.standard_normal((n, dim)).astype(np.float32)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 

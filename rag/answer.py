@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.keys import ImageKey
-from serving.engine.base import Engine, PromptPlan, SamplingSpec, Usage
+from core.engine import Engine, PromptPlan, SamplingSpec, Usage
+from core.payload import PagePayload
 
 RANDOM_MODEL_NOTE = (
     "random-weight test model: its text is not meaningful; set MMRAG_MODEL to a Qwen2-VL checkpoint for real answers"
@@ -15,6 +15,7 @@ RANDOM_MODEL_NOTE = (
 
 @dataclass(slots=True, frozen=True)
 class Citation:
+    page_id: str  # GET /v1/pages/{page_id}
     doc: str
     page: int
     score: float
@@ -38,7 +39,8 @@ class Answer:
             "answer": self.answer,
             "sub_questions": self.sub_questions,
             "sub_question_source": self.sub_question_source,
-            "citations": [{"doc": c.doc, "page": c.page, "score": round(c.score, 4)} for c in self.citations],
+            "citations": [{"page_id": c.page_id, "doc": c.doc, "page": c.page, "score": round(c.score, 4)}
+                          for c in self.citations],
             "usage": {
                 "prompt_tokens": u.prompt_tokens,
                 "cached_tokens": u.cached_tokens,
@@ -58,11 +60,11 @@ class Answer:
         }
 
 
-async def answer_over_pages(engine: Engine, question: str, pages: list[dict[str, Any]], *, max_tokens: int
+async def answer_over_pages(engine: Engine, question: str, pages: list[PagePayload], *, max_tokens: int
                             ) -> Answer:
-    """One prompt over explicitly chosen pages (``payload`` dicts from the index), in the order given."""
+    """One prompt over explicitly chosen pages, in the order given."""
     plan = PromptPlan(
-        images=tuple(ImageKey.parse(p["image_key"]) for p in pages),
+        images=tuple(p.image_key for p in pages),
         text=question,
         sampling=SamplingSpec(max_tokens=max_tokens),
     )
@@ -70,7 +72,7 @@ async def answer_over_pages(engine: Engine, question: str, pages: list[dict[str,
     return Answer(
         answer=completion.text,
         sub_questions=[question],
-        citations=[Citation(p["doc"], p["page"], 1.0, p["image_key"]) for p in pages],
+        citations=[Citation(p.page_id, p.doc, p.page, 1.0, str(p.image_key)) for p in pages],
         usage=completion.usage,
         model=completion.model,
         random_weights=engine.random_weights,

@@ -27,7 +27,7 @@ from llama_index.core.question_gen.types import BaseQuestionGenerator, SubQuesti
 from llama_index.core.schema import QueryBundle
 from llama_index.core.tools.types import ToolMetadata
 
-from serving.engine.base import Completion, Engine, PromptPlan, SamplingSpec
+from core.engine import Completion, Engine, PromptPlan, SamplingSpec
 
 MAX_QUESTION_CHARS = 2000
 EMPTY_QUESTION = 'the question is empty: send a question, e.g. "What does the chart on page 2 show?"'

@@ -18,13 +18,3 @@ def canonical_order(plans: Sequence[Sequence[K]]) -> list[list[K]]:
     """Each plan's distinct pages, sorted by (-number of plans using the page, page key)."""
     uses = Counter(k for plan in plans for k in set(plan))
     return [sorted(set(plan), key=lambda k: (-uses[k], k)) for plan in plans]
-
-
-def shared_prefix(a: Sequence[K], b: Sequence[K]) -> int:
-    """Length of the common leading run of two image lists (what the KV cache can share)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -8,23 +8,16 @@ text-only prompt synthesises the sub-answers. Every step is async; nothing here 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.keys import ImageKey
-from core.settings import Settings
-from ingestion.embed import ImageEmbedder, TextEmbedder
+from core.engine import Engine, ImageTokenCounts, Layout, PromptPlan, SamplingSpec, Submit, Usage
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
 from rag.order import canonical_order
-from retrieval.search import Hit, PageSearcher, open_async_qdrant
-from serving.engine.base import Completion, Engine, Layout, PromptPlan, SamplingSpec, Usage
-from serving.scheduler import Policy, Scheduler, SchedulerConfig
+from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
-
-# Where plans go: straight to the engine, or through the prefix-aware scheduler (serving/scheduler).
-Submit = Callable[[PromptPlan], Awaitable[Completion]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,7 +49,7 @@ def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
         if k not in best or hit.score > best[k].score:
             best[k] = hit
     ranked = sorted(best.values(), key=lambda h: (-h.score, h.doc, h.page))
-    return [Citation(h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
+    return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
 
 
 def synthesis_plan(question: str, sub_questions: Sequence[str], answers: Sequence[str], max_tokens: int
@@ -68,18 +61,18 @@ def synthesis_plan(question: str, sub_questions: Sequence[str], answers: Sequenc
 
 
 class Pipeline:
+    """``submit`` is where plans go (the scheduler's submit when serving; ``engine.generate`` by default);
+    ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens."""
+
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
-                 config: PipelineConfig = PipelineConfig(), submit: Submit | None = None) -> None:
+                 config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
+                 token_counts: ImageTokenCounts | None = None) -> None:
         self.decomposer = decomposer
         self.searcher = searcher
         self.engine = engine
         self.config = config
         self.submit = submit or engine.generate
-        self.scheduler: Scheduler | None = None
-        self.token_counts: dict[ImageKey, int] = {}  # from retrieval payloads; the scheduler's admission reads it
-
-    def plan_image_tokens(self, plan: PromptPlan) -> int:
-        return sum(self.token_counts.get(k, 0) for k in plan.images)
+        self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
 
     async def ask(self, question: str, *, docs: list[str] | None = None) -> Answer:
         decomposition = await self.decomposer.decompose(question)
@@ -88,7 +81,8 @@ class Pipeline:
         usage = Usage()
         if not any(hits):
             return self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
-        self.token_counts.update((h.image_key, h.image_tokens) for hs in hits for h in hs)
+        for hit in (h for hs in hits for h in hs):
+            self.token_counts.record(hit.image_key, hit.image_tokens)
         plans = build_plans(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout)
         completions = await asyncio.gather(*(self.submit(p) for p in plans))
         for c in completions:
@@ -115,31 +109,3 @@ class Pipeline:
             random_weights=self.engine.random_weights,
             sub_question_source=decomposition.source,
         )
-
-
-
-def scheduler_config(settings: Settings) -> SchedulerConfig:
-    return SchedulerConfig(
-        policy=Policy(settings.scheduler_policy),
-        max_concurrency=settings.max_concurrency,
-        max_image_tokens_in_flight=settings.max_image_tokens_in_flight,
-        max_wait_ms=settings.max_wait_ms,
-        queue_cap=settings.queue_cap,
-    )
-
-
-def open_pipeline(settings: Settings, engine: Engine) -> Pipeline:
-    """The pipeline over the configured index, its plans going through one prefix-aware scheduler.
-
-    The caller owns the engine (and closes ``pipeline.searcher.client``).
-    """
-    text = TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
-    image = ImageEmbedder(settings.clip_model, settings.clip_weights) if settings.image_channel else None
-    searcher = PageSearcher(open_async_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                            text, image, top_k=settings.top_k)
-    decomposer = Decomposer(engine, max_n=settings.max_sub_questions, max_question_chars=settings.max_question_chars)
-    config = PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens)
-    pipeline = Pipeline(decomposer, searcher, engine, config=config)
-    pipeline.scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=pipeline.plan_image_tokens)
-    pipeline.submit = pipeline.scheduler.submit
-    return pipeline

@@ -18,19 +18,16 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from qdrant_client import AsyncQdrantClient, models
 
+from adapters.embed import ImageEmbedder, TextEmbedder
+from adapters.qdrant import IndexConfigError, check_vectors
 from core.keys import ImageKey
-from core.pages import PageRef
-from ingestion.embed import IMAGE_VECTOR, TEXT_VECTOR, ImageEmbedder, TextEmbedder
-from ingestion.index import probe_local_lock
+from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PageField, PagePayload
 
-# The payload a hit needs; the rest (fingerprints, sizes, hashes) stays in Qdrant.
-HIT_FIELDS = ["doc_id", "doc", "path", "page", "image_key", "image_tokens", "text"]
 SNIPPET_CHARS = 200
 KNOWN_DOCS_SHOWN = 10
 
@@ -59,6 +56,7 @@ class ImageChannelOffError(RetrievalError):
 
 @dataclass(frozen=True, slots=True)
 class Hit:
+    page_id: str  # the page's point id (citations and GET /v1/pages/{id})
     doc_id: str
     doc: str  # file name, for citations and filters
     page: int  # 1-based
@@ -69,21 +67,11 @@ class Hit:
     path: str
     text: str = ""  # the whole page text (empty for a page without text layer and OCR off)
 
-    @property
-    def ref(self) -> PageRef:
-        return PageRef(self.doc_id, self.doc, self.page, self.image_key, self.text)
-
-
-def open_async_qdrant(url: str, path: Path) -> AsyncQdrantClient:
-    """The async sibling of ``ingestion.index.open_qdrant``: a server when ``url`` is set, else local mode.
-
-    Local mode allows one client per folder (per process, too: the lock is an ``flock`` per open file), so
-    the lock is probed first and a held folder gives IndexLockedError with what to do.
-    """
-    if url:
-        return AsyncQdrantClient(url=url)
-    probe_local_lock(path)
-    return AsyncQdrantClient(path=str(path))
+    @classmethod
+    def of(cls, page: PagePayload, score: float, query: str) -> Hit:
+        return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
+                   snippet=make_snippet(page.text, query), image_key=page.image_key,
+                   image_tokens=page.image_tokens, path=page.path, text=page.text)
 
 
 class PageSearcher:
@@ -94,7 +82,7 @@ class PageSearcher:
         text_embedder: TextEmbedder,
         image_embedder: ImageEmbedder | None,
         *,
-        top_k: int = 5,
+        top_k: int = 3,
         candidate_k: int = 20,
     ) -> None:
         if not 0 < top_k <= candidate_k:
@@ -179,7 +167,7 @@ class PageSearcher:
 
     def _request(self, text_vec: np.ndarray | None, image_vec: np.ndarray | None, flt: models.Filter | None,
                  limit: int) -> models.QueryRequest:
-        common: dict[str, Any] = {"filter": flt, "limit": limit, "with_payload": HIT_FIELDS}
+        common: dict[str, Any] = {"filter": flt, "limit": limit, "with_payload": True}
         if text_vec is not None and image_vec is not None:
             return models.QueryRequest(
                 prefetch=[
@@ -204,17 +192,13 @@ class PageSearcher:
             )
         await self._check_not_empty()
         params = (await self.client.get_collection(self.collection)).config.params.vectors
-        have = {name: p.size for name, p in params.items()} if isinstance(params, dict) else {}
         want = {TEXT_VECTOR: self.text_embedder.dim}
         if self.image_embedder is not None:
             want[IMAGE_VECTOR] = self.image_embedder.dim
-        for name, dim in want.items():
-            if have.get(name) != dim:
-                raise RetrievalError(
-                    f"Qdrant collection {self.collection!r} has vectors {have}, but the configured {name} "
-                    f"embedder makes {dim}-d vectors: re-ingest after `mmrag index reset`, or set "
-                    "MMRAG_QDRANT_COLLECTION to the collection these embedders wrote"
-                )
+        try:
+            check_vectors(self.collection, params, want, exact=False)
+        except IndexConfigError as exc:
+            raise RetrievalError(str(exc)) from exc
         if self.image_embedder is not None and not await self._count(
             models.Filter(must=[models.HasVectorCondition(has_vector=IMAGE_VECTOR)])
         ):
@@ -240,26 +224,26 @@ class PageSearcher:
         """Pages of the named documents (file name or doc id); every name must be indexed."""
         wanted = list(dict.fromkeys(names))
         by_name, by_id = await asyncio.gather(
-            self._facet("doc", wanted, len(wanted)), self._facet("doc_id", wanted, len(wanted))
+            self._facet(PageField.DOC, wanted, len(wanted)), self._facet(PageField.DOC_ID, wanted, len(wanted))
         )
         unknown = [n for n in wanted if n not in by_name and n not in by_id]
         if unknown:
-            known = sorted(await self._facet("doc", None, KNOWN_DOCS_SHOWN))
+            known = sorted(await self._facet(PageField.DOC, None, KNOWN_DOCS_SHOWN))
             raise UnknownDocumentError(
                 f"no indexed document is named {', '.join(map(repr, unknown))} (by file name or doc id). "
                 f"Indexed documents include: {', '.join(known) or 'none'}. "
                 "Check `mmrag index stats`, or ingest the file first"
             )
         return models.Filter(should=[
-            models.FieldCondition(key="doc", match=models.MatchAny(any=wanted)),
-            models.FieldCondition(key="doc_id", match=models.MatchAny(any=wanted)),
+            models.FieldCondition(key=PageField.DOC.value, match=models.MatchAny(any=wanted)),
+            models.FieldCondition(key=PageField.DOC_ID.value, match=models.MatchAny(any=wanted)),
         ])
 
-    async def _facet(self, key: str, values: list[str] | None, limit: int) -> set[str]:
+    async def _facet(self, field: PageField, values: list[str] | None, limit: int) -> set[str]:
         flt = None if values is None else models.Filter(
-            must=[models.FieldCondition(key=key, match=models.MatchAny(any=values))]
+            must=[models.FieldCondition(key=field.value, match=models.MatchAny(any=values))]
         )
-        found = await self.client.facet(self.collection, key=key, facet_filter=flt, limit=limit, exact=True)
+        found = await self.client.facet(self.collection, key=field.value, facet_filter=flt, limit=limit, exact=True)
         return {str(h.value) for h in found.hits}
 
 
@@ -268,13 +252,7 @@ def _rows(vecs: np.ndarray | None, n: int) -> list[np.ndarray | None]:
 
 
 def _hit(point: models.ScoredPoint, query: str) -> Hit:
-    p = point.payload or {}
-    text = p.get("text") or ""
-    return Hit(
-        doc_id=p["doc_id"], doc=p["doc"], page=int(p["page"]), score=float(point.score),
-        snippet=make_snippet(text, query), image_key=ImageKey.parse(p["image_key"]),
-        image_tokens=int(p["image_tokens"]), path=p["path"], text=text,
-    )
+    return Hit.of(PagePayload.from_qdrant(point.payload), float(point.score), query)
 
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")

@@ -1,14 +1,14 @@
 """Ingest jobs inside the server: documents are added while it serves, through the server's own index client.
 
 Qdrant local mode allows one client per folder, and the server already holds it (async). Ingestion is sync
-code running in a worker thread, so it reaches the index through `LoopBridge`, which runs each call on the
-server's event loop. Jobs run one at a time: ingestion is CPU-bound and the machine has few cores.
+code running in a worker thread, so it reaches the index through `adapters.qdrant.LoopBridge`, which runs
+each call on the server's event loop. Jobs run one at a time: ingestion is CPU-bound and the machine has few cores.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,21 +18,7 @@ from typing import Any
 
 from ingestion.pipeline import Ingestor
 
-
-class LoopBridge:
-    """A sync facade over an async client: each method call runs on ``loop`` and waits for the result."""
-
-    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._client = client
-        self._loop = loop
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._client, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(method(*args, **kwargs), self._loop).result()
-
-        return call
+log = logging.getLogger(__name__)
 
 
 class PathOutsideRootError(PermissionError):
@@ -90,14 +76,18 @@ class IngestJobs:
 
     def _run(self, job: Job, paths: list[Path]) -> None:
         job.status = "running"
+        log.info("ingest %s started: %s%s", job.id, ", ".join(job.paths), " (recursive)" if job.recursive else "")
         try:
             if self._ingestor is None:
                 self._ingestor = self._make_ingestor()
             report = self._ingestor.run(paths, recursive=job.recursive)
         except Exception as exc:  # the job records the cause; the server keeps serving
             job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.warning("ingest %s failed: %s", job.id, job.error, exc_info=True)
         else:
             job.status, job.report = "done", report.to_json()
+            log.info("ingest %s done: %d files (%d failed), %d pages, %d encoded, %d cached in %.1f s", job.id,
+                     report.files, len(report.failed), report.pages, report.encoded, report.cached, report.seconds)
         job.finished_at = time.time()
 
     def shutdown(self) -> None:

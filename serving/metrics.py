@@ -29,11 +29,11 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from serving.engine.base import Usage
+from core.engine import Usage
 from serving.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
-    from ingestion.store import FeatureStore
+    from adapters.store import FeatureStore
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from serving.engine.base import Completion, Engine, PromptPlan
+from core.engine import Completion, Engine, PromptPlan
 
 T = TypeVar("T")
 Key = Hashable
@@ -88,7 +88,7 @@ class _Node:
 class SchedulerConfig:
     policy: Policy = Policy.DFS_WEIGHT
     max_concurrency: int = 4
-    max_image_tokens_in_flight: int = 16_384
+    max_image_tokens_in_flight: int = 32_768
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128
 

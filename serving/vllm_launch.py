@@ -11,6 +11,7 @@ is a plain pass-through."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 import httpx
 
 from serving.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 def _version_with_cpu_alias(original):
@@ -110,7 +113,9 @@ class ServerHandle:
     def wait_ready(self, timeout: float = 180.0) -> float:
         """Block until the server answers /health; seconds since start. Raises if it dies or times out."""
         wait_ready(self.url, timeout, handle=self)
-        return time.monotonic() - self.started_at
+        seconds = time.monotonic() - self.started_at
+        log.info("vllm serve ready at %s in %.1f s (pid %d)", self.url, seconds, self.proc.pid)
+        return seconds
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGINT (vLLM shuts its engine core down cleanly), then SIGKILL after ``timeout``. The exit code."""

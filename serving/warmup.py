@@ -10,6 +10,7 @@ exactly the prefix every later canonical plan starting with that image shares.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
@@ -17,7 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from core.keys import ImageKey
-from serving.engine.base import Engine, KVCapacity, PromptPlan, SamplingSpec
+from core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
+
+log = logging.getLogger(__name__)
 
 WARM_SAMPLING = SamplingSpec(max_tokens=1)
 
@@ -98,6 +101,9 @@ async def warm(engine: Engine, candidates: list[WarmCandidate], *, share: float 
     report.seconds = time.perf_counter() - started
     report.warmed = [c.key for c in chosen]
     report.warmed_tokens = sum(c.image_tokens for c in chosen)
+    log.info("warm-up: %d pages (%d image tokens) in %.1f s, %.1f pages/s; %d did not fit the %d-token budget "
+             "(share %.2f of %d KV tokens)", len(report.warmed), report.warmed_tokens, report.seconds,
+             report.pages_per_s, len(report.did_not_fit), report.budget_tokens, share, capacity.tokens)
     return report
 
 

@@ -56,14 +56,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight Qwen2-VL, built offline once per session."""
-    from ingestion.tiny_model import build_tiny_model
+    from devkit.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def sample_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ingestion.corpus import build_sample_corpus
+    from devkit.corpus import build_sample_corpus
 
     out = tmp_path_factory.mktemp("corpus")
     build_sample_corpus(out)
@@ -96,10 +96,9 @@ def engine_settings(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
 @pytest.fixture(scope="session")
 def ingested(engine_settings, sample_corpus):
     """The sample corpus ingested once into the session data dir: the store and index the engines read."""
-    from mmrag.ingest_cmd import build_ingestor
-    from rich.console import Console
+    from mmrag import wiring
 
-    ingestor = build_ingestor(engine_settings, Console(quiet=True))
+    ingestor = wiring.ingestor(engine_settings)
     report = ingestor.run([sample_corpus])
     assert not report.failed, report.failed
     ingestor.index.client.close()
@@ -108,16 +107,14 @@ def ingested(engine_settings, sample_corpus):
 
 @pytest.fixture(scope="session")
 async def inprocess_engine(engine_settings, ingested):
-    from ingestion.model_source import resolve_model
-    from ingestion.store import open_feature_store
-    from serving.engine.config import EngineConfig
+    from mmrag import wiring
     from serving.engine.features import FeatureProvider
     from serving.engine.inprocess import InProcessEngine
 
     engine = InProcessEngine.start(
-        resolve_model(engine_settings),
-        FeatureProvider(open_feature_store(engine_settings.data_dir)),
-        EngineConfig.from_settings(engine_settings),
+        wiring.resolve_model(engine_settings),
+        FeatureProvider(wiring.feature_store(engine_settings)),
+        wiring.engine_config(engine_settings),
     )
     yield engine
     await engine.close()
@@ -129,16 +126,15 @@ async def inprocess_engine(engine_settings, ingested):
 @pytest.fixture(scope="session")
 def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of one `vllm serve` replica of the tiny model, with the engine settings of ENGINE_ENV."""
-    from ingestion.model_source import resolve_model
-    from serving.engine.config import EngineConfig
+    from mmrag import wiring
     from serving.vllm_launch import start_server
 
     # Dev mode adds POST /reset_prefix_cache, which warm-up tests use to start from a cold cache.
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     try:
         handle = start_server(
-            resolve_model(engine_settings).path,
-            EngineConfig.from_settings(engine_settings),
+            wiring.resolve_model(engine_settings).path,
+            wiring.engine_config(engine_settings),
             port=free_port(),
             log_path=tmp_path_factory.mktemp("vllm-serve") / "server.log",
         )
@@ -167,7 +163,7 @@ async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_facto
 
     import uvicorn
 
-    from serving.api.main import create_app
+    from mmrag.wiring import create_app
 
     data = tmp_path_factory.mktemp("api-data")
     shutil.copytree(engine_settings.data_dir / "qdrant", data / "qdrant")
@@ -176,7 +172,7 @@ async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_facto
     settings = engine_settings.model_copy(update={
         "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
     })
-    app = create_app(settings, engine=inprocess_engine)
+    app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     task = asyncio.get_running_loop().create_task(server.serve())

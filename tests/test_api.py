@@ -24,7 +24,7 @@ async def test_ask_returns_the_cli_json_shape_with_citations(http):
     assert r.status_code == 200, r.text
     body = r.json()
     assert {"answer", "sub_questions", "citations", "usage", "model"} <= body.keys()
-    assert body["citations"] and {"doc", "page", "score"} == body["citations"][0].keys()
+    assert body["citations"] and {"page_id", "doc", "page", "score"} == body["citations"][0].keys()
     assert body["model"]["random_weights"] is True and "not meaningful" in body["model"]["note"]
 
 
@@ -46,24 +46,37 @@ async def test_readyz_checks_engine_qdrant_and_redis(http):
     r = await http.get("/readyz")
     assert r.status_code == 200, r.text
     assert set(r.json()["checks"]) == {"engine", "qdrant", "redis"} and r.json()["ready"] is True
+    assert all(c.keys() == {"ok", "detail"} for c in r.json()["checks"].values())  # no null `error` keys
 
 
-async def test_documents_pages_and_page_images(http):
+async def test_documents_list_their_pages_with_ids_that_resolve_to_those_pages(http):
     docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
     assert {"operations_manual.pdf", "q3_quarterly_report.pdf"} <= {d["doc"] for d in docs}
+    for d in docs:
+        numbers = [p["page"] for p in d["pages"]]
+        assert numbers == sorted(numbers) and len(numbers) == d["indexed_pages"], d
+        for listed in d["pages"]:
+            page = (await http.get(f"/v1/pages/{listed['page_id']}", headers=AUTH)).json()
+            assert (page["id"], page["doc_id"], page["doc"], page["page"]) == (
+                listed["page_id"], d["doc_id"], d["doc"], listed["page"])
+
+
+async def test_a_citations_page_id_resolves_to_the_cited_page_and_its_image(http):
     answer = (await http.post("/v1/ask", json={"question": "What was the Q3 revenue of the Nordic division?"},
                               headers=AUTH)).json()
-    from core.keys import page_point_id
-
     cited = answer["citations"][0]
-    doc_id = next(d["doc_id"] for d in docs if d["doc"] == cited["doc"])
-    page_id = page_point_id(doc_id, cited["page"])
-    page = (await http.get(f"/v1/pages/{page_id}", headers=AUTH)).json()
+    page = (await http.get(f"/v1/pages/{cited['page_id']}", headers=AUTH)).json()
     assert (page["doc"], page["page"]) == (cited["doc"], cited["page"]) and page["image_key"]
-    image = await http.get(f"/v1/pages/{page_id}/image", headers=AUTH)
-    assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
-    missing = await http.get("/v1/pages/not-a-page", headers=AUTH)
-    assert missing.status_code == 404 and missing.json()["error"]["fix"]
+    image = await http.get(f"/v1/pages/{cited['page_id']}/image", headers=AUTH)
+    assert image.status_code == 200 and image.headers["content-type"] == "image/png"
+    assert image.content.startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("page_id", ["not-a-page", "00000000-0000-0000-0000-000000000000"])
+async def test_an_unknown_page_is_a_404_that_says_where_page_ids_come_from(http, page_id):
+    missing = await http.get(f"/v1/pages/{page_id}", headers=AUTH)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_page"
+    assert "GET /v1/documents" in missing.json()["error"]["fix"]
 
 
 @pytest.mark.parametrize(
@@ -113,16 +126,16 @@ async def test_openapi_docs_list_the_endpoints(http):
 
 
 async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(engine_settings, ingested, tmp_path):
-    from ingestion.model_source import resolve_model
-    from ingestion.store import open_feature_store
-    from serving.api.main import create_app
+    from mmrag.wiring import resolve_model
+    from mmrag.wiring import feature_store
+    from mmrag.wiring import create_app
     from serving.engine.features import FeatureProvider
     from serving.engine.remote import RemoteEngine
 
     shutil.copytree(engine_settings.data_dir / "qdrant", tmp_path / "qdrant")
     settings = engine_settings.model_copy(update={"data_dir": tmp_path, "warm_top": 0})
     dead = RemoteEngine(["http://127.0.0.1:9"], resolve_model(settings),
-                        FeatureProvider(open_feature_store(engine_settings.data_dir)))
+                        FeatureProvider(feature_store(engine_settings)))
     app = create_app(settings, engine=dead)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -132,3 +145,4 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable"
     assert "mmrag engine serve" in r.json()["error"]["message"]
     assert ready.status_code == 503 and ready.json()["checks"]["engine"]["ok"] is False
+    assert ready.json()["checks"]["engine"].keys() == {"ok", "error"}

@@ -36,10 +36,11 @@ async def test_an_answer_over_pages_has_the_documented_shape_and_names_the_test_
     again = (await answer_over_pages(inprocess_engine, "Which services are shown?", pages, max_tokens=8)).to_json()
     assert {"answer", "sub_questions", "citations", "usage", "model"} <= first.keys()
     assert USAGE_KEYS <= first["usage"].keys()
-    assert first["citations"][0] == {"doc": "operations_manual.pdf", "page": 1, "score": 1.0}
+    assert first["citations"][0] == {"page_id": pages[0].page_id, "doc": "operations_manual.pdf", "page": 1,
+                                     "score": 1.0}
     assert first["model"]["random_weights"] is True and "not meaningful" in first["model"]["note"]
     assert first["usage"]["vision_encodes"] == 0
-    assert first["usage"]["image_tokens"] == sum(p["image_tokens"] for p in pages)
+    assert first["usage"]["image_tokens"] == sum(p.image_tokens for p in pages)
     # Same pages, another question: the two-image prefix is served from the cache.
     assert again["usage"]["cached_image_tokens"] > 0
 
@@ -70,5 +71,7 @@ def test_cli_ask_prints_one_json_object(engine_settings, ingested):
                      "--json", settings=engine_settings)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
-    assert out["citations"] == [{"doc": "operations_manual.pdf", "page": 1, "score": 1.0}]
+    assert [{k: c[k] for k in ("doc", "page", "score")} for c in out["citations"]] == [
+        {"doc": "operations_manual.pdf", "page": 1, "score": 1.0}]
+    assert out["citations"][0]["page_id"]  # what GET /v1/pages/{id} takes
     assert out["usage"]["completion_tokens"] == 4 and USAGE_KEYS <= out["usage"].keys()

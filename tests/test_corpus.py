@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from core.keys import ContentHash, content_hash_of
-from ingestion.corpus import AnswerRef, CorpusManifest, build_sample_corpus
+from devkit.corpus import AnswerRef, CorpusManifest, build_sample_corpus
 
 RENDER_DPI = 96  # the ingestion default (Settings.pdf_dpi): page identity is defined at this resolution
 

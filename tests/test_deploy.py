@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from serving.dashboards import DASHBOARD_FILE, DATASOURCE_UID, dashboard_expressions
-from serving.engine.base import Usage
+from core.engine import Usage
 from serving.metrics import Metrics
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
@@ -137,9 +137,12 @@ def test_the_api_talks_to_the_compose_services_and_requires_mmrag_model():
 
 
 def test_the_vllm_replica_gets_a_gpu_and_the_serve_flags_of_the_default_engine_config(monkeypatch):
-    from core.settings import Settings
-    from serving.engine.config import EngineConfig
+    import torch
 
+    from core.settings import Settings
+    from mmrag.wiring import engine_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the compose replica runs on a GPU host
     for name in list(os.environ):
         if name.startswith("MMRAG_"):
             monkeypatch.delenv(name)
@@ -148,7 +151,7 @@ def test_the_vllm_replica_gets_a_gpu_and_the_serve_flags_of_the_default_engine_c
     assert vllm["entrypoint"] == ["vllm", "serve"]
     command = vllm["command"]
     assert command[0] == "${MMRAG_MODEL:?Variable not set}"  # the same name the API asks the replica for
-    assert command[5:] == EngineConfig.from_settings(Settings()).serve_flags()
+    assert command[5:] == engine_config(Settings()).serve_flags()
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert any(v.endswith(":/models:ro") for v in vllm["volumes"])
@@ -206,7 +209,7 @@ class _Store:
     backend = "disk"
 
     def __init__(self) -> None:
-        from ingestion.store import StoreStats
+        from adapters.store import StoreStats
 
         self.stats = StoreStats()
 

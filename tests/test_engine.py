@@ -14,9 +14,9 @@ from qdrant_client import QdrantClient
 
 from core.keys import ImageKey, ResolutionPolicy
 from ingestion.loaders import open_document
-from ingestion.store import open_feature_store
-from ingestion.vision import VisionEncoder
-from serving.engine.base import Layout, PromptPlan, SamplingSpec
+from mmrag.wiring import feature_store
+from adapters.vision import VisionEncoder
+from core.engine import Layout, PromptPlan, SamplingSpec
 from serving.engine.inprocess import sampling_params
 from serving.warmup import WarmCandidate, warm
 
@@ -138,7 +138,7 @@ async def test_a_new_encoder_version_or_resolution_policy_gets_no_cached_image_t
     engine = inprocess_engine
     page = pages[4]
     old_key = key_of(page)
-    store = open_feature_store(engine_settings.data_dir)
+    store = feature_store(engine_settings)
     await engine.reset_prefix_cache()
     await engine.generate(plan(old_key))
     assert (await engine.generate(plan(old_key))).usage.cached_image_tokens > 0

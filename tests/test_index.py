@@ -7,7 +7,10 @@ import textwrap
 import pytest
 from qdrant_client import models
 
-from ingestion.index import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
+from core.keys import ImageKey
+from core.pages import TextSource
+from core.payload import PagePayload
+from adapters.qdrant import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
 
 
 def _index(path, text_dim=4, image_dim=3) -> PageIndex:
@@ -16,9 +19,14 @@ def _index(path, text_dim=4, image_dim=3) -> PageIndex:
     return index
 
 
+KEY = ImageKey.parse(f"img1-{'c' * 64}-{'ab' * 8}-px1-2")
+
+
 def _point(doc, page, sha="s1"):
-    payload = {"doc_id": doc, "page": page, "file_sha256": sha, "fingerprint": "f", "image_key": "k"}
-    return make_point(doc, page, {"text": [1.0, 0, 0, 0], "image": [0, 1.0, 0]}, payload)
+    payload = PagePayload(doc_id=doc, doc=f"{doc}.pdf", path=f"/{doc}.pdf", page=page, num_pages=3, file_sha256=sha,
+                          content_hash=KEY.content_hash, image_key=KEY, image_tokens=4, width=1, height=1, text="",
+                          text_source=TextSource.NONE, fingerprint="f")
+    return make_point({"text": [1.0, 0, 0, 0], "image": [0, 1.0, 0]}, payload)
 
 
 def test_collection_is_created_with_named_vectors_of_the_configured_sizes(tmp_path):

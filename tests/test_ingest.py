@@ -15,12 +15,13 @@ import pytest
 from PIL import Image
 
 from core.settings import Settings
-from ingestion.embed import TextEmbedder
-from ingestion.index import PageIndex
+from adapters.embed import TextEmbedder
+from adapters.qdrant import PageIndex
 from ingestion.pipeline import Ingestor
-from ingestion.store import DiskFeatureStore, open_feature_store
-from ingestion.vision import VisionEncoder
-from mmrag.ingest_cmd import open_index
+from adapters.store import DiskFeatureStore
+from mmrag.wiring import feature_store
+from adapters.vision import VisionEncoder
+from mmrag.wiring import page_index
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,8 +41,8 @@ def make_ingestor(data_dir: Path, tiny_model: Path, encoder, text_embedder, **ov
     return Ingestor(
         settings,
         encoder=encoder,
-        store=open_feature_store(settings.data_dir, settings.redis_url),
-        index=open_index(settings, text_embedder.dim),
+        store=feature_store(settings),
+        index=page_index(settings, text_embedder.dim),
         text_embedder=text_embedder,
     )
 
@@ -51,7 +52,7 @@ def close(ingestor: Ingestor) -> None:
 
 
 def points_by_id(index: PageIndex) -> dict:
-    return {p.id: p.payload for p in index.all_points()}
+    return {p.id: p.payload for p in index.points()}
 
 
 def manifest_pages(corpus: Path) -> list[dict]:
@@ -136,15 +137,15 @@ def test_bad_files_leave_no_point_and_the_others_still_ingest(
 
 def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_corpus, tiny_model, encoder,
                                                                text_embedder):
-    from ingestion.embed import ImageEmbedder
+    from adapters.embed import ImageEmbedder
 
     settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, clip_random_init=True)
     image = ImageEmbedder(settings.clip_model, None)
-    ing = Ingestor(settings, encoder=encoder, store=open_feature_store(settings.data_dir),
-                   index=open_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
+    ing = Ingestor(settings, encoder=encoder, store=feature_store(settings),
+                   index=page_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
     one = sorted(sample_corpus.glob("*.png"))[:2]
     ing.run(one)
-    points = ing.index.all_points(with_vectors=True)
+    points = ing.index.points(with_vectors=True)
     assert len(points) == 2 and all(len(p.vector["image"]) == image.dim for p in points)
     close(ing)
 

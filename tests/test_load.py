@@ -24,7 +24,7 @@ N = 200
 
 
 async def test_200_concurrent_questions_complete_with_none_lost_and_no_5xx(api_server):
-    scheduler = api_server["app"].state.services.pipeline.scheduler
+    scheduler = api_server["app"].state.services.scheduler
     max_sub = api_server["settings"].max_sub_questions
     peak = 0
     done = asyncio.Event()

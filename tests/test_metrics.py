@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
-from ingestion.store import DiskFeatureStore, RedisFeatureStore
-from serving.engine.base import Usage
+from adapters.store import DiskFeatureStore, RedisFeatureStore
+from core.engine import Usage
 from serving.metrics import Metrics
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port

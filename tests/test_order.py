@@ -1,6 +1,18 @@
 """Canonical image order on plain lists: pages shared by more plans come first, ties broken by key."""
 
-from rag.order import canonical_order, shared_prefix
+from collections.abc import Sequence
+
+from rag.order import canonical_order
+
+
+def shared_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the common leading run of two image lists (what the KV cache can share)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def test_plans_sharing_a_figure_start_with_it_then_the_next_most_shared():

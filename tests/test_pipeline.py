@@ -6,14 +6,15 @@ import pytest
 
 from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
-from rag.pipeline import build_plans, cite, open_pipeline
+from mmrag import wiring
+from rag.pipeline import build_plans, cite
 from retrieval.search import NoDocumentsError, UnknownDocumentError
-from serving.engine.base import Layout
+from core.engine import Layout
 
 
 @pytest.fixture(scope="module")
 async def pipeline(engine_settings, ingested, inprocess_engine):
-    p = open_pipeline(engine_settings.model_copy(update={"answer_max_tokens": 8}), inprocess_engine)
+    p, _ = wiring.pipeline(engine_settings.model_copy(update={"answer_max_tokens": 8}), inprocess_engine)
     yield p
     await p.searcher.client.close()
 
@@ -23,7 +24,7 @@ async def test_a_two_part_question_gets_sub_questions_pages_and_citations(pipeli
     out = answer.to_json()
     assert out["sub_question_source"] == "rules"  # the random model's JSON is never grounded
     assert len(out["sub_questions"]) == 2
-    assert out["citations"] and all({"doc", "page", "score"} == c.keys() for c in out["citations"])
+    assert out["citations"] and all({"page_id", "doc", "page", "score"} == c.keys() for c in out["citations"])
     scores = [c["score"] for c in out["citations"]]
     assert scores == sorted(scores, reverse=True)
     assert len(out["sub_answers"]) == 2
@@ -52,7 +53,7 @@ async def test_bad_questions_get_a_clear_error(pipeline, question, message):
 
 
 async def test_no_documents_ingested_is_a_clear_error(tmp_path, engine_settings, inprocess_engine):
-    empty = open_pipeline(engine_settings.model_copy(update={"data_dir": tmp_path}), inprocess_engine)
+    empty, _ = wiring.pipeline(engine_settings.model_copy(update={"data_dir": tmp_path}), inprocess_engine)
     try:
         with pytest.raises(NoDocumentsError, match="mmrag ingest"):
             await empty.ask("What was the revenue?")
@@ -71,8 +72,9 @@ def test_citations_keep_each_page_once_with_its_best_score():
     from retrieval.search import Hit
 
     key = ImageKey.parse(f"img1-{'a' * 64}-{'ab' * 8}-px1-2")
-    hit = lambda doc, page, score: Hit("d", doc, page, score, "", key, 10, "/p")  # noqa: E731
+    hit = lambda doc, page, score: Hit(f"id-{doc}-{page}", "d", doc, page, score, "", key, 10, "/p")  # noqa: E731
     cites = cite([[hit("a.pdf", 1, 0.5), hit("b.pdf", 2, 0.9)], [hit("a.pdf", 1, 0.7)]])
     assert [(c.doc, c.page, c.score) for c in cites] == [("b.pdf", 2, 0.9), ("a.pdf", 1, 0.7)]
+    assert [c.page_id for c in cites] == ["id-b.pdf-2", "id-a.pdf-1"]
     plans = build_plans(["q1", "q2"], [[hit("a.pdf", 1, 0.5)], []], max_tokens=4, layout=Layout.NAIVE)
     assert len(plans) == 1 and plans[0].layout is Layout.NAIVE  # a sub-question without pages gets no plan

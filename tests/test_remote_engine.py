@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from core.keys import ImageKey
-from ingestion.model_source import resolve_model
-from ingestion.store import open_feature_store
-from serving.engine.base import PromptPlan, SamplingSpec
+from mmrag.wiring import resolve_model
+from mmrag.wiring import feature_store
+from core.engine import PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import (
     EngineRequestError,
@@ -37,13 +37,13 @@ def plan(*keys: ImageKey, text: str = "What does this page show?") -> PromptPlan
 
 @pytest.fixture(scope="module")
 def keys(engine_settings, ingested) -> list[ImageKey]:
-    found = sorted(open_feature_store(engine_settings.data_dir).keys())
+    found = sorted(feature_store(engine_settings).keys())
     assert len(found) >= 8, "the sample corpus should give at least 8 distinct pages"
     return found
 
 
 def remote(engine_settings, urls: list[str]) -> RemoteEngine:
-    features = FeatureProvider(open_feature_store(engine_settings.data_dir))
+    features = FeatureProvider(feature_store(engine_settings))
     return RemoteEngine(urls, resolve_model(engine_settings), features)
 
 

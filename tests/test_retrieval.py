@@ -12,19 +12,20 @@ import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 from qdrant_client import QdrantClient
 from qdrant_client.hybrid.fusion import DEFAULT_RANKING_CONSTANT_K
-from rich.console import Console
 from typer.testing import CliRunner
 
 from core.keys import ImageKey
 from core.settings import Settings
-from ingestion.corpus import CorpusManifest
-from ingestion.embed import ImageEmbedder, TextEmbedder
-from ingestion.index import IndexLockedError, PageIndex
+from devkit.corpus import CorpusManifest
+from adapters.embed import ImageEmbedder, TextEmbedder
+from adapters.qdrant import IndexLockedError, PageIndex
 from ingestion.ocr import ocr_available
 from retrieval.evaluate import evaluate
+from mmrag.retrieval_cmd import labelled_questions
 from retrieval.llama import MMRAGRetriever, SyncRetrieveInLoopError
+from adapters.qdrant import open_async_qdrant
 from retrieval.search import (
-    Channel, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError, open_async_qdrant,
+    Channel, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError,
 )
 from mmrag.retrieval_cmd import retrieval_app
 
@@ -57,9 +58,9 @@ async def searcher(engine_settings, ingested, text_embedder):
 
 
 def ingest(settings: Settings, paths: list[Path]) -> None:
-    from mmrag.ingest_cmd import build_ingestor
+    from mmrag import wiring
 
-    ingestor = build_ingestor(settings, Console(quiet=True))
+    ingestor = wiring.ingestor(settings)
     try:
         report = ingestor.run(paths)
     finally:
@@ -214,7 +215,7 @@ async def test_text_channel_recall_at_5_meets_the_target_on_all_labelled_questio
     ingest(settings, [sample_corpus])
     client = open_async_qdrant("", settings.qdrant_path)
     try:
-        scores = await evaluate(PageSearcher(client, settings.qdrant_collection, text_embedder, None), manifest,
+        scores = await evaluate(PageSearcher(client, settings.qdrant_collection, text_embedder, None), labelled_questions(manifest),
                                 [Channel.TEXT])
     finally:
         await client.close()
@@ -245,7 +246,7 @@ async def test_hybrid_fuses_the_text_and_image_rankings_by_reciprocal_rank(clip_
 
 
 async def test_evaluate_scores_each_channel_over_every_question(clip_searcher, small_manifest):
-    scores = await evaluate(clip_searcher, small_manifest, list(Channel))
+    scores = await evaluate(clip_searcher, labelled_questions(small_manifest), list(Channel))
     assert set(scores) == {"text", "image", "hybrid"}
     for s in scores.values():
         assert s["n"] == len(small_manifest.questions) > 5

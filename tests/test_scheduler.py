@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from serving.engine.base import Completion, PromptPlan, Usage
+from core.engine import Completion, PromptPlan, Usage
 from serving.scheduler import Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
 
 

@@ -8,7 +8,7 @@ from qdrant_client import QdrantClient
 
 from core.keys import ImageKey
 from rag.order import canonical_order
-from serving.engine.base import Layout, PromptPlan, SamplingSpec
+from core.engine import Layout, PromptPlan, SamplingSpec
 from serving.scheduler import Policy, Scheduler, SchedulerConfig
 
 SAMPLING = SamplingSpec(max_tokens=4)

@@ -13,7 +13,7 @@ import torch
 
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
-from ingestion.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore, encode_entry
+from adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore, encode_entry
 
 POLICY = ResolutionPolicy(3136, 200704)
 
@@ -76,7 +76,7 @@ def test_disk_store_never_leaves_a_torn_entry_when_killed_mid_write(tmp_path):
         import hashlib, torch
         from core.keys import *
         from core.pages import EncodedImage
-        from ingestion.store import DiskFeatureStore
+        from adapters.store import DiskFeatureStore
         s = DiskFeatureStore({str(root)!r})
         print("ready", flush=True)
         for i in range(10_000):

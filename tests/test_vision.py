@@ -20,10 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-import ingestion.vision as vision
+import adapters.vision as vision
 from core.keys import ContentHash, ImageKey, ResolutionPolicy
-from ingestion.tiny_model import build_tiny_model
-from ingestion.vision import EncodedImage, VisionEncoder
+from adapters.checkpoint import ModelNotFoundError
+from devkit.tiny_model import build_tiny_model
+from adapters.vision import EncodedImage, VisionEncoder
 
 POLICY = ResolutionPolicy(56 * 56, 448 * 448)
 SIZES = [(448, 448), (500, 300), (60, 100)]  # (width, height): square, landscape, tiny portrait
@@ -232,9 +233,9 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(model_dir, encoder
 
 
 def test_a_model_neither_local_nor_cached_names_the_fix():
-    with pytest.raises(FileNotFoundError, match="hf download nobody/no-such-model"):
+    with pytest.raises(ModelNotFoundError, match="hf download nobody/no-such-model"):
         VisionEncoder("nobody/no-such-model", POLICY)
-    with pytest.raises(FileNotFoundError, match="model folder /no/such/folder does not exist"):
+    with pytest.raises(ModelNotFoundError, match="model folder /no/such/folder does not exist"):
         VisionEncoder("/no/such/folder", POLICY)
 
 

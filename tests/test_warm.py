@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from core.keys import ImageKey
-from ingestion.model_source import resolve_model
-from ingestion.store import open_feature_store
+from mmrag.wiring import resolve_model
+from mmrag.wiring import feature_store
 from mmrag.ask_cmd import lookup_pages, open_page_index
-from serving.engine.base import KVCapacity, PromptPlan, SamplingSpec
+from core.engine import KVCapacity, PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import RemoteEngine
 from serving.warmup import WarmCandidate, fit_to_capacity, rank_by_demand
@@ -39,7 +39,7 @@ def test_only_what_fits_the_kv_share_is_chosen_and_the_rest_reported():
 @pytest.fixture
 def remote(vllm_server, engine_settings):
     engine = RemoteEngine([vllm_server], resolve_model(engine_settings),
-                          FeatureProvider(open_feature_store(engine_settings.data_dir)))
+                          FeatureProvider(feature_store(engine_settings)))
     httpx.post(f"{vllm_server}/reset_prefix_cache", timeout=30).raise_for_status()
     yield engine
 
@@ -47,7 +47,7 @@ def remote(vllm_server, engine_settings):
 def page_key(settings, doc: str, page: int) -> ImageKey:
     index = open_page_index(settings)
     try:
-        return ImageKey.parse(lookup_pages(index, [(doc, page)])[0]["image_key"])
+        return lookup_pages(index, [(doc, page)])[0].image_key
     finally:
         index.client.close()
 

@@ -8,14 +8,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ingestion.index import IndexConfigError
-from ingestion.store import FeatureStoreError
+from adapters.qdrant import IndexConfigError
+from adapters.store import FeatureStoreError
+from core.payload import PayloadError
 from rag.decompose import BadQuestionError
 from retrieval.search import ImageChannelOffError, NoDocumentsError, RetrievalError, UnknownDocumentError
+from serving.api.schemas import ErrorDetail, ErrorResponse
 from serving.engine.features import MissingFeaturesError
 from serving.engine.remote import EngineRequestError, EngineUnavailableError
 
-log = logging.getLogger("mmrag.api")
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -25,7 +27,8 @@ class ApiError(Exception):
 
 
 def error_body(kind: str, message: str, fix: str = "") -> dict:
-    return {"error": {"type": kind, "message": message, "fix": fix}}
+    # Built through the documented model, so the body and /openapi.json cannot drift apart.
+    return ErrorResponse(error=ErrorDetail(type=kind, message=message, fix=fix)).model_dump()
 
 
 # (exception type, HTTP status, error type); the exception's message already says what to do.
@@ -40,6 +43,7 @@ _MAPPED: list[tuple[type[Exception], int, str]] = [
     (EngineRequestError, 502, "engine_rejected"),
     (FeatureStoreError, 503, "feature_store_unavailable"),
     (IndexConfigError, 503, "index_unavailable"),
+    (PayloadError, 503, "index_incompatible"),  # points written by another mmrag version; says to reset
     (ConnectionError, 503, "dependency_unavailable"),
     (TimeoutError, 503, "dependency_timeout"),
 ]

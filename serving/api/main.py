@@ -1,7 +1,9 @@
-"""The app factory. Settings are built by the caller (CLI or tests), never at import."""
+"""The app factory: assembles routers, middleware and metrics around services built by the caller
+(``mmrag.wiring.create_app`` passes its builder). Settings are built by the caller, never at import."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -11,7 +13,8 @@ from core.settings import Settings
 from serving.api import errors
 from serving.api.limits import BodySizeLimit
 from serving.api.routers import ask, documents, health, ingest
-from serving.api.startup import build_services
+from serving.api.services import Services
+from serving.api.startup import warm_at_startup
 from serving.metrics import Metrics
 
 
@@ -25,8 +28,8 @@ class VllmMetricsFromGlobalRegistry:
         return []
 
 
-def create_app(settings: Settings, *, engine=None) -> FastAPI:
-    """``engine``: an already started engine to share (tests); otherwise the lifespan starts one."""
+def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable[Services]]) -> FastAPI:
+    """``build_services`` runs in the lifespan, on the serving loop (vLLM's async engine binds to it)."""
     # One registry per app (so an app can be built twice in one process), which also re-exports the
     # in-process vLLM engine's own `vllm:*` metrics from the global registry.
     registry = CollectorRegistry()
@@ -35,7 +38,10 @@ def create_app(settings: Settings, *, engine=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.services = await build_services(settings, metrics=metrics, engine=engine)
+        services = app.state.services = await build_services(metrics)
+        services.start_metrics_drain()
+        if settings.warm_top != 0:
+            await warm_at_startup(services)
         yield
         await app.state.services.close()
 

@@ -1,27 +1,27 @@
-"""What the app serves with: built once at start-up (or injected by tests), shared by every request."""
+"""What the app serves with: built once at start-up by the composition root (mmrag/wiring.py), shared by
+every request."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from adapters.checkpoint import ModelSource
+from adapters.qdrant import AsyncPageReader
+from adapters.store import FeatureStore
+from core.engine import Completion, Engine, KVCapacity, PromptPlan
 from core.settings import Settings
-from ingestion.model_source import ModelSource
-from ingestion.store import FeatureStore
 from rag.pipeline import Pipeline
-from serving.engine.base import Completion, Engine, KVCapacity, PromptPlan
 from serving.ingest_jobs import IngestJobs
 from serving.metrics import Metrics
+from serving.scheduler import Scheduler
 from serving.warmup import WarmReport
-
-log = logging.getLogger("mmrag.api")
 
 
 class MeteredEngine:
-    """The engine with every completion counted: answers, decomposition and warm-up alike."""
+    """The engine with every completion counted: answers and decomposition alike. Warm-up goes to
+    ``inner``: its prefills are misses by design and would drag the hit-rate panels down."""
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.inner = engine
@@ -37,11 +37,11 @@ class MeteredEngine:
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
 
+    async def reset_prefix_cache(self) -> None:
+        await self.inner.reset_prefix_cache()
+
     async def close(self) -> None:
         await self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # reset_prefix_cache, renderer, ... of the wrapped engine
-        return getattr(self.inner, name)
 
 
 @dataclass(slots=True)
@@ -50,7 +50,9 @@ class Services:
     model: ModelSource
     engine: MeteredEngine
     pipeline: Pipeline
+    scheduler: Scheduler
     store: FeatureStore
+    pages: AsyncPageReader
     metrics: Metrics
     jobs: IngestJobs
     warm_report: WarmReport | None = None
@@ -76,8 +78,6 @@ class Services:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(every_s)
-                if self.pipeline.scheduler is not None:
-                    self.metrics.drain_scheduler(self.pipeline.scheduler.stats)
+                self.metrics.drain_scheduler(self.scheduler.stats)
 
         self._drain_task = asyncio.get_running_loop().create_task(loop())
-

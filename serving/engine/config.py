@@ -1,11 +1,11 @@
-"""Engine settings derived from Settings, shared by the in-process engine and `mmrag engine serve`."""
+"""Engine configuration, shared by the in-process engine and `mmrag engine serve` (built from Settings by
+mmrag/wiring.py), and the automatic dtype choice."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-from core.settings import Settings
+from pathlib import Path
 
 
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -23,18 +23,6 @@ class EngineConfig:
     # False: vLLM's prefix caching and its multimodal processor cache both off — the benchmark's baselines
     # that must recompute every prompt (bench/). Every serving path keeps the default.
     caching: bool = True
-
-    @classmethod
-    def from_settings(cls, s: Settings) -> EngineConfig:
-        return cls(
-            block_size=s.kv_block_size or None,
-            kv_cache_gib=s.kv_cache_gib,
-            max_model_len=s.max_model_len,
-            max_images_per_prompt=s.max_images_per_prompt,
-            enforce_eager=s.enforce_eager,
-            dtype=s.engine_dtype,
-            max_num_seqs=s.max_num_seqs,
-        )
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
@@ -75,3 +63,34 @@ class EngineConfig:
         if self.block_size:
             flags += ["--block-size", str(self.block_size)]
         return flags
+
+
+# CPU flags with which bfloat16 matmuls run natively; elsewhere (e.g. AVX2-only AMD EPYC) bf16 is emulated
+# and a linear layer runs ~5x slower than in fp32.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def native_cpu_dtype(flags: set[str] | None = None) -> str:
+    """bfloat16 where the CPU runs it natively (AVX512-BF16 or AMX), float32 otherwise."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in NATIVE_BF16_FLAGS) else "float32"
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` on a CPU host becomes what the CPU runs natively; on a GPU host vLLM's own ``auto`` stays."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "auto" if torch.cuda.is_available() else native_cpu_dtype()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -11,11 +12,13 @@ from typing import Any
 import torch
 
 from core.pages import EncodedImage
-from ingestion.model_source import ModelSource
-from serving.engine.base import Completion, KVCapacity, PromptPlan, Usage
+from adapters.checkpoint import ModelSource
+from core.engine import Completion, KVCapacity, PromptPlan, Usage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
+
+log = logging.getLogger(__name__)
 
 
 def sampling_params(plan: PromptPlan) -> Any:
@@ -58,13 +61,40 @@ class InProcessEngine:
         # vLLM's CPU backend sizes its KV cache from this variable, not from device memory.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         args = AsyncEngineArgs(model=str(model.path), **config.vllm_kwargs())
-        return cls(AsyncLLM.from_engine_args(args), model, features, config)
+        t0 = time.perf_counter()
+        engine = cls(AsyncLLM.from_engine_args(args), model, features, config)
+        vllm_config = engine.llm.vllm_config
+        cache = vllm_config.cache_config
+        log.info("engine ready in %.1f s: model %s, dtype %s, block size %s, %s KV blocks",
+                 time.perf_counter() - t0, model.name, str(vllm_config.model_config.dtype).removeprefix("torch."),
+                 cache.block_size, cache.num_gpu_blocks)
+        return engine
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
         feats, encodes = await self.features.load(plan.images)
         request = self.build_request(plan, feats)
-        layout = self.renderer.tokens(request["prompt"], [f.num_tokens for f in feats])
+        return await self.run_request(plan, request, [f.num_tokens for f in feats], started=started,
+                                      vision_encodes=encodes, on_first_token=on_first_token)
+
+    async def run_request(
+        self,
+        plan: PromptPlan,
+        request: dict[str, Any],
+        image_tokens: list[int],
+        *,
+        started: float,
+        vision_encodes: int,
+        on_first_token: Callable[[], None] | None = None,
+    ) -> Completion:
+        """Stream one vLLM request to its end and account for it: the one request loop over this AsyncLLM.
+
+        ``request`` is vLLM's prompt dict (``prompt`` rendered from ``plan``, plus its images in any form vLLM
+        takes: precomputed image tokens from :meth:`build_request`, or pixels); ``image_tokens`` the tokens each
+        image expands to, for the cached-image count; ``started`` the ``perf_counter`` time TTFT and latency
+        count from; ``vision_encodes`` the vision forwards the request cost, reported in its usage.
+        """
+        layout = self.renderer.tokens(request["prompt"], image_tokens)
         token_ids: list[int] = []
         text, ttft, cached, finish, prompt_len = [], 0.0, 0, None, layout.prompt_tokens
         async for out in self.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
@@ -83,7 +113,7 @@ class InProcessEngine:
             image_tokens=layout.image_tokens,
             cached_tokens=cached,
             cached_image_tokens=layout.cached_image_tokens(cached),
-            vision_encodes=encodes,
+            vision_encodes=vision_encodes,
             completion_tokens=len(token_ids),
             ttft_s=ttft,
             latency_s=time.perf_counter() - started,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serving.engine.base import Layout, PromptPlan
+from core.engine import Layout, PromptPlan
 
 SYSTEM_PROMPTS: dict[str, str] = {
     "default": (

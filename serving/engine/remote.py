@@ -26,8 +26,8 @@ import httpx
 import torch
 
 from core.pages import EncodedImage
-from ingestion.model_source import ModelSource
-from serving.engine.base import Completion, KVCapacity, PromptPlan, Usage
+from adapters.checkpoint import ModelSource
+from core.engine import Completion, KVCapacity, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
 
@@ -229,6 +229,14 @@ class RemoteEngine:
                 self.connect_failures[url] += 1
                 refused.append(f"{url} ({exc})")
                 log.warning("replica %s refused the connection; trying the next one", url)
+            except EngineRequestError as exc:
+                if exc.status >= 500:  # the replica failed; a 4xx is the request's fault and the caller's to report
+                    log.warning("replica %s failed the request: %s", url, exc)
+                raise
+            except httpx.TransportError as exc:
+                # After the connection: the request may have run, so it is not sent to another replica.
+                log.warning("replica %s failed mid-request (%s: %s); not retried", url, type(exc).__name__, exc)
+                raise
         raise EngineUnavailableError(
             f"no vLLM replica accepted a connection: {'; '.join(refused)}. Start one with `mmrag engine serve` "
             "(it prints the URL), or fix MMRAG_ENGINE_URLS to list running replicas."
@@ -304,6 +312,16 @@ class RemoteEngine:
                 "serve`, or fix MMRAG_ENGINE_URLS to list running replicas."
             )
         return alive
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every replica's cached prefixes. vLLM serves this route only with VLLM_SERVER_DEV_MODE=1."""
+        for url in self.urls:
+            resp = await self.client.post(f"{url}/reset_prefix_cache")
+            if resp.status_code == 404:
+                raise EngineRequestError(url, 404, "POST /reset_prefix_cache is off: start the replica with "
+                                                   "VLLM_SERVER_DEV_MODE=1 to allow it")
+            if resp.status_code != 200:
+                raise EngineRequestError(url, resp.status_code, _error_message(resp))
 
     async def close(self) -> None:
         await self.client.aclose()

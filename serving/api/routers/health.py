@@ -2,49 +2,54 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Response
 
 from serving.api.deps import ServicesDep
+from serving.api.schemas import Check, Health, Readiness
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
-async def healthz() -> dict:
-    return {"status": "ok"}
+@router.get("/healthz", summary="Liveness: the process answers", response_model=Health)
+async def healthz() -> Health:
+    return Health(status="ok")
 
 
-@router.get("/readyz", summary="Readiness: engine, Qdrant and Redis answer")
-async def readyz(services: ServicesDep) -> JSONResponse:
+# exclude_unset: a check carries `detail` or `error`, never both as nulls (the shape probes already parse).
+@router.get("/readyz", summary="Readiness: engine, Qdrant and Redis answer", response_model=Readiness,
+            response_model_exclude_unset=True,
+            responses={503: {"model": Readiness, "description": "Not ready: at least one check failed; "
+                                                                "its `error` says why."}})
+async def readyz(services: ServicesDep, response: Response) -> Readiness:
     checks = {"engine": _engine(services), "qdrant": _qdrant(services), "redis": _redis(services)}
     results = dict(zip(checks, await asyncio.gather(*checks.values())))
-    ready = all(r["ok"] for r in results.values())
-    return JSONResponse({"ready": ready, "checks": results}, status_code=200 if ready else 503)
+    ready = all(r.ok for r in results.values())
+    response.status_code = 200 if ready else 503  # orchestrators read the status, not the body
+    return Readiness(ready=ready, checks=results)
 
 
-async def _check(coro) -> dict:
+async def _check(coro) -> Check:
     try:
         detail = await asyncio.wait_for(coro, timeout=5)
     except Exception as exc:  # readiness reports any failure as not ready, with its cause
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"ok": True, "detail": detail}
+        return Check(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return Check(ok=True, detail=detail)
 
 
-async def _engine(services) -> dict:
+async def _engine(services) -> Check:
     async def probe():
         cap = await services.engine.kv_capacity()
         return f"{cap.blocks} KV blocks of {cap.block_size} tokens"
     return await _check(probe())
 
 
-async def _qdrant(services) -> dict:
+async def _qdrant(services) -> Check:
     async def probe():
         return f"{len((await services.qdrant.get_collections()).collections)} collections"
     return await _check(probe())
 
 
-async def _redis(services) -> dict:
+async def _redis(services) -> Check:
     if services.store.backend != "redis":
-        return {"ok": True, "detail": "not configured (disk feature store)"}
+        return Check(ok=True, detail="not configured (disk feature store)")
     return await _check(asyncio.to_thread(lambda: services.store.client.ping() and "PONG"))

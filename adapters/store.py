@@ -8,19 +8,23 @@ serve another image's tokens (a renamed or swapped file is refused, not served).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
+from urllib.parse import urlsplit
 
 import safetensors.torch
 from safetensors import SafetensorError
 
 from core.keys import ImageKey
 from core.pages import EncodedImage
+
+log = logging.getLogger(__name__)
 
 _KEY_META = "mmrag_image_key"
 _SUFFIX = ".safetensors"
@@ -185,6 +189,8 @@ class RedisFeatureStore(_BlobStore):
         self.client = redis.Redis.from_url(url)
         self.prefix = prefix
         self.stats = StoreStats()
+        self.where = _without_password(url)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError)
         try:
             self.client.ping()
         except redis.ConnectionError as exc:
@@ -195,20 +201,37 @@ class RedisFeatureStore(_BlobStore):
     def _name(self, key: ImageKey) -> str:
         return f"{self.prefix}{key}"
 
+    def _call(self, command: str, run: Callable[[], Any]) -> Any:
+        """One Redis command; a lost connection is logged (it fails this request, not the server) and raised."""
+        try:
+            return run()
+        except self._unreachable as exc:
+            log.warning("Redis at %s: %s failed (%s: %s)", self.where, command, type(exc).__name__, exc)
+            raise
+
     def _read(self, key: ImageKey) -> bytes | None:
-        return self.client.get(self._name(key))
+        return self._call("GET", lambda: self.client.get(self._name(key)))
 
     def _exists(self, key: ImageKey) -> bool:
-        return bool(self.client.exists(self._name(key)))
+        return bool(self._call("EXISTS", lambda: self.client.exists(self._name(key))))
 
     def _write(self, key: ImageKey, blob: bytes) -> None:
-        self.client.set(self._name(key), blob)
+        self._call("SET", lambda: self.client.set(self._name(key), blob))
 
     def keys(self) -> Iterator[ImageKey]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "img1-*"  # the prefix is literal, not a glob
-        names = sorted(n.decode() for n in self.client.scan_iter(match=pattern, count=1000))
+        found = self._call("SCAN", lambda: list(self.client.scan_iter(match=pattern, count=1000)))
+        names = sorted(n.decode() for n in found)
         for name in names:
             yield ImageKey.parse(name[len(self.prefix) :])
+
+
+def _without_password(url: str) -> str:
+    """``redis://:secret@host:6379/0`` → ``redis://host:6379/0``: what a log line may show."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    return parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")).geturl()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -219,10 +242,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by someone else
         return True
     return True
-
-
-def open_feature_store(data_dir: Path, redis_url: str = "") -> FeatureStore:
-    """Redis when a URL is configured, local disk under ``data_dir/features`` otherwise."""
-    if redis_url:
-        return RedisFeatureStore(redis_url)
-    return DiskFeatureStore(Path(data_dir) / "features")

@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, AutoImageProcessor
 from transformers.initialization import no_init_weights
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from adapters.checkpoint import local_checkpoint
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
+
+log = logging.getLogger(__name__)
 
 # transformers 5 names the tower "model.visual.*"; checkpoints saved by transformers 4 (all released
 # Qwen2-VL models) and by transformers 5's save_pretrained use "visual.*".
@@ -45,7 +48,8 @@ class VisionEncoder:
         salt: str = "",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model_dir = resolve_model_dir(model_path)
+        started = time.perf_counter()
+        self.model_dir = local_checkpoint(model_path)
         self.policy = policy
         self.dtype = dtype
         self.forwards = 0  # images run through the tower; the metrics layer reads it
@@ -61,6 +65,10 @@ class VisionEncoder:
         self._processor = _build_processor(self.model_dir, policy, config.vision_config)
         # The tower + merger module, public for inspection (tests check it holds no LLM weights).
         self.tower = _build_visual(config.vision_config, state, dtype)
+        device = next(self.tower.parameters()).device
+        log.info("vision encoder loaded in %.1f s: version %s, policy %s, %s on %s, from %s",
+                 time.perf_counter() - started, self.version, policy, str(dtype).removeprefix("torch."), device,
+                 self.model_dir)
 
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
@@ -86,26 +94,6 @@ class VisionEncoder:
             EncodedImage(tokens.clone(), thw.reshape(1, 3).clone())
             for tokens, thw in zip(torch.split(merged, sizes), grid, strict=True)
         ]
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local folder as is; a hub id to its snapshot in the local cache (never downloads)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_absolute() or str(model).startswith((".", "~")):  # meant as a folder, not a hub id
-        raise FileNotFoundError(
-            f"model folder {path} does not exist; set MMRAG_MODEL to a local checkpoint folder or a hub id "
-            f"(leave it empty for the tiny random-weight test model)"
-        )
-    try:
-        return Path(snapshot_download(str(model), local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError) as exc:
-        raise FileNotFoundError(
-            f"model {model!s} is neither a local folder nor in the local Hugging Face cache; download it "
-            f"where the hub is reachable (`hf download {model!s}`), or set MMRAG_MODEL to a local "
-            f"checkpoint folder (leave it empty for the tiny random-weight test model)"
-        ) from exc
 
 
 def visual_weight_files(model_dir: Path) -> tuple[str, dict[str, Path]]:

@@ -1,0 +1,1 @@
+"""Shared adapters over external systems and models: feature store, Qdrant, embedders, checkpoints, the vision tower."""

@@ -1,0 +1,247 @@
+"""Qdrant access: the page index, one point per page with named vectors ``text`` and ``image``.
+
+The collection is created explicitly with sizes from the embedders' configs, and checked on every open:
+a mismatch stops with a message that names the fix instead of writing vectors of the wrong shape. Points
+carry a :class:`core.payload.PagePayload`; this module is the only one that scrolls the collection, once
+for the sync client (ingestion, CLI) and once for the async client (the server's readers).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import warnings
+from pathlib import Path
+import asyncio
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from qdrant_client import AsyncQdrantClient, QdrantClient, models
+
+from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PageField, PagePayload
+
+# Payload fields that readers filter on get an index (keyword or integer) on a Qdrant server.
+PAYLOAD_INDEXES: dict[PageField, models.PayloadSchemaType] = {
+    PageField.DOC_ID: models.PayloadSchemaType.KEYWORD,
+    PageField.DOC: models.PayloadSchemaType.KEYWORD,
+    PageField.PAGE: models.PayloadSchemaType.INTEGER,
+    PageField.CONTENT_HASH: models.PayloadSchemaType.KEYWORD,
+    PageField.TEXT_SOURCE: models.PayloadSchemaType.KEYWORD,
+}
+SCROLL_BATCH = 256
+T = TypeVar("T")
+
+
+class IndexConfigError(RuntimeError):
+    """The index cannot be opened or does not match the configured embedders."""
+
+
+class IndexLockedError(IndexConfigError):
+    pass
+
+
+def open_qdrant(url: str, path: Path) -> QdrantClient:
+    """A Qdrant server when ``url`` is set, otherwise embedded local mode in ``path``."""
+    if url:
+        return QdrantClient(url=url)
+    probe_local_lock(path)
+    return QdrantClient(path=str(path))
+
+
+def open_async_qdrant(url: str, path: Path) -> AsyncQdrantClient:
+    """The async sibling of :func:`open_qdrant`, for the server and retrieval."""
+    if url:
+        return AsyncQdrantClient(url=url)
+    probe_local_lock(path)
+    return AsyncQdrantClient(path=str(path))
+
+
+def probe_local_lock(path: Path) -> None:
+    """Local mode allows one client per folder (per open file, so per process too). Probe its lock first so a
+    second client gets a message that says what to do, instead of qdrant-client's RuntimeError."""
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".lock", "a+") as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise IndexLockedError(
+                f"the Qdrant folder {path} is in use by another mmrag process (probably `mmrag serve`). "
+                "Stop that process, ingest through the server (POST /v1/ingest), or run a Qdrant server "
+                "and set MMRAG_QDRANT_URL so several processes can share the index."
+            ) from exc
+        fcntl.flock(probe, fcntl.LOCK_UN)
+
+
+class PageIndex:
+    def __init__(self, client: QdrantClient, collection: str, *, text_dim: int, image_dim: int) -> None:
+        self.client = client
+        self.collection = collection
+        self.dims = {TEXT_VECTOR: text_dim, IMAGE_VECTOR: image_dim}
+
+    def ensure_collection(self) -> None:
+        if not self.client.collection_exists(self.collection):
+            self.client.create_collection(
+                self.collection,
+                vectors_config={
+                    name: models.VectorParams(size=dim, distance=models.Distance.COSINE)
+                    for name, dim in self.dims.items()
+                },
+            )
+            with warnings.catch_warnings():
+                # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
+                warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
+                for field, schema in PAYLOAD_INDEXES.items():
+                    self.client.create_payload_index(self.collection, field.value, field_schema=schema)
+            return
+        check_vectors(self.collection, self.client.get_collection(self.collection).config.params.vectors,
+                      self.dims, exact=True)
+
+    def reset(self) -> None:
+        self.client.delete_collection(self.collection)
+        self.ensure_collection()
+
+    def count(self) -> int:
+        return self.client.count(self.collection, exact=True).count
+
+    def doc_pages(self, doc_id: str) -> list[PagePayload]:
+        points = self._scroll(_match(PageField.DOC_ID, doc_id), with_vectors=False)
+        return sorted((PagePayload.from_qdrant(p.payload) for p in points), key=lambda p: p.page)
+
+    def replace_document(self, doc_id: str, points: list[models.PointStruct]) -> None:
+        """Write a document's pages, then drop pages it no longer has (a shorter new version)."""
+        if points:
+            self.client.upsert(self.collection, points=points, wait=True)
+        keep = [p.id for p in points]
+        stale = models.Filter(
+            must=[_match(PageField.DOC_ID, doc_id)],
+            must_not=[models.HasIdCondition(has_id=keep)] if keep else [],
+        )
+        self.client.delete(self.collection, points_selector=models.FilterSelector(filter=stale), wait=True)
+
+    def find_page(self, doc: str, page: int) -> PagePayload | None:
+        """Page ``page`` of the document named ``doc`` (file name or doc id), if indexed."""
+        for field in (PageField.DOC, PageField.DOC_ID):
+            found = self._scroll(
+                models.Filter(must=[_match(field, doc), _match(PageField.PAGE, page)]), with_vectors=False, limit=2
+            )
+            if found:
+                return PagePayload.from_qdrant(found[0].payload)
+        return None
+
+    def pages(self) -> list[PagePayload]:
+        """Every indexed page."""
+        return [PagePayload.from_qdrant(p.payload) for p in self._scroll(None, with_vectors=False)]
+
+    def points(self, *, with_vectors: bool = False) -> list[models.Record]:
+        """Every point as stored (tests and tools that look at vectors)."""
+        return self._scroll(None, with_vectors=with_vectors)
+
+    def _scroll(self, condition: models.Condition | models.Filter | None, *, with_vectors: bool,
+                limit: int | None = None) -> list[models.Record]:
+        flt = _as_filter(condition)
+        out: list[models.Record] = []
+        offset = None
+        while True:
+            batch, offset = self.client.scroll(
+                self.collection, scroll_filter=flt, limit=limit or SCROLL_BATCH, offset=offset,
+                with_payload=True, with_vectors=with_vectors,
+            )
+            out.extend(batch)
+            if offset is None or (limit is not None and len(out) >= limit):
+                return out
+
+
+class LoopBridge:
+    """The sync client calls :class:`PageIndex` makes, run on ``loop`` through an async client.
+
+    Local mode allows one client per folder: the server's ingest jobs (a worker thread) write through the
+    server's own async client this way. Only the calls PageIndex makes are here, so a new one is a choice.
+    """
+
+    def __init__(self, client: AsyncQdrantClient, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def collection_exists(self, *a: Any, **kw: Any) -> bool:
+        return self._run(self._client.collection_exists(*a, **kw))
+
+    def create_collection(self, *a: Any, **kw: Any) -> bool:
+        return self._run(self._client.create_collection(*a, **kw))
+
+    def create_payload_index(self, *a: Any, **kw: Any) -> Any:
+        return self._run(self._client.create_payload_index(*a, **kw))
+
+    def get_collection(self, *a: Any, **kw: Any) -> models.CollectionInfo:
+        return self._run(self._client.get_collection(*a, **kw))
+
+    def delete_collection(self, *a: Any, **kw: Any) -> bool:
+        return self._run(self._client.delete_collection(*a, **kw))
+
+    def count(self, *a: Any, **kw: Any) -> models.CountResult:
+        return self._run(self._client.count(*a, **kw))
+
+    def scroll(self, *a: Any, **kw: Any) -> tuple[list[models.Record], Any]:
+        return self._run(self._client.scroll(*a, **kw))
+
+    def upsert(self, *a: Any, **kw: Any) -> models.UpdateResult:
+        return self._run(self._client.upsert(*a, **kw))
+
+    def delete(self, *a: Any, **kw: Any) -> models.UpdateResult:
+        return self._run(self._client.delete(*a, **kw))
+
+
+class AsyncPageReader:
+    """Read-only page access over the async client (the REST service and warm-up at start-up)."""
+
+    def __init__(self, client: AsyncQdrantClient, collection: str) -> None:
+        self.client = client
+        self.collection = collection
+
+    async def pages(self) -> list[PagePayload]:
+        """Every indexed page (none when nothing was ingested yet)."""
+        if not await self.client.collection_exists(self.collection):
+            return []
+        out: list[PagePayload] = []
+        offset = None
+        while True:
+            batch, offset = await self.client.scroll(self.collection, limit=SCROLL_BATCH, offset=offset,
+                                                     with_payload=True, with_vectors=False)
+            out.extend(PagePayload.from_qdrant(p.payload) for p in batch)
+            if offset is None:
+                return out
+
+    async def get(self, page_id: str) -> PagePayload | None:
+        if not await self.client.collection_exists(self.collection):
+            return None
+        found = await self.client.retrieve(self.collection, ids=[page_id], with_payload=True)
+        return PagePayload.from_qdrant(found[0].payload) if found else None
+
+
+def check_vectors(collection: str, params: models.VectorParams | Mapping[str, models.VectorParams],
+                  want: Mapping[str, int], *, exact: bool) -> None:
+    """The collection's named vector sizes against what the configured embedders make.
+
+    ``exact``: writers need exactly these vectors; readers only the ones they query with.
+    """
+    have = {name: p.size for name, p in params.items()} if isinstance(params, Mapping) else {"": params.size}
+    wrong = have != dict(want) if exact else any(have.get(name) != dim for name, dim in want.items())
+    if wrong:
+        raise IndexConfigError(
+            f"Qdrant collection {collection!r} has vectors {have}, but the configured embedders need "
+            f"{dict(want)}. Re-create it with `mmrag index reset --yes` and ingest again, or set "
+            "MMRAG_QDRANT_COLLECTION to the collection these embedders wrote."
+        )
+
+
+def make_point(vectors: dict[str, list[float]], payload: PagePayload) -> models.PointStruct:
+    return models.PointStruct(id=payload.page_id, vector=vectors, payload=payload.to_qdrant())
+
+
+def _as_filter(condition: models.Condition | models.Filter | None) -> models.Filter | None:
+    return condition if isinstance(condition, models.Filter) or condition is None else models.Filter(must=[condition])
+
+
+def _match(field: PageField, value: str | int) -> models.FieldCondition:
+    return models.FieldCondition(key=field.value, match=models.MatchValue(value=value))

@@ -1,0 +1,1 @@
+"""Development kit: the sample corpus and the tiny random-weight model builder. Product code never imports it."""

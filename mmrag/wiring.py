@@ -1,0 +1,278 @@
+"""The composition root: the ONE place that turns :class:`Settings` into objects.
+
+Every command, the REST app and the tests build their parts here, so a setting is read in exactly one
+place and components carry no defaults of their own that could disagree with it (tests/test_wiring.py
+checks each config built from default Settings against the component's documented default).
+Heavy libraries (torch, vLLM, transformers) are imported inside the builders, never at module import, so
+``mmrag --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from adapters.checkpoint import ModelSource, configured_model
+from core.engine import Engine, ImageTokenCounts
+from core.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from adapters.embed import ImageEmbedder, TextEmbedder
+    from adapters.qdrant import PageIndex
+    from adapters.store import FeatureStore
+    from adapters.vision import VisionEncoder
+    from ingestion.pipeline import Ingestor
+    from rag.decompose import Decomposer
+    from rag.pipeline import Pipeline, PipelineConfig
+    from retrieval.search import PageSearcher
+    from serving.api.services import Services
+    from serving.engine.config import EngineConfig
+    from serving.metrics import Metrics
+    from serving.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "mmrag-tiny-qwen2vl"
+
+
+class EngineNotConfiguredError(RuntimeError):
+    pass
+
+
+# --- model, store, encoders ------------------------------------------------------------------------------
+
+
+def resolve_model(settings: Settings) -> ModelSource:
+    """MMRAG_MODEL, or (when empty) the tiny random-weight test model, built offline under the data dir."""
+    if settings.model:
+        return configured_model(settings.model)
+    from devkit.tiny_model import MODEL_NAME, ensure_tiny_model
+
+    path = settings.tiny_model_dir
+    if not (path / "config.json").is_file():
+        log.info("no MMRAG_MODEL configured: building the tiny random-weight test model at %s", path)
+    return ModelSource(ensure_tiny_model(path).resolve(), MODEL_NAME, True)
+
+
+def feature_store(settings: Settings) -> FeatureStore:
+    """Redis when MMRAG_REDIS_URL is set, local disk under the data dir otherwise."""
+    from adapters.store import DiskFeatureStore, RedisFeatureStore
+
+    if settings.redis_url:
+        return RedisFeatureStore(settings.redis_url)
+    return DiskFeatureStore(settings.features_dir)
+
+
+def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder:
+    import torch
+
+    from adapters.vision import VisionEncoder
+
+    dtype = getattr(torch, settings.vision_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"MMRAG_VISION_DTYPE={settings.vision_dtype!r} is not a torch dtype; use float32 or bfloat16")
+    return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt, dtype=dtype)
+
+
+def text_embedder(settings: Settings) -> TextEmbedder:
+    from adapters.embed import TextEmbedder
+
+    return TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
+
+
+def image_embedder(settings: Settings) -> ImageEmbedder | None:
+    """The CLIP image channel, or None when it is off (no local weights)."""
+    if not settings.image_channel:
+        return None
+    from adapters.embed import ImageEmbedder
+
+    return ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
+
+
+# --- the index -------------------------------------------------------------------------------------------
+
+
+def page_index(settings: Settings, text_dim: int, *, client=None) -> PageIndex:
+    """The index for writing (its collection created or checked against the embedders' sizes)."""
+    from adapters.embed import clip_embed_dim
+    from adapters.qdrant import PageIndex, open_qdrant
+
+    index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
+                      text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model))
+    index.ensure_collection()
+    return index
+
+
+def read_index(settings: Settings) -> PageIndex:
+    """The index for reading only: no embedder is loaded and no vector sizes are needed."""
+    from adapters.qdrant import PageIndex, open_qdrant
+
+    return PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
+                     text_dim=0, image_dim=0)
+
+
+def ingestor(settings: Settings, *, model: ModelSource | None = None, store: FeatureStore | None = None,
+             index: PageIndex | None = None, text: TextEmbedder | None = None,
+             image: ImageEmbedder | None = None) -> Ingestor:
+    """The ingest pipeline; parts already built (the server's store, index and embedders) are reused."""
+    from ingestion.pipeline import Ingestor
+
+    model = model or resolve_model(settings)
+    text = text or text_embedder(settings)
+    if image is None:
+        image = image_embedder(settings)
+    return Ingestor(
+        settings,
+        encoder=vision_encoder(settings, model),
+        store=store or feature_store(settings),
+        index=index or page_index(settings, text.dim),
+        text_embedder=text,
+        image_embedder=image,
+    )
+
+
+def searcher(settings: Settings, *, client=None) -> PageSearcher:
+    from adapters.qdrant import open_async_qdrant
+    from retrieval.search import PageSearcher
+
+    return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
+                        settings.qdrant_collection, text_embedder(settings), image_embedder(settings),
+                        top_k=settings.top_k)
+
+
+# --- engine, scheduler, pipeline -------------------------------------------------------------------------
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    from serving.engine.config import EngineConfig, resolve_dtype
+
+    return EngineConfig(
+        block_size=settings.kv_block_size or None,
+        kv_cache_gib=settings.kv_cache_gib,
+        max_model_len=settings.max_model_len,
+        max_images_per_prompt=settings.max_images_per_prompt,
+        enforce_eager=settings.enforce_eager,
+        dtype=resolve_dtype(settings.engine_dtype),
+        max_num_seqs=settings.max_num_seqs,
+    )
+
+
+def require_engine_urls(settings: Settings) -> list[str]:
+    """The remote replicas; commands that must act on a running engine (warm-up) stop here without them."""
+    if not settings.engine_url_list:
+        raise EngineNotConfiguredError(
+            "no running engine to talk to: start one with `mmrag engine serve` and set MMRAG_ENGINE_URLS="
+            "http://127.0.0.1:8100 (comma-separate several replicas)"
+        )
+    return settings.engine_url_list
+
+
+def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = None, *,
+           allow_inprocess: bool = True) -> Engine:
+    """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process."""
+    from serving.engine.features import FeatureProvider
+
+    features = FeatureProvider(store or feature_store(settings))
+    if settings.engine_url_list:
+        from serving.engine.remote import RemoteEngine
+
+        return RemoteEngine(settings.engine_url_list, model, features)
+    if not allow_inprocess:
+        require_engine_urls(settings)
+    from serving.engine.inprocess import InProcessEngine
+
+    return InProcessEngine.start(model, features, engine_config(settings))
+
+
+def scheduler_config(settings: Settings) -> SchedulerConfig:
+    from serving.scheduler import Policy, SchedulerConfig
+
+    return SchedulerConfig(
+        policy=Policy(settings.scheduler_policy),
+        max_concurrency=settings.max_concurrency,
+        max_image_tokens_in_flight=settings.max_image_tokens_in_flight,
+        max_wait_ms=settings.max_wait_ms,
+        queue_cap=settings.queue_cap,
+    )
+
+
+def pipeline_config(settings: Settings) -> PipelineConfig:
+    from rag.pipeline import PipelineConfig
+
+    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens)
+
+
+def decomposer(settings: Settings, engine: Engine) -> Decomposer:
+    from rag.decompose import Decomposer
+
+    return Decomposer(engine, max_n=settings.max_sub_questions, max_question_chars=settings.max_question_chars)
+
+
+def pipeline(settings: Settings, engine: Engine, *, client=None) -> tuple[Pipeline, Scheduler]:
+    """The pipeline over the configured index, its plans going through one prefix-aware scheduler.
+
+    The caller owns the engine and closes ``pipeline.searcher.client``.
+    """
+    from rag.pipeline import Pipeline
+    from serving.scheduler import Scheduler
+
+    counts = ImageTokenCounts()
+    scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
+    pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client), engine,
+                    config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts)
+    return pipe, scheduler
+
+
+# --- the REST service ------------------------------------------------------------------------------------
+
+
+async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engine | None = None,
+                         store_: FeatureStore | None = None) -> Services:
+    """Everything the app serves with, built on the running loop (vLLM's async engine binds to it).
+
+    ``engine_``/``store_``: an already started engine and the feature store it reads (tests share one engine
+    per session); the store is what the feature-store metrics count.
+    """
+    from adapters.embed import clip_embed_dim
+    from adapters.qdrant import AsyncPageReader, LoopBridge, PageIndex
+    from serving.api.services import MeteredEngine, Services
+    from serving.ingest_jobs import IngestJobs
+
+    model = resolve_model(settings)
+    log.info("model: %s", model.describe())
+    store = store_ or feature_store(settings)
+    raw = engine_ if engine_ is not None else engine(settings, model, store)
+    metered = MeteredEngine(raw, metrics)
+    pipe, scheduler = pipeline(settings, metered)
+    metrics.register_store(store)
+    if settings.engine_url_list:
+        metrics.register_remote_replicas(settings.engine_url_list)
+    loop = asyncio.get_running_loop()
+    client = pipe.searcher.client
+
+    def make_ingestor() -> Ingestor:
+        # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
+        # async client, from the job's worker thread, on this loop.
+        index = PageIndex(LoopBridge(client, loop), settings.qdrant_collection,
+                          text_dim=pipe.searcher.text_embedder.dim, image_dim=clip_embed_dim(settings.clip_model))
+        index.ensure_collection()
+        return ingestor(settings, model=model, store=store, index=index, text=pipe.searcher.text_embedder,
+                        image=pipe.searcher.image_embedder)
+
+    return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
+                    store=store, pages=AsyncPageReader(client, settings.qdrant_collection), metrics=metrics,
+                    jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None)
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None) -> FastAPI:
+    """The REST app. ``engine``: an already started engine to share (tests), with the ``store`` it reads;
+    otherwise the app starts one over the configured store."""
+    from serving.api.main import create_app as assemble
+
+    async def build(metrics: Metrics) -> Services:
+        return await build_services(settings, metrics=metrics, engine_=engine, store_=store)
+
+    return assemble(settings, build)

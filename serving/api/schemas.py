@@ -1,0 +1,200 @@
+"""Every request and response body of the REST API: the contract /openapi.json publishes.
+
+Routes only route; the shapes live here. Response models forbid unknown keys, so a field added to
+``Answer.to_json()`` (or a job's report) without being documented here fails the API tests loudly instead of
+being silently dropped from the answer or missing from the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.pages import TextSource
+from core.payload import PagePayload
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- errors (serving/api/errors.py and limits.py write this shape) ---------------------------------------
+
+
+class ErrorDetail(_Response):
+    type: str = Field(description="Machine-readable error kind, e.g. `unknown_page`, `engine_unavailable`.")
+    message: str = Field(description="What went wrong, for a person.")
+    fix: str = Field(description="What to do about it (may be empty when the message already says it).")
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail = Field(description="The one error of this request.")
+
+
+def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` for error statuses: each one documented with the error body and why it happens."""
+    return {status: {"model": ErrorResponse, "description": why} for status, why in described.items()}
+
+
+# Declared per route, so FastAPI does not document its own 422 shape: errors.py rewrites validation errors.
+INVALID_REQUEST = {422: "The request does not match the schema (`invalid_request`)."}
+UNAUTHORIZED = {401: "Missing or wrong API key (`unauthorized`)."}
+TOO_LARGE = {413: "Request body over MMRAG_MAX_REQUEST_BYTES (`request_too_large`)."}
+
+
+# --- health ----------------------------------------------------------------------------------------------
+
+
+class Health(_Response):
+    status: Literal["ok"] = Field(description="Always `ok`: the process answers.")
+
+
+class Check(_Response):
+    ok: bool = Field(description="Whether the dependency answered within 5 s.")
+    detail: str | None = Field(default=None, description="What it answered (present when `ok`).")
+    error: str | None = Field(default=None, description="Why it did not (present when not `ok`).")
+
+
+class Readiness(_Response):
+    ready: bool = Field(description="True when every check is ok; the status is then 200, else 503.")
+    checks: dict[Literal["engine", "qdrant", "redis"], Check] = Field(
+        description="One check per dependency: the engine's KV cache, Qdrant, and Redis (ok when not configured)."
+    )
+
+
+# --- ask -------------------------------------------------------------------------------------------------
+
+
+class AskRequest(BaseModel):
+    question: str = Field(description="The question; it is split into sub-questions.")
+    docs: list[str] | None = Field(default=None, description="Only search these documents (file names or ids).")
+
+
+class Citation(_Response):
+    page_id: str = Field(description="The cited page's id: fetch it with GET /v1/pages/{page_id}.")
+    doc: str = Field(description="File name of the cited document.")
+    page: int = Field(description="1-based page number in that document.")
+    score: float = Field(description="Retrieval score, rounded to 4 places: cosine similarity for one channel, "
+                                     "reciprocal-rank-fusion score for hybrid search. Citations are best first.")
+
+
+class Usage(_Response):
+    prompt_tokens: int = Field(description="Prompt tokens over all completions of this answer, images included.")
+    cached_tokens: int = Field(description="Of those, tokens whose KV came from the engine's prefix cache.")
+    image_tokens: int = Field(description="Prompt tokens that are page-image tokens.")
+    cached_image_tokens: int = Field(description="Of those, image tokens served from the prefix cache.")
+    vision_encodes: int = Field(description="Vision-encoder forwards done for this request "
+                                            "(0 when every page's image tokens were stored at ingest).")
+    completion_tokens: int = Field(description="Generated tokens over all completions.")
+    ttft_s: float = Field(description="Time to first token in seconds, summed over the completions.")
+    latency_s: float = Field(description="Completion latency in seconds, summed over the completions.")
+
+
+class ModelInfo(_Response):
+    name: str = Field(description="The served model.")
+    random_weights: bool = Field(description="True for the random-weight test model: its text is not meaningful.")
+    note: str = Field(description="Why the answer text may be meaningless and how to fix it; empty for real weights.")
+
+
+class SubAnswer(_Response):
+    sub_question: str = Field(description="One sub-question, as it was asked of the model.")
+    answer: str = Field(description="The model's answer to it, before synthesis.")
+
+
+class AskResponse(_Response):
+    answer: str = Field(description="The answer (synthesised from the sub-answers when there are several).")
+    sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
+    sub_question_source: Literal["model", "rules", "none"] = Field(
+        description="Who split the question: the model, the rule-based fallback, or `none`."
+    )
+    citations: list[Citation] = Field(description="Every retrieved page once, best score first.")
+    usage: Usage = Field(description="Token and cache accounting over every completion of this answer.")
+    model: ModelInfo = Field(description="The model that answered.")
+    sub_answers: list[SubAnswer] | None = Field(
+        default=None, description="Each sub-question's own answer; absent when no page was found."
+    )
+
+
+# --- documents and pages ---------------------------------------------------------------------------------
+
+
+class DocumentPage(_Response):
+    page: int = Field(description="1-based page number.")
+    page_id: str = Field(description="The page's id: GET /v1/pages/{page_id} and /v1/pages/{page_id}/image.")
+
+
+class Document(_Response):
+    doc_id: str = Field(description="Stable id of the document (from its resolved source path).")
+    doc: str = Field(description="File name; what citations and the `docs` filter of /v1/ask name.")
+    path: str = Field(description="Resolved server-side source path.")
+    num_pages: int = Field(description="Pages in the source file.")
+    indexed_pages: int = Field(description="Pages of it in the index.")
+    pages: list[DocumentPage] = Field(description="The indexed pages with their ids, by page number.")
+
+
+class DocumentList(_Response):
+    documents: list[Document] = Field(description="Ingested documents, by file name.")
+
+
+class Page(_Response):
+    id: str = Field(description="The page's id (as in citations and GET /v1/documents).")
+    doc_id: str = Field(description="Id of the page's document.")
+    doc: str = Field(description="File name of the page's document.")
+    path: str = Field(description="Resolved server-side source path (the image is rendered from it on request).")
+    page: int = Field(description="1-based page number.")
+    num_pages: int = Field(description="Pages in the source file.")
+    image_key: str = Field(description="Key of the page's stored image tokens (content hash, encoder, policy).")
+    image_tokens: int = Field(description="Image tokens the page takes in a prompt.")
+    text: str = Field(description="The page's text (text layer or OCR; empty when it has none).")
+    text_source: TextSource = Field(description="Where the text came from.")
+    width: int = Field(description="Width in pixels of the page image the model sees.")
+    height: int = Field(description="Height in pixels of the page image the model sees.")
+
+    @classmethod
+    def of(cls, page: PagePayload) -> Page:
+        return cls(id=page.page_id, doc_id=page.doc_id, doc=page.doc, path=page.path, page=page.page,
+                   num_pages=page.num_pages, image_key=str(page.image_key), image_tokens=page.image_tokens,
+                   text=page.text, text_source=page.text_source, width=page.width, height=page.height)
+
+
+PNG_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The page image as PNG, rendered again from its source file.",
+          "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}},
+}
+
+
+# --- ingest ----------------------------------------------------------------------------------------------
+
+
+class IngestRequest(BaseModel):
+    paths: list[str] = Field(min_length=1, description="Server-side files or folders under MMRAG_INGEST_ROOT.")
+    recursive: bool = Field(default=False, description="Also ingest files in sub-folders of the given folders.")
+
+
+class FileFailure(_Response):
+    path: str = Field(description="A file that was not ingested.")
+    error: str = Field(description="Why, and what to change.")
+
+
+class IngestReport(_Response):
+    files: int = Field(description="Files ingested.")
+    pages: int = Field(description="Pages indexed.")
+    encoded: int = Field(description="Pages newly vision-encoded.")
+    cached: int = Field(description="Pages whose image tokens were already stored.")
+    failed: list[FileFailure] = Field(description="Files that failed; the others were ingested.")
+    seconds: float = Field(description="Wall time of the run.")
+    unchanged_files: int = Field(description="Files skipped: same bytes and settings as already indexed.")
+    ocr_pages: int = Field(description="Pages whose text came from OCR.")
+    stage_seconds: dict[str, float] = Field(description="Seconds per stage (render, text, ocr, encode, embed, index).")
+
+
+class IngestJob(_Response):
+    id: str = Field(description="Job id: poll GET /v1/ingest/{id}.")
+    paths: list[str] = Field(description="The resolved paths being ingested.")
+    recursive: bool = Field(description="Whether sub-folders are ingested.")
+    status: Literal["queued", "running", "done", "failed"] = Field(description="Where the job is.")
+    report: IngestReport | None = Field(description="The ingest report once `done`, else null.")
+    error: str | None = Field(description="Why the job failed when `failed`, else null.")
+    submitted_at: float = Field(description="Unix time the job was submitted.")
+    finished_at: float | None = Field(description="Unix time it finished, null until then.")

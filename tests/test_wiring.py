@@ -1,0 +1,77 @@
+"""One wiring module: configs built from default Settings equal each component's documented defaults, so no
+component default can disagree with Settings; and what the wiring builds follows the settings it is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.settings import Settings
+from mmrag import wiring
+
+
+@pytest.fixture
+def defaults(monkeypatch) -> Settings:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("MMRAG_"):
+            monkeypatch.delenv(name)
+    return Settings()
+
+
+def test_the_scheduler_config_defaults_are_the_settings_defaults(defaults):
+    from serving.scheduler import SchedulerConfig
+
+    assert wiring.scheduler_config(defaults) == SchedulerConfig()
+
+
+def test_the_pipeline_config_defaults_are_the_settings_defaults(defaults):
+    from rag.pipeline import PipelineConfig
+
+    assert wiring.pipeline_config(defaults) == PipelineConfig()
+
+
+def test_the_decomposer_and_searcher_defaults_are_the_settings_defaults(defaults):
+    import inspect
+
+    from rag.decompose import Decomposer, check_question
+    from retrieval.search import PageSearcher
+
+    decomposer = inspect.signature(Decomposer).parameters
+    assert decomposer["max_n"].default == defaults.max_sub_questions
+    assert decomposer["max_question_chars"].default == defaults.max_question_chars
+    assert inspect.signature(check_question).parameters["limit"].default == defaults.max_question_chars
+    assert inspect.signature(PageSearcher).parameters["top_k"].default == defaults.top_k
+
+
+def test_the_engine_config_carries_every_engine_setting(defaults):
+    custom = defaults.model_copy(update={
+        "kv_block_size": 64, "kv_cache_gib": 3, "max_model_len": 1024, "max_images_per_prompt": 2,
+        "enforce_eager": True, "engine_dtype": "float32", "max_num_seqs": 7,
+    })
+    config = wiring.engine_config(custom)
+    assert (config.block_size, config.kv_cache_gib, config.max_model_len, config.max_images_per_prompt,
+            config.enforce_eager, config.dtype, config.max_num_seqs) == (64, 3, 1024, 2, True, "float32", 7)
+    assert wiring.engine_config(defaults).block_size is None  # 0 means vLLM's platform default
+
+
+def test_auto_dtype_is_what_the_cpu_runs_natively():
+    from serving.engine.config import native_cpu_dtype
+
+    assert native_cpu_dtype({"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
+    assert native_cpu_dtype({"avx2", "amx_bf16"}) == "bfloat16"
+    # AVX2-only (e.g. AMD EPYC Zen 3): bf16 is emulated there, ~5x slower than fp32.
+    assert native_cpu_dtype({"avx2", "fma"}) == "float32"
+
+
+def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_url):
+    disk = wiring.feature_store(defaults.model_copy(update={"data_dir": tmp_path}))
+    assert disk.backend == "disk" and str(tmp_path / "features") in str(disk.root)
+    redis = wiring.feature_store(defaults.model_copy(update={"redis_url": redis_url}))
+    assert redis.backend == "redis"
+
+
+def test_a_vision_dtype_that_is_not_a_torch_dtype_names_the_fix(defaults, tiny_model):
+    bad = defaults.model_copy(update={"vision_dtype": "float33"})
+    with pytest.raises(ValueError, match="MMRAG_VISION_DTYPE"):
+        wiring.vision_encoder(bad, wiring.resolve_model(bad.model_copy(update={"model": str(tiny_model)})))
