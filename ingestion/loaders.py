@@ -68,19 +68,24 @@ class IngestError(Exception):
 # --- discovery ---------------------------------------------------------------------------------------
 
 
-def discover(paths: list[Path], *, recursive: bool) -> tuple[list[Path], list[FileFailure]]:
+def discover(paths: list[Path], *, recursive: bool, root: Path | None = None
+             ) -> tuple[list[Path], list[FileFailure]]:
     """Expand CLI PATH arguments into the files to ingest, plus failures for paths that cannot be.
 
     Files are kept as given; a directory contributes its supported files, sorted (its whole tree with
     ``recursive``, otherwise its top level, ignoring subdirectories). Argument order is kept and a file
-    reached twice (two arguments, a symlink) is listed once.
+    reached twice (two arguments, a symlink) is listed once. A symbolic link found in a folder that leads
+    nowhere (dangling, or a loop) is a failed file, not silently dropped. With ``root`` (server-side ingest),
+    every file must resolve inside it: a link found while walking cannot reach a file outside the root.
     """
     files: list[Path] = []
     failures: list[FileFailure] = []
     seen: set[Path] = set()
+    root = root.resolve() if root is not None else None
     for arg in paths:
         if arg.is_dir():
-            candidates = _files_in(arg, recursive)
+            candidates, broken = _files_in(arg, recursive)
+            failures += [FileFailure(str(p), _not_a_file_message(p)) for p in broken]
         elif arg.is_file():
             candidates = [arg]
         else:
@@ -88,6 +93,10 @@ def discover(paths: list[Path], *, recursive: bool) -> tuple[list[Path], list[Fi
             continue
         for path in candidates:
             resolved = path.resolve()
+            if root is not None and not resolved.is_relative_to(root):
+                failures.append(FileFailure(str(path), "is a link to a file outside the ingest root: copy the file "
+                                                       "under MMRAG_INGEST_ROOT to ingest it"))
+                continue
             if resolved in seen:
                 continue
             seen.add(resolved)
@@ -114,17 +123,37 @@ def unsupported_message(path: Path) -> str:
     return f"unsupported file type {kind}: convert it to PDF or an image ({_SUPPORTED_LIST})"
 
 
-def _files_in(directory: Path, recursive: bool) -> list[Path]:
-    # Hidden files and directories (.DS_Store, .git, the .mmrag data dir) are never documents, so they are
-    # skipped without a word. Only regular files count: subdirectories are simply not descended into
-    # without `recursive`, and os.walk does not follow directory symlinks, so a link loop cannot trap it.
-    if not recursive:
-        return sorted(p for p in directory.iterdir() if not _hidden(p.name) and p.is_file())
-    found: list[Path] = []
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not _hidden(d)]
-        found += [Path(root, n) for n in names if not _hidden(n) and Path(root, n).is_file()]
-    return sorted(found)
+def _files_in(directory: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
+    """(regular files, links that lead nowhere) under ``directory``.
+
+    Hidden files and directories (.DS_Store, .git, the .mmrag data dir) are never documents, so they are
+    skipped without a word. Subdirectories are simply not descended into without `recursive`, and os.walk
+    does not follow directory symlinks, so a link loop cannot trap it.
+    """
+    if recursive:
+        entries: list[Path] = []
+        for root, dirs, names in os.walk(directory):
+            dirs[:] = [d for d in dirs if not _hidden(d)]
+            entries += [Path(root, n) for n in names if not _hidden(n)]
+    else:
+        entries = [p for p in directory.iterdir() if not _hidden(p.name)]
+    files = sorted(p for p in entries if _is_file(p))
+    broken = sorted(p for p in entries if p.is_symlink() and not _exists(p))
+    return files, broken
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a symlink loop (ELOOP) or a name the OS refuses: reported by the caller, never followed
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def _hidden(name: str) -> bool:
@@ -135,7 +164,8 @@ def _not_a_file_message(path: Path) -> str:
     if path.is_dir():
         return "is a directory, not a document file: pass it as a PATH argument so its files are discovered"
     if path.is_symlink():
-        return "broken symbolic link: its target does not exist; fix the link or pass the target"
+        return ("broken symbolic link: its target does not exist or it loops back on itself; fix the link or "
+                "pass the target")
     if path.exists():
         return "not a regular file or directory: pass a document file or a folder of them"
     return "no such file or directory: check the path"

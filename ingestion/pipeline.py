@@ -87,10 +87,11 @@ class Ingestor:
             f"image={image_embedder.name if image_embedder else 'off'}",
         ])
 
-    def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None
-            ) -> IngestReport:
+    def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None,
+            root: Path | None = None) -> IngestReport:
+        """``root``: files must resolve inside it (server-side ingest: links cannot leave MMRAG_INGEST_ROOT)."""
         started = time.perf_counter()
-        files, failures = discover(list(paths), recursive=recursive)
+        files, failures = discover(list(paths), recursive=recursive, root=root)
         report = IngestReport(files=len(files) + len(failures), failed=list(failures))
         total = len(files)
         notify = progress or (lambda files_done, files_total, pages_done: None)

@@ -7,7 +7,7 @@ each call on the server's event loop. Jobs run one at a time: ingestion is CPU-b
 
 from __future__ import annotations
 
-import itertools
+import uuid
 import logging
 import time
 from collections.abc import Callable
@@ -49,7 +49,6 @@ class IngestJobs:
         self._ingestor: Ingestor | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmrag-ingest")
         self._jobs: dict[str, Job] = {}
-        self._ids = itertools.count(1)
 
     def allowed(self, raw: list[str]) -> list[Path]:
         if self.root is None:
@@ -66,7 +65,8 @@ class IngestJobs:
 
     def submit(self, raw: list[str], *, recursive: bool) -> Job:
         paths = self.allowed(raw)
-        job = Job(id=f"job-{next(self._ids)}", paths=[str(p) for p in paths], recursive=recursive)
+        # Random ids: a counter would restart at job-1 after a restart, and an old id would name a new job.
+        job = Job(id=f"job-{uuid.uuid4().hex[:16]}", paths=[str(p) for p in paths], recursive=recursive)
         self._jobs[job.id] = job
         self._pool.submit(self._run, job, paths)
         return job
@@ -80,7 +80,7 @@ class IngestJobs:
         try:
             if self._ingestor is None:
                 self._ingestor = self._make_ingestor()
-            report = self._ingestor.run(paths, recursive=job.recursive)
+            report = self._ingestor.run(paths, recursive=job.recursive, root=self.root)
         except Exception as exc:  # the job records the cause; the server keeps serving
             job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
             log.warning("ingest %s failed: %s", job.id, job.error, exc_info=True)

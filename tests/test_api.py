@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -118,6 +119,45 @@ async def test_ingest_jobs_add_documents_while_serving(http, api_server, sample_
     docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
     assert "new_slide.png" in {d["doc"] for d in docs}
     assert (await http.get("/healthz")).status_code == 200  # still serving
+
+
+async def test_links_found_while_walking_cannot_leave_the_ingest_root(http, api_server, sample_corpus, tmp_path):
+    # Reproduces the probe: evil/ sits under MMRAG_INGEST_ROOT and holds a link to a file outside it.
+    outside = tmp_path / "secret.png"
+    shutil.copy(sorted(sample_corpus.glob("*.png"))[1], outside)
+    evil = api_server["root"] / "evil"
+    evil.mkdir()
+    (evil / "link.png").symlink_to(outside)
+    (evil / "dangling.png").symlink_to(tmp_path / "gone.png")
+    (evil / "loop.png").symlink_to(evil / "loop.png")
+    job = (await http.post("/v1/ingest", json={"paths": ["evil"]}, headers=AUTH)).json()
+    status = await _wait_for_job(http, job["id"])
+    assert status["status"] == "done" and status["report"]["pages"] == 0, status
+    failed = {Path(f["path"]).name: f["error"] for f in status["report"]["failed"]}
+    assert "outside the ingest root" in failed["link.png"]
+    assert "broken symbolic link" in failed["dangling.png"] and "broken symbolic link" in failed["loop.png"]
+    docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
+    assert not {"link.png", "secret.png"} & {d["doc"] for d in docs}
+
+
+async def test_job_ids_are_unique_and_the_bearer_scheme_is_case_insensitive(http):
+    ids = {(await http.post("/v1/ingest", json={"paths": ["."]}, headers=AUTH)).json()["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(len(i) > len("job-1") for i in ids)  # not a counter that restarts at job-1
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = await http.get("/v1/documents", headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    assert (await http.get("/v1/documents", headers={"Authorization": "Basic " + API_KEY})).status_code == 401
+    for job_id in ids:
+        await _wait_for_job(http, job_id)
+
+
+async def _wait_for_job(http, job_id: str) -> dict:
+    for _ in range(600):
+        status = (await http.get(f"/v1/ingest/{job_id}", headers=AUTH)).json()
+        if status["status"] in ("done", "failed"):
+            return status
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"ingest job {job_id} did not finish: {status}")
 
 
 async def test_openapi_docs_list_the_endpoints(http):

@@ -22,8 +22,9 @@ def require_api_key(request: Request, services: ServicesDep) -> None:
     expected = services.settings.api_key
     if not expected:
         return
-    header = request.headers.get("authorization", "")
-    given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # The auth scheme is case-insensitive (RFC 9110 §11.1): "bearer", "Bearer" and "BEARER" are one scheme.
+    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
     if not secrets.compare_digest(given.encode(), expected.encode()):
         raise ApiError(401, "unauthorized", "missing or wrong API key",
                        "send `Authorization: Bearer <MMRAG_API_KEY>` (or the X-API-Key header)")
