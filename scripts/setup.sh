@@ -11,14 +11,14 @@ want_stamp=$(cat scripts/setup.sh constraints.txt pyproject.toml | sha256sum | c
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=""
-    for bin in redis-server prometheus tesseract; do
+    for bin in redis-server prometheus tesseract qpdf; do
         command -v "$bin" >/dev/null || missing=1
     done
     if [ -n "$missing" ]; then
-        echo "[setup] installing Debian packages: redis-server prometheus tesseract-ocr"
+        echo "[setup] installing Debian packages: redis-server prometheus tesseract-ocr qpdf"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server prometheus \
-            tesseract-ocr tesseract-ocr-eng >/dev/null
+            tesseract-ocr tesseract-ocr-eng qpdf >/dev/null
     fi
 fi
 
