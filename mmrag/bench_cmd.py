@@ -60,7 +60,6 @@ def bench(
     from bench.report import build_json, markdown_tables, plot
     from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, run_all
     from bench.workload import WorkloadSpec, make_workload
-    from mmrag.cli import quiet_transformers
 
     if concurrency < 1 or max_tokens < 1 or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
@@ -73,7 +72,6 @@ def bench(
     preset = QUICK if quick else FULL
     n_pages = pages or preset["pages"]
     n_questions = questions or preset["questions"]
-    quiet_transformers()
     settings = Settings()
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")

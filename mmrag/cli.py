@@ -46,16 +46,6 @@ err = Console(stderr=True)
 OUR_PACKAGES = ("mmrag", "core", "adapters", "ingestion", "retrieval", "rag", "serving", "bench", "devkit")
 
 
-def quiet_transformers() -> None:
-    """transformers' own per-load progress bars off: our progress output says what is happening.
-
-    Called by the commands that load models, not at start-up: it imports transformers (about a second).
-    """
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time: while rich's live progress bar runs it redirects
     stderr, and log lines then print above the bar instead of through it."""
@@ -85,8 +75,6 @@ def model_tiny(
 ) -> None:
     """Build the tiny random-weight Qwen2-VL test model offline (a few seconds). Its answers are not meaningful."""
     from devkit.tiny_model import build_tiny_model
-
-    quiet_transformers()
 
     path = build_tiny_model(out, seed=seed)
     err.print(f"tiny random-weight Qwen2-VL written to [bold]{path}[/] (set MMRAG_MODEL={path} to use it)")
@@ -121,7 +109,6 @@ def ingest(
     """
     from mmrag import ingest_cmd
 
-    quiet_transformers()
     if warm_after:
         from core.settings import Settings
         from mmrag.wiring import require_engine_urls
@@ -158,7 +145,6 @@ def ask(
     """
     from mmrag import ask_cmd
 
-    quiet_transformers()
     answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err)
     if as_json:
         typer.echo(json.dumps(answer.to_json()))
@@ -180,7 +166,6 @@ def warm(
     """
     from mmrag import ask_cmd
 
-    quiet_transformers()
     report = ask_cmd.warm_pages(top=top, pages_spec=pages, share=share)
     if as_json:
         typer.echo(json.dumps(report.to_json()))
@@ -205,7 +190,6 @@ def serve(
     from core.settings import Settings
     from mmrag.wiring import create_app
 
-    quiet_transformers()
     settings = Settings()
     uvicorn.run(create_app(settings), host=host or settings.host, port=port or settings.port, log_level="info")
 
@@ -217,7 +201,6 @@ def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for 
 
     if not yes:
         typer.confirm("Delete every indexed page?", abort=True)
-    quiet_transformers()  # the text embedder is loaded for its vector size
     ingest_cmd.reset_index(err)
 
 
@@ -231,7 +214,8 @@ def index_stats() -> None:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Our own progress bars say what is happening; transformers' per-load bars would only add noise.
+    # Our own progress bars say what is happening; transformers' per-load bars would only add noise. Set before
+    # any command imports transformers, which reads it once at import (nothing heavy is imported until then).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # vLLM logs to stdout by default, which would corrupt `--json` output; keep stdout for results.

@@ -35,10 +35,8 @@ def serve(
     """
     from core.settings import Settings
     from mmrag import wiring
-    from mmrag.cli import quiet_transformers
     from serving.vllm_launch import ServerHandle, ServerStartError, start_server
 
-    quiet_transformers()
     settings = Settings()
     model = wiring.resolve_model(settings)
     config = wiring.engine_config(settings)

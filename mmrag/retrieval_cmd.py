@@ -43,9 +43,7 @@ def eval_command(
 ) -> None:
     """Recall@1, recall@5 and MRR of the labelled questions, per channel: text, image (if on), hybrid."""
     from core.settings import Settings
-    from mmrag.cli import quiet_transformers
 
-    quiet_transformers()
     settings = Settings()
     manifest = load_manifest(corpus)
     report = asyncio.run(run_eval(settings, manifest))
@@ -158,9 +156,7 @@ def latency_command(
     if pages < 1 or queries < 1 or batch < 1:
         raise typer.BadParameter("--pages, --queries and --batch must be at least 1")
     from core.settings import Settings
-    from mmrag.cli import quiet_transformers
 
-    quiet_transformers()
     settings = Settings()
     result = asyncio.run(run_latency(settings, pages=pages, queries=queries, batch=batch, seed=seed))
     if as_json:
