@@ -8,11 +8,11 @@ for the sync client (ingestion, CLI) and once for the async client (the server's
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import warnings
-from pathlib import Path
-import asyncio
 from collections.abc import Coroutine, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from qdrant_client import AsyncQdrantClient, QdrantClient, models

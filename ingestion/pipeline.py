@@ -98,28 +98,25 @@ class Ingestor:
         for failure in failures:
             log.warning("failed %s: %s", failure.path, failure.error)
         for i, path in enumerate(files):
-            t0, pages, encoded, cached = time.perf_counter(), report.pages, report.encoded, report.cached
-            unchanged = report.unchanged_files
             try:
                 self.ingest_file(path, report, on_batch=lambda in_file: notify(i, total, report.pages + in_file))
             except IngestError as exc:
                 report.failed.append(FileFailure(str(path), str(exc)))
                 log.warning("failed %s: %s", path, exc)
-            else:
-                log.info("ingested %s: %d pages, %d encoded, %d cached in %.2f s%s", path, report.pages - pages,
-                         report.encoded - encoded, report.cached - cached, time.perf_counter() - t0,
-                         " (unchanged file)" if report.unchanged_files > unchanged else "")
             notify(i + 1, total, report.pages)
         report.seconds = time.perf_counter() - started
         return report
 
     def ingest_file(self, path: Path, report: IngestReport, *, on_batch: Callable[[int], None] | None = None
                     ) -> None:
+        started = time.perf_counter()
         with open_document(path, self.settings) as doc:
             if self._is_current(doc):
                 report.pages += doc.num_pages
                 report.cached += doc.num_pages
                 report.unchanged_files += 1
+                log.info("ingested %s: %d pages, 0 encoded, %d cached in %.2f s (unchanged file)", path,
+                         doc.num_pages, doc.num_pages, time.perf_counter() - started)
                 return
             # Count into a scratch report first: a file that fails half-way must not count its pages.
             scratch = IngestReport()
@@ -132,6 +129,8 @@ class Ingestor:
             self.index.replace_document(doc.doc_id, points)
             scratch.stage_seconds["index"] += time.perf_counter() - t0
         _merge(report, scratch)
+        log.info("ingested %s: %d pages, %d encoded, %d cached in %.2f s", path, scratch.pages, scratch.encoded,
+                 scratch.cached, time.perf_counter() - started)
 
     def _is_current(self, doc: Document) -> bool:
         have = self.index.doc_pages(doc.doc_id)

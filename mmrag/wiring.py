@@ -236,8 +236,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     ``engine_``/``store_``: an already started engine and the feature store it reads (tests share one engine
     per session); the store is what the feature-store metrics count.
     """
-    from adapters.embed import clip_embed_dim
-    from adapters.qdrant import AsyncPageReader, LoopBridge, PageIndex
+    from adapters.qdrant import AsyncPageReader, LoopBridge
     from serving.api.services import MeteredEngine, Services
     from serving.ingest_jobs import IngestJobs
 
@@ -256,9 +255,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     def make_ingestor() -> Ingestor:
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
-        index = PageIndex(LoopBridge(client, loop), settings.qdrant_collection,
-                          text_dim=pipe.searcher.text_embedder.dim, image_dim=clip_embed_dim(settings.clip_model))
-        index.ensure_collection()
+        index = page_index(settings, pipe.searcher.text_embedder.dim, client=LoopBridge(client, loop))
         return ingestor(settings, model=model, store=store, index=index, text=pipe.searcher.text_embedder,
                         image=pipe.searcher.image_embedder)
 

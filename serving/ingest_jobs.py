@@ -7,9 +7,9 @@ each call on the server's event loop. Jobs run one at a time: ingestion is CPU-b
 
 from __future__ import annotations
 
-import uuid
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field

@@ -78,7 +78,7 @@ async def test_a_prefix_hit_gives_the_cold_paths_greedy_tokens(inprocess_engine,
 async def test_identical_plans_build_identical_requests_and_image_order_matters(inprocess_engine, pages):
     engine, r = inprocess_engine, inprocess_engine.renderer
     a, b = key_of(pages[0]), key_of(pages[1])
-    feats, _ = await engine.features.load([a, b])
+    feats = await engine.features.load([a, b])
     first, again = engine.build_request(plan(a, b), feats), engine.build_request(plan(a, b), feats)
     assert first["prompt"] == again["prompt"]
     assert first["multi_modal_uuids"] == again["multi_modal_uuids"] == {"image": [str(a), str(b)]}

@@ -18,12 +18,12 @@ class FeatureProvider:
     def __init__(self, store: FeatureStore) -> None:
         self.store = store
 
-    async def load(self, keys: Sequence[ImageKey]) -> tuple[list[EncodedImage], int]:
-        """The tokens of each key, in order, and how many vision forwards that took."""
+    async def load(self, keys: Sequence[ImageKey]) -> list[EncodedImage]:
+        """The stored tokens of each key, in order (no vision forward: serving only reads what ingestion stored)."""
         # Store reads are blocking I/O (disk or Redis): keep them off the event loop.
         return await asyncio.to_thread(self._load_sync, list(keys))
 
-    def _load_sync(self, keys: list[ImageKey]) -> tuple[list[EncodedImage], int]:
+    def _load_sync(self, keys: list[ImageKey]) -> list[EncodedImage]:
         out = []
         for key in keys:
             value = self.store.get(key)
@@ -32,4 +32,4 @@ class FeatureProvider:
                     f"no stored image tokens for {key}; run `mmrag ingest` on its document first"
                 )
             out.append(value)
-        return out, 0  # no vision forward: serving only reads what ingestion stored
+        return out

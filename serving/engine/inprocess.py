@@ -72,10 +72,10 @@ class InProcessEngine:
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
-        feats, encodes = await self.features.load(plan.images)
+        feats = await self.features.load(plan.images)
         request = self.build_request(plan, feats)
         return await self.run_request(plan, request, [f.num_tokens for f in feats], started=started,
-                                      vision_encodes=encodes, on_first_token=on_first_token)
+                                      vision_encodes=0, on_first_token=on_first_token)
 
     async def run_request(
         self,

@@ -185,7 +185,7 @@ class RemoteEngine:
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
-        feats, encodes = await self.features.load(plan.images)
+        feats = await self.features.load(plan.images)
         # torch.save + base64 of ~100 KB-1 MB per image: blocking work, kept off the event loop.
         parts = await asyncio.to_thread(lambda: [image_part(str(k), f) for k, f in zip(plan.images, feats)])
         prompt = self.renderer.render(plan)
@@ -207,7 +207,7 @@ class RemoteEngine:
                 image_tokens=layout.image_tokens,
                 cached_tokens=cached,
                 cached_image_tokens=layout.cached_image_tokens(cached),
-                vision_encodes=encodes,
+                vision_encodes=0,  # the replica gets stored image tokens, never pixels
                 completion_tokens=int((out.usage or {}).get("completion_tokens") or len(out.token_ids)),
                 ttft_s=out.ttft,
                 latency_s=time.perf_counter() - started,
