@@ -3,10 +3,16 @@
 The same plan always renders the same bytes, so the KV of a shared prefix (system prompt + leading images)
 is reusable across requests. The image token spans of the rendered prompt are computed here too: they turn
 vLLM's "cached prompt tokens" into "cached image tokens".
+
+The plan's text is untrusted (questions, page text, sub-answers, model-written sub-questions), and vLLM
+tokenises the rendered prompt with special tokens parsed, in process and in `vllm serve` alike. So every
+special-token string in it is broken with a zero-width space before it reaches the template: the model
+reads the same characters, but as text, never as a turn boundary or an image placeholder.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,15 +50,55 @@ class PromptTokens:
         return sum(max(0, min(start + n, cached_tokens) - start) for start, n in self.image_spans)
 
 
+# Inserted after a special token's first character. Not a character of any token (checked per tokenizer).
+_BREAK = "\u200b"
+
+
+class TextGuard:
+    """Turns untrusted text into text that tokenises without any of the tokenizer's special or added tokens.
+
+    The token strings come from the tokenizer itself (its special tokens and every added token), so a model
+    with other control tokens is covered too. Text without them passes unchanged, byte for byte: ordinary
+    prompts, and with them the prefix cache, are as before.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        tokens = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+        tokens.discard("")
+        unbreakable = sorted(t for t in tokens if len(t) < 2 or _BREAK in t)
+        if unbreakable:
+            raise ValueError(f"cannot keep user text from forming the tokens {unbreakable} (single characters, "
+                             "or holding U+200B): this tokenizer needs another guard in serving/engine/prompt.py")
+        self.pattern = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+        # Proof against this tokenizer (its normaliser could drop U+200B): the broken forms are plain text.
+        ids = set(tokenizer.convert_tokens_to_ids(sorted(tokens)))
+        leaked = [t for t in sorted(tokens) if ids & set(tokenizer.encode(self(t), add_special_tokens=False))]
+        if leaked:
+            raise ValueError(f"{leaked} still tokenise as special tokens once broken with U+200B; this tokenizer "
+                             "needs another guard in serving/engine/prompt.py")
+
+    def __call__(self, text: str) -> str:
+        # Breaking one occurrence cannot form another (every new one would hold U+200B), and a pass may skip
+        # occurrences overlapping the ones it broke: repeat until none is left. Each pass breaks at least one.
+        while (broken := self.pattern.sub(lambda m: m[0][0] + _BREAK + m[0][1:], text)) != text:
+            text = broken
+        return text
+
+
 class PromptRenderer:
     def __init__(self, tokenizer: Any, *, image_pad_token: str = "<|image_pad|>") -> None:
         self.tokenizer = tokenizer
         self.image_pad_id = tokenizer.convert_tokens_to_ids(image_pad_token)
+        self.guard = TextGuard(tokenizer)
 
     def messages(self, plan: PromptPlan, image_parts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """OpenAI-style chat messages; ``image_parts`` replaces the bare image placeholders (remote engines)."""
+        """OpenAI-style chat messages; ``image_parts`` replaces the bare image placeholders (remote engines).
+
+        Both engines send these (the remote one to `vllm serve`, which applies the same template), so the
+        plan's text is guarded here, once for both.
+        """
         parts = image_parts if image_parts is not None else [{"type": "image"} for _ in plan.images]
-        text = [{"type": "text", "text": plan.text}]
+        text = [{"type": "text", "text": self.guard(plan.text)}]
         content = parts + text if plan.layout is Layout.CANONICAL else text + parts
         return [
             {"role": "system", "content": system_prompt(plan.system_prompt_id)},
@@ -63,7 +109,11 @@ class PromptRenderer:
         return self.tokenizer.apply_chat_template(self.messages(plan), tokenize=False, add_generation_prompt=True)
 
     def tokens(self, prompt: str, image_token_counts: list[int]) -> PromptTokens:
-        """Where each image's tokens land once vLLM expands its single placeholder to ``n`` tokens."""
+        """Where each image's tokens land once vLLM expands its single placeholder to ``n`` tokens.
+
+        The placeholder count check is a second line behind the text guard: a mismatch is refused here,
+        never sent.
+        """
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         pads = [i for i, t in enumerate(ids) if t == self.image_pad_id]
         if len(pads) != len(image_token_counts):
