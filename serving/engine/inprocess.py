@@ -16,6 +16,7 @@ from adapters.checkpoint import ModelSource
 from core.engine import Completion, KVCapacity, PromptPlan, Usage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
+from serving.engine.lifeline import tie_engine_cores_to_this_process
 from serving.engine.prompt import PromptRenderer
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class InProcessEngine:
 
         # vLLM's CPU backend sizes its KV cache from this variable, not from device memory.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        args = AsyncEngineArgs(model=str(model.path), **config.vllm_kwargs())
+        tie_engine_cores_to_this_process()  # a `kill -9` of this process must not leave the engine core behind
+        # Served under its name, not its folder: vLLM labels its metrics with it.
+        args = AsyncEngineArgs(model=str(model.path), served_model_name=[model.name], **config.vllm_kwargs())
         t0 = time.perf_counter()
         engine = cls(AsyncLLM.from_engine_args(args), model, features, config)
         vllm_config = engine.llm.vllm_config

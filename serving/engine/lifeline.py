@@ -1,0 +1,93 @@
+"""Engine processes die with the process that started them, even when that one is killed with SIGKILL.
+
+vLLM runs its engine core in a child process (multiprocessing, fork or spawn), and a `vllm serve` replica is a
+child of its launcher. Neither child watches its parent: after a `kill -9` of the parent they live on as orphans
+holding the model and its KV cache (GBs), and a restart starts a second copy beside them.
+
+Nothing of a SIGKILLed parent runs, so the child itself must notice. It holds a pidfd of its parent — a file
+descriptor that becomes readable once that *process* has exited — and a daemon thread SIGKILLs the child then,
+with its own descendants (vLLM's workers would follow through their death pipe, but only seconds later, after a
+graceful shutdown that nothing needs any more). Not ``PR_SET_PDEATHSIG``: the kernel sends that signal when the
+*thread* that forked the child exits, so an engine started from a worker thread would be killed while its
+process lives on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import select
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psutil  # comes with vLLM
+
+log = logging.getLogger(__name__)
+
+# A launcher puts its pid here for a child that runs our code (serving.vllm_launch): the child calls die_with().
+PARENT_PID_VAR = "MMRAG_DIE_WITH_PID"
+
+_vllm_run_engine_core: Callable[..., Any] | None = None  # vLLM's entry, kept once it is replaced
+
+
+def die_with(parent_pid: int) -> None:
+    """SIGKILL this process as soon as ``parent_pid``, its parent, exits; at once if it already has.
+
+    The pidfd is opened before the parent check: if the parent died before we looked, we were reparented and
+    ``getppid()`` says so; if it is still our parent after the open, it had not exited, so the pidfd names that
+    very process and not a later one that reused its pid.
+    """
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        pidfd = None
+    if pidfd is None or os.getppid() != parent_pid:
+        _die(f"its parent {parent_pid} had already exited")
+    threading.Thread(target=_die_when_readable, args=(pidfd, parent_pid), name="mmrag-lifeline",
+                     daemon=True).start()
+
+
+def _die_when_readable(pidfd: int, parent_pid: int) -> None:
+    poll = select.poll()  # not select(): an engine process may hold more than FD_SETSIZE descriptors
+    poll.register(pidfd, select.POLLIN)
+    poll.poll()
+    _die(f"its parent {parent_pid} exited")
+
+
+def _die(why: str) -> None:
+    log.warning("process %d stops with its descendants: %s", os.getpid(), why)
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tie_engine_cores_to_this_process() -> None:
+    """Make each vLLM engine core this process starts from now on die with it, under any start method.
+
+    vLLM offers no hook that runs in the engine-core process before it loads the model. It starts that process
+    with the target ``EngineCoreProc.run_engine_core``, read from the class when an engine starts, so that entry
+    is replaced by one that first calls :func:`die_with`. A forked child inherits the replacement; a spawned one
+    unpickles it by name, importing this module. Idempotent.
+    """
+    global _vllm_run_engine_core
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if _vllm_run_engine_core is None:
+        _vllm_run_engine_core = EngineCoreProc.run_engine_core
+        EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
+
+
+def run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's engine-core entry, in the child, after tying the child to the process that started it."""
+    die_with(multiprocessing.parent_process().pid)
+    run = _vllm_run_engine_core  # set in a forked child; a spawned one imported this module afresh
+    if run is None:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        run = EngineCoreProc.run_engine_core
+    return run(*args, **kwargs)

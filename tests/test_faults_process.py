@@ -1,0 +1,293 @@
+"""`kill -9` of a process that owns engines: its engine processes go with it, and a restart ends where an
+uninterrupted run would.
+
+Real processes on 127.0.0.1: `mmrag serve` and `mmrag engine serve` with the tiny model (ENGINE_ENV: fp32,
+eager), killed with SIGKILL; the process tree is read with psutil before the kill. vLLM's CPU build starts its
+engine core with `spawn`, so these cover the spawn path. The mechanism itself (serving/engine/lifeline.py) is
+first checked on small multiprocessing children under both start methods, and the engine-core entry under
+`fork` (as on GPUs) with a stand-in for vLLM's body. Waits are bounded hang guards, not timing assertions; the
+seconds the descendants took to go are printed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import API_KEY, ENGINE_ENV, free_port
+from tests.test_ingest import cli_env, run_cli, snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+MMRAG = Path(sys.executable).parent / "mmrag"
+GONE_GUARD_S = 120.0  # a hang guard on the descendants' exit
+READY_GUARD_S = 900.0  # start-up on a shared 2-core machine: 20 s alone, minutes under load
+
+
+def gone_after(procs: list[psutil.Process], limit_s: float = GONE_GUARD_S) -> tuple[float, list[str]]:
+    """Seconds until every one of ``procs`` has exited (a zombie counts: it holds no memory), and the ones left
+    after ``limit_s``, as "pid name" strings."""
+    start = time.monotonic()
+    left = list(procs)
+    while left and time.monotonic() - start < limit_s:
+        left = [p for p in left if _alive(p)]
+        time.sleep(0.05)
+    return time.monotonic() - start, [f"{p.pid} {p.name()}" for p in left]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def reap() -> Iterator[list[psutil.Process]]:
+    """Processes a test saw; any still running at the end are killed, so a failed test leaves no orphan."""
+    seen: list[psutil.Process] = []
+    yield seen
+    for p in seen:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def engine_processes(proc: subprocess.Popen, reap: list[psutil.Process]) -> list[psutil.Process]:
+    """``proc``'s descendants; there must be a vLLM engine core among them."""
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    reap.extend(tree)
+    assert any("EngineCore" in p.name() for p in tree), [p.name() for p in tree]
+    return tree
+
+
+# --- the mechanism, on small multiprocessing children ------------------------------------------------------
+
+PARENT = textwrap.dedent(r'''
+    """A parent that starts one tied child and then sleeps; it prints what the test waits for (one write a line:
+    parent and child share the pipe)."""
+    import multiprocessing, os, sys, threading, time
+    from pathlib import Path
+
+    from serving.engine.lifeline import die_with
+
+
+    def child(tied, go: str | None) -> None:
+        while go and not Path(go).exists():  # "late": tie only once the test says so (the parent is gone)
+            time.sleep(0.05)
+        die_with(multiprocessing.parent_process().pid)
+        tied.set()
+        os.write(1, b"tied\n")
+        time.sleep(600)
+
+
+    def engine_core() -> None:  # stands in for vLLM's engine-core entry
+        os.write(1, b"tied\n")
+        time.sleep(600)
+
+
+    if __name__ == "__main__":
+        method, how, go = sys.argv[1], sys.argv[2], (sys.argv[3:] or [None])[0]
+        ctx = multiprocessing.get_context(method)
+        if how == "engine-core":
+            # vLLM's engine core cannot be forked with this CPU build (it forces spawn), so vLLM's entry is
+            # replaced by a stand-in first; what is tested is the replacement entry vLLM would start.
+            from vllm.v1.engine.core import EngineCoreProc
+            from serving.engine.lifeline import tie_engine_cores_to_this_process
+
+            EngineCoreProc.run_engine_core = staticmethod(engine_core)
+            tie_engine_cores_to_this_process()
+            proc = ctx.Process(target=EngineCoreProc.run_engine_core)  # as vLLM's CoreEngineProcManager does
+        else:
+            tied = ctx.Event()
+            proc = ctx.Process(target=child, args=(tied, go))
+        if how == "thread":
+            # Started from a thread that exits once the child is tied: PR_SET_PDEATHSIG would fire then.
+            starter = threading.Thread(target=lambda: (proc.start(), tied.wait()))
+            starter.start()
+            starter.join()
+        else:
+            proc.start()
+        os.write(1, f"{proc.pid}\n".encode())
+        time.sleep(600)
+''')
+
+
+@contextmanager
+def parent(tmp_path: Path, method: str, how: str, *extra: str) -> Iterator[tuple[subprocess.Popen, psutil.Process]]:
+    """The PARENT script running; yields it and its child once the child has said "tied" (unless "late")."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, str(script), method, how, *extra], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(1 if how == "late" else 2)]
+        assert all(lines), f"the parent script stopped early (exit {proc.poll()}): {lines}"
+        child = psutil.Process(next(int(x) for x in lines if x.isdigit()))
+        yield proc, child
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None and _alive(child):
+            child.kill()  # a failed test leaves no orphan
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_tied_child_dies_with_its_parent_killed_9(tmp_path, method):
+    with parent(tmp_path, method, "main") as (proc, child):
+        assert _alive(child)
+        proc.send_signal(signal.SIGKILL)
+        seconds, left = gone_after([child])
+        assert left == [], f"{method} child outlived its SIGKILLed parent"
+    print(f"\n{method} child gone {seconds:.2f} s after its parent's SIGKILL")
+
+
+def test_a_tied_child_outlives_the_thread_that_started_it(tmp_path):
+    # PR_SET_PDEATHSIG would kill the child when the starting thread exits, although its process lives on.
+    with parent(tmp_path, "fork", "thread") as (proc, child):
+        deadline = time.monotonic() + 30
+        while psutil.Process(proc.pid).num_threads() > 1:  # the starter thread has left the kernel too
+            assert time.monotonic() < deadline, "the starter thread did not exit"
+            time.sleep(0.05)
+        time.sleep(1.0)  # room for a wrongly sent parent-death signal to land
+        assert _alive(child), "the child died with the thread that started it, its parent process still living"
+        proc.send_signal(signal.SIGKILL)
+        assert gone_after([child])[1] == []
+
+
+def test_a_child_that_ties_itself_after_its_parent_died_stops(tmp_path):
+    go = tmp_path / "go"
+    with parent(tmp_path, "spawn", "late", str(go)) as (proc, child):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _alive(child)  # reparented, untied so far
+        go.touch()
+        assert gone_after([child])[1] == [], "a child whose parent was already gone stayed"
+
+
+def test_a_forked_engine_core_entry_dies_with_its_parent(tmp_path):
+    with parent(tmp_path, "fork", "engine-core") as (proc, child):
+        proc.send_signal(signal.SIGKILL)
+        assert gone_after([child])[1] == [], "the forked engine-core entry outlived its SIGKILLed parent"
+
+
+# --- `mmrag serve`: kill -9 while an ingest job runs, restart, ingest again -----------------------------------
+
+
+def serve_env(data_dir: Path, tiny_model: Path, root: Path) -> dict[str, str]:
+    # Vision batch size 1 here and in the reference: batching may round differently, and features must match.
+    return {**ENGINE_ENV, **cli_env(data_dir, tiny_model, MMRAG_VISION_BATCH_SIZE="1"), "MMRAG_WARM_TOP": "0",
+            "MMRAG_API_KEY": API_KEY, "MMRAG_INGEST_ROOT": str(root), "MMRAG_ANSWER_MAX_TOKENS": "8"}
+
+
+@contextmanager
+def mmrag_serve(env: dict[str, str], log: Path) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """`mmrag serve` as a user starts it, ready (/readyz 200); stopped with SIGTERM at the end if still running."""
+    port = free_port()
+    with log.open("ab") as out:
+        proc = subprocess.Popen([str(MMRAG), "serve", "--port", str(port)], env=env, cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    try:
+        deadline = time.monotonic() + READY_GUARD_S
+        while not _ready(client):
+            assert proc.poll() is None, f"mmrag serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"mmrag serve not ready:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield proc, client
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=120)
+
+
+def _ready(client: httpx.Client) -> bool:
+    try:
+        return client.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_kill_9_of_mmrag_serve_mid_ingest_leaves_no_engine_process_and_a_rerun_ends_with_the_uninterrupted_corpus(
+        tmp_path, sample_corpus, tiny_model, reap):
+    reference = tmp_path / "reference"
+    assert run_cli("ingest", str(sample_corpus), env=cli_env(reference, tiny_model, MMRAG_VISION_BATCH_SIZE="1")
+                   ).returncode == 0
+    expected = snapshot(reference)
+
+    data = tmp_path / "data"
+    env = serve_env(data, tiny_model, sample_corpus)
+    log = tmp_path / "serve.log"
+    features = data / "features"
+    with mmrag_serve(env, log) as (proc, client):
+        tree = engine_processes(proc, reap)
+        rss = sum(p.memory_info().rss for p in tree)
+        assert client.post("/v1/ingest", json={"paths": [str(sample_corpus)]}).status_code == 202
+        deadline = time.monotonic() + 600
+        while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
+            assert time.monotonic() < deadline, "the ingest job wrote too few features"
+            time.sleep(0.02)
+        proc.kill()
+        seconds, left = gone_after(tree)
+    assert left == [], f"engine processes outlived `mmrag serve`: {left}"
+    print(f"\nkill -9 of mmrag serve: {len(tree)} descendants ({', '.join(sorted({p.name() for p in tree}))}; "
+          f"{rss / 2**20:.0f} MiB RSS) gone after {seconds:.2f} s")
+    partial = snapshot(data)
+    assert 0 < len(partial[0]) < len(expected[0])
+
+    with mmrag_serve(env, log) as (proc, client):
+        tree = engine_processes(proc, reap)
+        job = client.post("/v1/ingest", json={"paths": [str(sample_corpus)]}).json()
+        deadline = time.monotonic() + 600
+        while (job := client.get(f"/v1/ingest/{job['id']}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        assert job["status"] == "done" and job["report"]["failed"] == [], job
+        answer = client.post("/v1/ask", json={"question": "What was the Q3 revenue?"})
+        assert answer.status_code == 200 and answer.json()["answer"], answer.text
+    assert gone_after(tree)[1] == [], "engine processes outlived a stopped `mmrag serve`"
+
+    features_now, points_now = snapshot(data)
+    assert sorted(features_now) == sorted(expected[0])
+    assert [n for n in features_now if features_now[n] != expected[0][n]] == []
+    assert points_now == expected[1]
+
+
+# --- `mmrag engine serve`: the launcher killed, its `vllm serve` replica goes with it ----------------------------
+
+
+def test_kill_9_of_the_engine_launcher_takes_its_vllm_replica_and_engine_core_down(tmp_path, tiny_model, reap):
+    port = free_port()
+    env = {**ENGINE_ENV, **cli_env(tmp_path / "data", tiny_model)}
+    log = tmp_path / "engine.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([str(MMRAG), "engine", "serve", "--port", str(port), "--ready-timeout",
+                                 str(READY_GUARD_S)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    reap.append(psutil.Process(proc.pid))
+    line = proc.stdout.readline().strip()  # printed once the replica answers /health
+    assert line == f"MMRAG_ENGINE_URLS=http://127.0.0.1:{port}", (line, log.read_text()[-3000:])
+    tree = engine_processes(proc, reap)
+    rss = sum(p.memory_info().rss for p in tree)
+    proc.kill()
+    proc.wait()
+    seconds, left = gone_after(tree)
+    assert left == [], f"the replica outlived its launcher: {left}"
+    print(f"\nkill -9 of mmrag engine serve: {len(tree)} descendants ({rss / 2**20:.0f} MiB RSS) gone after "
+          f"{seconds:.2f} s")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
