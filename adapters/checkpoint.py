@@ -35,7 +35,9 @@ class ModelNotFoundError(RuntimeError):
 def configured_model(model: str) -> ModelSource:
     """The checkpoint MMRAG_MODEL names, as a :class:`ModelSource`."""
     path = local_checkpoint(model)
-    return ModelSource(path, model, is_random_weight_model(path))
+    # A folder is named by its last part: answers and metrics must not show the server's filesystem.
+    name = path.name if Path(model).expanduser().is_dir() else model
+    return ModelSource(path, name, is_random_weight_model(path))
 
 
 def local_checkpoint(model: str | Path) -> Path:

@@ -7,6 +7,7 @@ serve another image's tokens (a renamed or swapped file is refused, not served).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ _TMP_PREFIX = ".tmp-"
 
 
 class FeatureStoreError(RuntimeError):
-    """A store entry is unreadable or does not belong to the key it was read under."""
+    """The store cannot serve or keep an entry: unreadable, under the wrong key, its backend unreachable or its
+    disk full. The API maps it to 503; the message names the store and the fix."""
 
 
 @dataclass(slots=True)
@@ -158,20 +160,20 @@ class DiskFeatureStore(_BlobStore):
         return self.path_for(key).is_file()
 
     def _write(self, key: ImageKey, blob: bytes) -> None:
-        path = self.path_for(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either
-        # no entry or the whole entry, never a torn file.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            _write_atomically(self.path_for(key), blob)
+        except OSError as exc:
+            raise self._write_failed(key, len(blob), exc) from exc
+
+    def _write_failed(self, key: ImageKey, nbytes: int, exc: OSError) -> FeatureStoreError:
+        what = f"writing the feature entry for {key} ({nbytes / 1e6:.1f} MB) failed: {exc.strerror}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return FeatureStoreError(
+                f"the disk is full at {self.root}: {what}. Free space there (or raise the volume's size or "
+                "quota), or point MMRAG_DATA_DIR at a larger disk, then ingest again; stored entries still serve"
+            )
+        return FeatureStoreError(f"cannot write to the feature store at {self.root}: {what}; check that the "
+                                 "folder exists and is writable by this process")
 
     def keys(self) -> Iterator[ImageKey]:
         for path in sorted(self.root.glob(f"??/img1-*{_SUFFIX}")):
@@ -183,31 +185,46 @@ class RedisFeatureStore(_BlobStore):
 
     backend = "redis"
 
-    def __init__(self, url: str, *, prefix: str = "mmrag:feat:") -> None:
+    def __init__(self, url: str, *, prefix: str = "mmrag:feat:", timeout_s: float = 2.0) -> None:
+        """``timeout_s`` bounds every connect and every socket read, so a hung (e.g. SIGSTOPped) Redis fails
+        a request in about that time instead of holding it forever; a lost connection is retried once on a
+        fresh one, so the first request after Redis comes back succeeds, while a hang is not retried."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        self.client = redis.Redis.from_url(url)
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
         self.prefix = prefix
         self.stats = StoreStats()
         self.where = _without_password(url)
         self._unreachable = (redis.ConnectionError, redis.TimeoutError)
-        try:
-            self.client.ping()
-        except redis.ConnectionError as exc:
-            raise FeatureStoreError(
-                f"cannot reach Redis at {url} ({exc}); start it or unset MMRAG_REDIS_URL to use the disk store"
-            ) from exc
+        self._failed = redis.RedisError
+        self._call("PING", self.client.ping)
 
     def _name(self, key: ImageKey) -> str:
         return f"{self.prefix}{key}"
 
     def _call(self, command: str, run: Callable[[], Any]) -> Any:
-        """One Redis command; a lost connection is logged (it fails this request, not the server) and raised."""
+        """One Redis command; any Redis failure becomes a FeatureStoreError (503: it fails this request, not
+        the server) naming Redis without its password; the next call connects afresh."""
         try:
             return run()
-        except self._unreachable as exc:
+        except self._failed as exc:
             log.warning("Redis at %s: %s failed (%s: %s)", self.where, command, type(exc).__name__, exc)
-            raise
+            cause = f"{command}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, self._unreachable):
+                raise FeatureStoreError(
+                    f"Redis at {self.where} is unreachable ({cause}). Start it or fix MMRAG_REDIS_URL (unset it to "
+                    "use the disk store); a running service reconnects by itself once Redis answers, so retry then"
+                ) from exc
+            # Redis answered but refused: OOM at maxmemory, MISCONF when its own disk is full, ...
+            raise FeatureStoreError(
+                f"Redis at {self.where} refused the command ({cause}); fix what it says (its log has more), "
+                "e.g. raise maxmemory or free its disk"
+            ) from exc
 
     def _read(self, key: ImageKey) -> bytes | None:
         return self._call("GET", lambda: self.client.get(self._name(key)))
@@ -224,6 +241,22 @@ class RedisFeatureStore(_BlobStore):
         names = sorted(n.decode() for n in found)
         for name in names:
             yield ImageKey.parse(name[len(self.prefix) :])
+
+
+def _write_atomically(path: Path, blob: bytes) -> None:
+    """Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either no entry or
+    the whole entry, never a torn file; a failed write (the disk full half-way) removes its temp file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _without_password(url: str) -> str:

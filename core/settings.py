@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     ingest_root: Path | None = None  # POST /v1/ingest takes server-side paths under this folder only
     max_request_bytes: int = 65_536
     warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none
+    # Load shedding: questions answered at once. One more gets 429 with Retry-After at once, instead of
+    # queueing until every client has timed out. Each question holds up to max_sub_questions + 1 plans.
+    max_questions_in_flight: int = Field(default=32, ge=1)
 
     # RAG
     top_k: int = 3  # pages per sub-question

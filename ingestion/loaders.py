@@ -2,13 +2,15 @@
 
 Everything a user can get wrong about an input file (empty, truncated, encrypted, too many pages, a
 decompression bomb, a lying extension, no tesseract) is checked in :func:`open_document`, before any
-page is rendered, and raised as :class:`IngestError` with the fix in the message. Messages do not repeat
-the path: the pipeline pairs them with it in a :class:`FileFailure`.
+page is rendered, and raised as :class:`IngestError` with the fix in the message; so is any OSError on the
+path (a name too long for the file system, no permission). Messages do not repeat the path: the pipeline
+pairs them with it in a :class:`FileFailure`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import math
@@ -60,6 +62,12 @@ class FileFailure:
     path: str
     error: str
 
+    @classmethod
+    def of(cls, path: Path, error: str) -> FileFailure:
+        # A name that is not UTF-8 comes back from the OS with surrogate escapes, which no JSON can carry:
+        # its undecodable bytes are shown as U+FFFD.
+        return cls(os.fsencode(path).decode("utf-8", "replace"), error)
+
 
 class IngestError(Exception):
     """A source file that cannot be ingested; the message says what to do about it."""
@@ -75,7 +83,8 @@ def discover(paths: list[Path], *, recursive: bool, root: Path | None = None
     Files are kept as given; a directory contributes its supported files, sorted (its whole tree with
     ``recursive``, otherwise its top level, ignoring subdirectories). Argument order is kept and a file
     reached twice (two arguments, a symlink) is listed once. A symbolic link found in a folder that leads
-    nowhere (dangling, or a loop) is a failed file, not silently dropped. With ``root`` (server-side ingest),
+    nowhere (dangling, or a loop), a path the file system refuses (too long) and a name that is not UTF-8
+    are failed files, never silently dropped, and never fail the rest. With ``root`` (server-side ingest),
     every file must resolve inside it: a link found while walking cannot reach a file outside the root.
     """
     files: list[Path] = []
@@ -83,19 +92,27 @@ def discover(paths: list[Path], *, recursive: bool, root: Path | None = None
     seen: set[Path] = set()
     root = root.resolve() if root is not None else None
     for arg in paths:
-        if arg.is_dir():
-            candidates, broken = _files_in(arg, recursive)
-            failures += [FileFailure(str(p), _not_a_file_message(p)) for p in broken]
-        elif arg.is_file():
-            candidates = [arg]
-        else:
-            failures.append(FileFailure(str(arg), _not_a_file_message(arg)))
+        try:
+            if arg.is_dir():
+                candidates, unusable = _files_in(arg, recursive)
+                failures += unusable
+            elif arg.is_file():
+                candidates = [arg]
+            else:
+                failures.append(FileFailure.of(arg, _not_a_file_message(arg)))
+                continue
+        except OSError as exc:  # a name or path too long for the file system, a folder it does not let us list
+            failures.append(FileFailure.of(arg, os_error_message(exc)))
             continue
         for path in candidates:
+            if not _is_utf8(path):
+                failures.append(FileFailure.of(path, "the file name is not UTF-8 text: rename it (`convmv` converts "
+                                                     "names from another encoding)"))
+                continue
             resolved = path.resolve()
             if root is not None and not resolved.is_relative_to(root):
-                failures.append(FileFailure(str(path), "is a link to a file outside the ingest root: copy the file "
-                                                       "under MMRAG_INGEST_ROOT to ingest it"))
+                failures.append(FileFailure.of(path, "is a link to a file outside the ingest root: copy the file "
+                                                     "under MMRAG_INGEST_ROOT to ingest it"))
                 continue
             if resolved in seen:
                 continue
@@ -107,7 +124,7 @@ def discover(paths: list[Path], *, recursive: bool, root: Path | None = None
                 # most likely something the user expects to be searchable: leaving it out silently would make
                 # answers quietly incomplete. Other files in a folder (manifest.json, notes.txt, .csv) are
                 # not documents and are passed over.
-                failures.append(FileFailure(str(path), unsupported_message(path)))
+                failures.append(FileFailure.of(path, unsupported_message(path)))
     return files, failures
 
 
@@ -123,37 +140,44 @@ def unsupported_message(path: Path) -> str:
     return f"unsupported file type {kind}: convert it to PDF or an image ({_SUPPORTED_LIST})"
 
 
-def _files_in(directory: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
-    """(regular files, links that lead nowhere) under ``directory``.
+def _files_in(directory: Path, recursive: bool) -> tuple[list[Path], list[FileFailure]]:
+    """(regular files, failures) under ``directory``: links that lead nowhere, entries the OS refuses to
+    look at (a path over PATH_MAX), subfolders it refuses to list.
 
     Hidden files and directories (.DS_Store, .git, the .mmrag data dir) are never documents, so they are
     skipped without a word. Subdirectories are simply not descended into without `recursive`, and os.walk
     does not follow directory symlinks, so a link loop cannot trap it.
     """
+    failures: list[FileFailure] = []
+
+    def unlisted(exc: OSError) -> None:
+        failures.append(FileFailure.of(Path(exc.filename), os_error_message(exc)))
+
     if recursive:
         entries: list[Path] = []
-        for root, dirs, names in os.walk(directory):
+        for root, dirs, names in os.walk(directory, onerror=unlisted):
             dirs[:] = [d for d in dirs if not _hidden(d)]
             entries += [Path(root, n) for n in names if not _hidden(n)]
     else:
         entries = [p for p in directory.iterdir() if not _hidden(p.name)]
-    files = sorted(p for p in entries if _is_file(p))
-    broken = sorted(p for p in entries if p.is_symlink() and not _exists(p))
-    return files, broken
+    files = []
+    for path in sorted(entries):
+        try:
+            if path.is_file():
+                files.append(path)
+            elif path.is_symlink() and not path.exists():  # dangling, or a loop (ELOOP reads as "not there")
+                failures.append(FileFailure.of(path, _not_a_file_message(path)))
+        except OSError as exc:
+            failures.append(FileFailure.of(path, os_error_message(exc)))
+    return files, failures
 
 
-def _is_file(path: Path) -> bool:
+def _is_utf8(path: Path) -> bool:
     try:
-        return path.is_file()
-    except OSError:  # a symlink loop (ELOOP) or a name the OS refuses: reported by the caller, never followed
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes of the name, surrogate-escaped by the OS layer
         return False
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:
-        return False
+    return True
 
 
 def _hidden(name: str) -> bool:
@@ -169,6 +193,14 @@ def _not_a_file_message(path: Path) -> str:
     if path.exists():
         return "not a regular file or directory: pass a document file or a folder of them"
     return "no such file or directory: check the path"
+
+
+def os_error_message(exc: OSError) -> str:
+    """What an OSError on a source path means to its owner; without the path, which the failure carries."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return ("the path is too long for the file system (a name over 255 bytes, or a whole path over 4096): "
+                "rename it, or move it to a shallower folder")
+    return f"cannot read it ({exc.strerror}): check its permissions"
 
 
 def _format_for(path: Path) -> str | None:
@@ -219,9 +251,12 @@ def open_document(path: Path, settings: Settings) -> Document:
 
 
 def _existing_file(path: Path) -> Path:
-    if not path.is_file():
-        raise IngestError(_not_a_file_message(path))
-    return path.resolve()
+    try:
+        if not path.is_file():
+            raise IngestError(_not_a_file_message(path))
+        return path.resolve()
+    except OSError as exc:
+        raise IngestError(os_error_message(exc)) from exc
 
 
 def _read_head(path: Path) -> bytes:
@@ -229,7 +264,7 @@ def _read_head(path: Path) -> bytes:
         with path.open("rb") as f:
             head = f.read(1024)
     except OSError as exc:
-        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+        raise IngestError(os_error_message(exc)) from exc
     if not head:
         raise IngestError("file is empty (0 bytes): re-export or re-download it")
     return head
@@ -239,7 +274,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+        raise IngestError(os_error_message(exc)) from exc
 
 
 def _file_sha256(path: Path) -> str:
@@ -247,7 +282,7 @@ def _file_sha256(path: Path) -> str:
         with path.open("rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as exc:
-        raise IngestError(f"cannot read the file ({exc.strerror}): check its permissions") from exc
+        raise IngestError(os_error_message(exc)) from exc
 
 
 def sniff_format(head: bytes) -> str | None:

@@ -27,7 +27,7 @@ from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PagePayload
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
-from adapters.store import FeatureStore
+from adapters.store import FeatureStore, FeatureStoreError
 from adapters.vision import VisionEncoder
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ class Ingestor:
         for i, path in enumerate(files):
             try:
                 self.ingest_file(path, report, on_batch=lambda in_file: notify(i, total, report.pages + in_file))
-            except IngestError as exc:
-                report.failed.append(FileFailure(str(path), str(exc)))
+            except (IngestError, FeatureStoreError) as exc:  # a full disk fails this file, not the run
+                report.failed.append(FileFailure.of(path, str(exc)))
                 log.warning("failed %s: %s", path, exc)
             notify(i + 1, total, report.pages)
         report.seconds = time.perf_counter() - started

@@ -237,6 +237,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     per session); the store is what the feature-store metrics count.
     """
     from adapters.qdrant import AsyncPageReader, LoopBridge
+    from serving.api.admission import Admission
     from serving.api.services import MeteredEngine, Services
     from serving.ingest_jobs import IngestJobs
 
@@ -261,7 +262,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
 
     return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=AsyncPageReader(client, settings.qdrant_collection), metrics=metrics,
-                    jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None)
+                    jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None,
+                    admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer))
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None) -> FastAPI:

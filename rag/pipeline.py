@@ -84,7 +84,7 @@ class Pipeline:
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
         plans = build_plans(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout)
-        completions = await asyncio.gather(*(self.submit(p) for p in plans))
+        completions = await _all(self.submit(p) for p in plans)
         for c in completions:
             usage.add(c.usage)
         answered = [p.text for p in plans]
@@ -109,3 +109,15 @@ class Pipeline:
             random_weights=self.engine.random_weights,
             sub_question_source=decomposition.source,
         )
+
+
+async def _all(awaitables) -> list:
+    """``gather``, except that one failure cancels the siblings: an answer that cannot be given leaves no
+    plans behind in the queue or the engine. (A cancelled ``gather`` already cancels its children.)"""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

@@ -25,6 +25,10 @@ class PathOutsideRootError(PermissionError):
     pass
 
 
+class InvalidPathError(ValueError):
+    """A requested path no file can have (a NUL byte) or that cannot be resolved (a symbolic link loop)."""
+
+
 @dataclass(slots=True)
 class Job:
     id: str
@@ -57,16 +61,28 @@ class IngestJobs:
             )
         paths = []
         for p in raw:
-            resolved = (self.root / p).resolve() if not Path(p).is_absolute() else Path(p).resolve()
+            if "\0" in p:
+                raise InvalidPathError(f"{p!r} holds a NUL byte, which no file name can: send the path without it")
+            try:
+                resolved = (self.root / p).resolve()  # an absolute p stays itself
+            except RuntimeError:  # what Python 3.11's resolve() raises for a link loop (ELOOP)
+                raise InvalidPathError(f"{p} is a symbolic link loop: fix the link, or ingest its target") from None
             if not resolved.is_relative_to(self.root):
-                raise PathOutsideRootError(f"{p} is outside the ingest root {self.root}: use a path under it")
+                raise PathOutsideRootError(f"{p} is outside the ingest root: use a path under MMRAG_INGEST_ROOT")
             paths.append(resolved)
         return paths
+
+    def shown(self, path: str | Path) -> str:
+        """``path`` as clients see it: relative to the ingest root (never the server's absolute folders)."""
+        path = Path(path)
+        if self.root is not None and path.is_relative_to(self.root):
+            return path.relative_to(self.root).as_posix()  # the root itself is "."
+        return path.name
 
     def submit(self, raw: list[str], *, recursive: bool) -> Job:
         paths = self.allowed(raw)
         # Random ids: a counter would restart at job-1 after a restart, and an old id would name a new job.
-        job = Job(id=f"job-{uuid.uuid4().hex[:16]}", paths=[str(p) for p in paths], recursive=recursive)
+        job = Job(id=f"job-{uuid.uuid4().hex[:16]}", paths=[self.shown(p) for p in paths], recursive=recursive)
         self._jobs[job.id] = job
         self._pool.submit(self._run, job, paths)
         return job
@@ -86,6 +102,8 @@ class IngestJobs:
             log.warning("ingest %s failed: %s", job.id, job.error, exc_info=True)
         else:
             job.status, job.report = "done", report.to_json()
+            for failure in job.report["failed"]:
+                failure["path"] = self.shown(failure["path"])
             log.info("ingest %s done: %d files (%d failed), %d pages, %d encoded, %d cached in %.1f s", job.id,
                      report.files, len(report.failed), report.pages, report.encoded, report.cached, report.seconds)
         job.finished_at = time.time()

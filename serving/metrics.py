@@ -9,9 +9,12 @@ engine modes:
 
 - in-process engine: vLLM's AsyncLLM registers ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``
   and ``vllm:prefix_cache_hits_total`` (labels ``model_name``, ``engine``) in prometheus_client's global
-  ``REGISTRY``. Build ``Metrics(REGISTRY)`` and they appear on the same /metrics; nothing to do here.
+  ``REGISTRY``; ``VllmFromGlobalRegistry`` re-exposes every ``vllm:*`` family on an app's own registry.
 - remote replicas: ``register_remote_replicas(urls)`` re-exposes those three families, fetched from each
   replica's /metrics at scrape time, under the same names with a ``replica`` label added.
+
+Either way a label value that is an absolute path is cut to its last part: vLLM's ``model_name`` is the
+checkpoint folder when no served name is set, and /metrics (unauthenticated) must not map the server's disk.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -50,6 +54,7 @@ TTFT = "mmrag_ttft_seconds"
 IMAGE_TOKENS_PER_REQUEST = "mmrag_image_tokens_per_request"
 
 ANSWERS = "mmrag_answers"
+ANSWER_OUTCOMES = ("ok", "error", "refused", "cancelled")
 REQUEST_LATENCY = "mmrag_request_latency_seconds"
 
 QUEUE_WAIT = "mmrag_queue_wait_seconds"
@@ -59,6 +64,8 @@ SCHEDULER_DISPATCHED = "mmrag_scheduler_dispatched"
 SCHEDULER_FAIRNESS_OVERRIDES = "mmrag_scheduler_fairness_overrides"
 SCHEDULER_FCFS_FALLBACKS = "mmrag_scheduler_fcfs_fallbacks"
 SCHEDULER_GATED = "mmrag_scheduler_gated"
+SCHEDULER_CANCELLED_QUEUED = "mmrag_scheduler_cancelled_queued"
+SCHEDULER_CANCELLED_RUNNING = "mmrag_scheduler_cancelled_running"
 
 WARM_SET_PAGES = "mmrag_warm_set_pages"
 WARM_SET_TOKENS = "mmrag_warm_set_tokens"
@@ -96,6 +103,8 @@ _SCHEDULER_COUNTS = {
     "fairness_overrides": (SCHEDULER_FAIRNESS_OVERRIDES, "Dispatch rounds where an overdue plan overrode the policy."),
     "fcfs_fallbacks": (SCHEDULER_FCFS_FALLBACKS, "Dispatch rounds in plain FCFS because the queue was over its cap."),
     "gated": (SCHEDULER_GATED, "Times a plan was held back to wait for its group leader's prefill."),
+    "cancelled_queued": (SCHEDULER_CANCELLED_QUEUED, "Plans taken out of the queue because their client left."),
+    "cancelled_running": (SCHEDULER_CANCELLED_RUNNING, "Engine requests aborted because their client left."),
 }
 
 
@@ -119,8 +128,9 @@ class Metrics:
         self._image_per_request = Histogram(IMAGE_TOKENS_PER_REQUEST, "Image tokens per engine request.",
                                             buckets=_IMAGE_TOKEN_BUCKETS, registry=r)
 
-        self._answers = Counter(ANSWERS, "Answers to /v1/ask, by outcome (ok | error).", ["outcome"], registry=r)
-        for outcome in ("ok", "error"):
+        self._answers = Counter(ANSWERS, "Questions to /v1/ask, by outcome: ok | error | refused (429, over "
+                                "MMRAG_MAX_QUESTIONS_IN_FLIGHT) | cancelled (the client left).", ["outcome"], registry=r)
+        for outcome in ANSWER_OUTCOMES:
             self._answers.labels(outcome)  # both series exist from the start, so rate() has a zero to start from
         self._latency = Histogram(REQUEST_LATENCY, "End-to-end latency of /v1/ask, errors included.",
                                   buckets=_LATENCY_BUCKETS, registry=r)
@@ -159,10 +169,13 @@ class Metrics:
         if usage.ttft_s > 0:  # 0 means no token came back: there is no first-token time to observe
             self._ttft.observe(usage.ttft_s)
 
-    def record_answer(self, latency_s: float, ok: bool) -> None:
-        """One /v1/ask, end to end."""
-        self._answers.labels("ok" if ok else "error").inc()
-        self._latency.observe(latency_s)
+    def record_answer(self, outcome: str, latency_s: float | None = None) -> None:
+        """One /v1/ask question by outcome; the latency of those the server worked on to the end."""
+        if outcome not in ANSWER_OUTCOMES:
+            raise ValueError(f"answer outcome {outcome!r}: one of {ANSWER_OUTCOMES}")
+        self._answers.labels(outcome).inc()
+        if latency_s is not None:
+            self._latency.observe(latency_s)
 
     # -- scheduler --
 
@@ -248,6 +261,26 @@ class Metrics:
         if self._replicas is not None:
             self._replicas.close()
             self._replicas = None
+
+
+def public_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """``labels`` with every absolute path cut to its last part (``/models/Qwen2-VL-2B`` -> ``Qwen2-VL-2B``)."""
+    return {k: (PurePosixPath(v).name or v) if v.startswith("/") else v for k, v in labels.items()}
+
+
+class VllmFromGlobalRegistry(Collector):
+    """The ``vllm:*`` families the in-process engine registers in prometheus_client's global registry, with
+    public label values (see the module docstring)."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                public = Metric(family.name, family.documentation, family.type, family.unit)
+                public.samples = [s._replace(labels=public_labels(s.labels)) for s in family.samples]
+                yield public
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # the families appear only once the in-process engine starts, after the app registers this
 
 
 def _drain(values: list) -> list:
@@ -358,4 +391,4 @@ class _ReplicaCollector(Collector):
             wanted = f"{family.name}_total" if family.type == "counter" else family.name  # no `_created`
             for sample in family.samples:
                 if sample.name == wanted:
-                    out.add_sample(sample.name, {**sample.labels, "replica": url}, sample.value)
+                    out.add_sample(sample.name, {**public_labels(sample.labels), "replica": url}, sample.value)

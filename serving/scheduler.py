@@ -9,7 +9,9 @@ subtrees first, so plans sharing a figure leave back to back). On top of the ord
 - a concurrency limit to the engine, and admission by image tokens in flight (the guard against KV
   exhaustion);
 - fairness: a plan that has waited ``max_wait_ms`` goes next, whatever the policy says;
-- above ``queue_cap`` waiting plans, plain FCFS, to bound the policy's own cost.
+- above ``queue_cap`` waiting plans, plain FCFS, to bound the policy's own cost;
+- cancellation: a cancelled ``submit`` (its question's client left) takes its plan out of the queue, or
+  cancels its engine request if it is running, so abandoned work frees capacity at once.
 
 Ordering functions are pure, over plain lists, and testable without an engine.
 """
@@ -102,6 +104,8 @@ class SchedulerStats:
     fairness_overrides: int = 0
     fcfs_fallbacks: int = 0
     gated: int = 0  # times a plan was held back to wait for its group leader's prefill
+    cancelled_queued: int = 0  # plans whose caller left while they waited: they never reached the engine
+    cancelled_running: int = 0  # plans whose caller left while they ran: their engine request was cancelled
     queue_waits_s: list[float] = field(default_factory=list)  # drained by the metrics layer
     group_sizes: list[int] = field(default_factory=list)  # plans per leading image, per dispatch round
 
@@ -113,6 +117,7 @@ class _Waiting:
     arrival: float
     image_tokens: int
     future: asyncio.Future = field(repr=False)
+    task: asyncio.Task | None = field(default=None, repr=False)  # the engine request, once dispatched
 
 
 class Scheduler:
@@ -153,7 +158,19 @@ class Scheduler:
         self._queue.append(item)
         self.stats.submitted += 1
         self._dispatch()
-        return await item.future
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            self._abandon(item)
+            raise
+
+    def _abandon(self, item: _Waiting) -> None:
+        if item in self._queue:
+            self._queue.remove(item)
+            self.stats.cancelled_queued += 1
+        elif item.task is not None and not item.task.done():
+            item.task.cancel()  # _run's finally frees its capacity and dispatches the next plan
+            self.stats.cancelled_running += 1
 
     # The dispatcher runs synchronously at every event that can free capacity: a submit, a first token,
     # a completion. No background loop, so nothing to start or stop.
@@ -216,7 +233,7 @@ class Scheduler:
         if lead is not None:
             self._prefilling[lead] = self._prefilling.get(lead, 0) + 1
             self.stats.group_sizes.append(1 + sum(1 for q in self._queue if q.plan.images[:1] == (lead,)))
-        task = asyncio.get_running_loop().create_task(self._run(w, lead))
+        task = w.task = asyncio.get_running_loop().create_task(self._run(w, lead))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -235,7 +252,8 @@ class Scheduler:
             if not w.future.done():
                 w.future.set_exception(exc)
         else:
-            w.future.set_result(completion)
+            if not w.future.done():  # done: cancelled by a caller that left as the completion arrived
+                w.future.set_result(completion)
         finally:
             on_first_token()
             self._in_flight -= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # any accidental hub lookup must fail fast
@@ -11,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -155,30 +156,44 @@ def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFact
 API_KEY = "test-key"
 
 
-@pytest.fixture(scope="session")
-async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_factory, sample_corpus):
-    """Base URL of `mmrag serve`'s app on 127.0.0.1, on a copy of the session data dir (Qdrant local mode
-    allows one client per folder, and other tests read the original)."""
+def copy_corpus(settings, data_dir: Path) -> None:
+    """The session corpus (index + features) copied to ``data_dir``: Qdrant local mode allows one client per
+    folder, and other tests read the original."""
+    shutil.copytree(settings.data_dir / "qdrant", data_dir / "qdrant")
+    shutil.copytree(settings.data_dir / "features", data_dir / "features")
+
+
+@contextlib.asynccontextmanager
+async def serving(app) -> AsyncIterator[str]:
+    """``app`` under uvicorn on a free 127.0.0.1 port, in the running (session) loop; yields its base URL."""
     import asyncio
 
     import uvicorn
 
-    from mmrag.wiring import create_app
-
-    data = tmp_path_factory.mktemp("api-data")
-    shutil.copytree(engine_settings.data_dir / "qdrant", data / "qdrant")
-    shutil.copytree(engine_settings.data_dir / "features", data / "features")
-    root = tmp_path_factory.mktemp("ingest-root")
-    settings = engine_settings.model_copy(update={
-        "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
-    })
-    app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         assert not task.done(), task.exception()
         await asyncio.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "app": app, "root": root, "settings": settings}
-    server.should_exit = True
-    await task
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture(scope="session")
+async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_factory, sample_corpus):
+    """Base URL of `mmrag serve`'s app on 127.0.0.1, on a copy of the session data dir."""
+    from mmrag.wiring import create_app
+
+    data = tmp_path_factory.mktemp("api-data")
+    copy_corpus(engine_settings, data)
+    root = tmp_path_factory.mktemp("ingest-root")
+    settings = engine_settings.model_copy(update={
+        "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
+    })
+    app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
+    async with serving(app) as url:
+        yield {"url": url, "app": app, "root": root, "settings": settings}

@@ -304,7 +304,7 @@ def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
     while time.monotonic() < deadline:
         metrics.record_completion(Usage(prompt_tokens=1000, image_tokens=512, cached_tokens=600,
                                         cached_image_tokens=384, completion_tokens=8, ttft_s=0.2))
-        metrics.record_answer(0.8, ok=True)
+        metrics.record_answer("ok", 0.8)
         stats.submitted += 1
         stats.dispatched += 1
         stats.queue_waits_s.append(0.01)

@@ -92,9 +92,9 @@ def test_answers_are_counted_by_outcome_and_every_latency_is_observed(registry, 
     assert value(registry, "mmrag_answers_total", outcome="ok") == 0  # both series exist before the first answer
     assert value(registry, "mmrag_answers_total", outcome="error") == 0
 
-    metrics.record_answer(2.5, ok=True)
-    metrics.record_answer(0.7, ok=True)
-    metrics.record_answer(30.0, ok=False)
+    metrics.record_answer("ok", 2.5)
+    metrics.record_answer("ok", 0.7)
+    metrics.record_answer("error", 30.0)
 
     assert value(registry, "mmrag_answers_total", outcome="ok") == 2
     assert value(registry, "mmrag_answers_total", outcome="error") == 1
@@ -304,7 +304,7 @@ def test_instrumented_app_serves_http_metrics_except_for_metrics_and_healthz(reg
         return {"id": item_id}
 
     metrics.instrument_app(app)
-    metrics.record_answer(1.0, ok=True)
+    metrics.record_answer("ok", 1.0)
     with TestClient(app) as client:
         for i in range(3):
             assert client.get(f"/items/{i}").status_code == 200
@@ -323,5 +323,6 @@ def test_instrumented_app_serves_http_metrics_except_for_metrics_and_healthz(reg
                 if "handler" in lab}
     assert handlers == {"/items/{item_id}"}
     assert samples["mmrag_http_request_duration_highr_seconds_count"] == [({}, 3.0)]  # no handler label; 3, not 5
-    assert samples["mmrag_answers_total"] == [({"outcome": "ok"}, 1.0), ({"outcome": "error"}, 0.0)]
+    assert samples["mmrag_answers_total"] == [({"outcome": "ok"}, 1.0), ({"outcome": "error"}, 0.0),
+                                              ({"outcome": "refused"}, 0.0), ({"outcome": "cancelled"}, 0.0)]
     assert "/metrics" not in {r.path for r in app.routes if getattr(r, "include_in_schema", False)}

@@ -169,3 +169,25 @@ async def test_above_the_queue_cap_the_order_falls_back_to_fcfs():
     for n in ("lone", "g1", "g2"):
         await eng.finish(n)
     await asyncio.gather(first, *waiting)
+
+
+async def test_a_cancelled_caller_takes_its_queued_plan_out_and_aborts_its_running_one():
+    eng = RecordingEngine()
+    s = scheduler(eng, policy=Policy.FCFS, max_concurrency=1)
+    running = asyncio.create_task(s.submit(plan("p0", "A")))
+    queued = asyncio.create_task(s.submit(plan("p1", "B")))
+    nxt = asyncio.create_task(s.submit(plan("p2", "C")))
+    await settle()
+    assert eng.started == ["p0"] and s.waiting == 2
+
+    queued.cancel()  # its client left while it waited: it must never reach the engine
+    await settle()
+    assert s.waiting == 1 and s.stats.cancelled_queued == 1
+
+    running.cancel()  # its client left mid-generation: the engine request is cancelled, the slot freed
+    await settle()
+    assert s.stats.cancelled_running == 1 and eng.started == ["p0", "p2"] and s.in_flight == 1
+    await eng.finish("p2")
+    assert (await nxt).text == "p2"
+    assert running.cancelled() and queued.cancelled() and s.waiting == 0 and s.in_flight == 0
+    assert "p1" not in eng.started

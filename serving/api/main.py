@@ -6,26 +6,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-from prometheus_client import REGISTRY, CollectorRegistry
+from fastapi import Depends, FastAPI
+from prometheus_client import CollectorRegistry
 
 from core.settings import Settings
 from serving.api import errors
-from serving.api.limits import BodySizeLimit
+from serving.api.limits import BodySizeLimit, reject_invalid_text
 from serving.api.routers import ask, documents, health, ingest
 from serving.api.services import Services
 from serving.api.startup import warm_at_startup
-from serving.metrics import Metrics
-
-
-class VllmMetricsFromGlobalRegistry:
-    """The in-process engine registers `vllm:*` in prometheus_client's global registry; expose them too."""
-
-    def collect(self):
-        return [m for m in REGISTRY.collect() if m.name.startswith("vllm:")]
-
-    def describe(self):
-        return []
+from serving.metrics import Metrics, VllmFromGlobalRegistry
 
 
 def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable[Services]]) -> FastAPI:
@@ -33,7 +23,7 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
     # One registry per app (so an app can be built twice in one process), which also re-exports the
     # in-process vLLM engine's own `vllm:*` metrics from the global registry.
     registry = CollectorRegistry()
-    registry.register(VllmMetricsFromGlobalRegistry())
+    registry.register(VllmFromGlobalRegistry())
     metrics = Metrics(registry)
 
     @asynccontextmanager
@@ -45,10 +35,10 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
         yield
         await app.state.services.close()
 
-    app = FastAPI(title="mmrag", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="mmrag", version="0.1.0", lifespan=lifespan, dependencies=[Depends(reject_invalid_text)],
                   description="Questions over figure-heavy documents, answered by a VLM with page citations.")
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    errors.install(app)
+    errors.install(app, errors.ServerPaths.of(settings))
     metrics.instrument_app(app)
     for module in (health, ask, documents, ingest):
         app.include_router(module.router)

@@ -169,7 +169,9 @@ PNG_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 class IngestRequest(BaseModel):
     paths: list[str] = Field(min_length=1, description="Server-side files or folders under MMRAG_INGEST_ROOT.")
-    recursive: bool = Field(default=False, description="Also ingest files in sub-folders of the given folders.")
+    # strict: JSON `true`/`false` only, as the schema says; lax pydantic would read 0, 1 or "yes" as a bool.
+    recursive: bool = Field(default=False, strict=True,
+                            description="Also ingest files in sub-folders of the given folders.")
 
 
 class FileFailure(_Response):

@@ -13,6 +13,7 @@ from adapters.store import FeatureStore
 from core.engine import Completion, Engine, KVCapacity, PromptPlan
 from core.settings import Settings
 from rag.pipeline import Pipeline
+from serving.api.admission import Admission
 from serving.ingest_jobs import IngestJobs
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
@@ -55,6 +56,7 @@ class Services:
     pages: AsyncPageReader
     metrics: Metrics
     jobs: IngestJobs
+    admission: Admission
     warm_report: WarmReport | None = None
     owns_engine: bool = True  # tests inject the session engine and close it themselves
     _drain_task: asyncio.Task | None = field(default=None, repr=False)

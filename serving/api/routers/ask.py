@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import time
-
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from serving.api.deps import AuthDep, ServicesDep
 from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, AskRequest, AskResponse, error_responses
@@ -16,6 +14,8 @@ ASK_ERRORS = error_responses({
     409: "A retrieved page's image tokens are not stored (`missing_image_tokens`): re-ingest it.",
     **TOO_LARGE,
     **INVALID_REQUEST,
+    429: "More questions are being answered than the server takes at once (`overloaded`): retry after the "
+         "`Retry-After` seconds.",
     502: "The engine rejected the prompt (`engine_rejected`).",
     503: "The engine, Qdrant or the feature store does not answer (`engine_unavailable`, "
          "`retrieval_unavailable`, `feature_store_unavailable`, `index_unavailable`, ...).",
@@ -25,12 +25,10 @@ ASK_ERRORS = error_responses({
 # exclude_unset: `sub_answers` stays absent (not null) on an answer that found no pages, as before.
 @router.post("/ask", summary="Answer a question with page citations and cache accounting",
              response_model=AskResponse, response_model_exclude_unset=True, responses=ASK_ERRORS)
-async def ask(body: AskRequest, services: ServicesDep) -> dict:
-    started = time.perf_counter()
-    ok = False
-    try:
-        answer = await services.pipeline.ask(body.question, docs=body.docs)
-        ok = True
+async def ask(body: AskRequest, request: Request, services: ServicesDep) -> dict:
+    # Refused at once when full (429); cancelled, its plans and engine requests with it, when the client
+    # leaves. Admission counts every outcome in the answers metric.
+    async with services.admission.admit():
+        answer = await services.admission.until_disconnect(
+            request, services.pipeline.ask(body.question, docs=body.docs))
         return answer.to_json()
-    finally:
-        services.metrics.record_answer(time.perf_counter() - started, ok)

@@ -86,6 +86,6 @@ def _render_png(path: Path, number: int, settings) -> bytes:
                     buf = io.BytesIO()
                     rendered.image.save(buf, format="PNG")
                     return buf.getvalue()
-    except (IngestError, FileNotFoundError) as exc:
-        raise ApiError(410, "source_gone", f"cannot render {path}: {exc}", "re-ingest the document") from exc
-    raise ApiError(410, "source_gone", f"{path} no longer has page {number}", "re-ingest the document")
+    except IngestError as exc:  # named by file name: the folder is the server's business
+        raise ApiError(410, "source_gone", f"cannot render {path.name}: {exc}", "re-ingest the document") from exc
+    raise ApiError(410, "source_gone", f"{path.name} no longer has page {number}", "re-ingest the document")

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from serving.api.deps import ServicesDep
+from serving.api.errors import hide_paths
 from serving.api.schemas import Check, Health, Readiness
 
 router = APIRouter(tags=["health"])
@@ -20,9 +21,12 @@ async def healthz() -> Health:
             response_model_exclude_unset=True,
             responses={503: {"model": Readiness, "description": "Not ready: at least one check failed; "
                                                                 "its `error` says why."}})
-async def readyz(services: ServicesDep, response: Response) -> Readiness:
+async def readyz(services: ServicesDep, request: Request, response: Response) -> Readiness:
     checks = {"engine": _engine(services), "qdrant": _qdrant(services), "redis": _redis(services)}
     results = dict(zip(checks, await asyncio.gather(*checks.values())))
+    for check in results.values():  # causes are for the operator, server folders are not for the caller
+        if check.error is not None:
+            check.error = hide_paths(request, check.error)
     ready = all(r.ok for r in results.values())
     response.status_code = 200 if ready else 503  # orchestrators read the status, not the body
     return Readiness(ready=ready, checks=results)
