@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import warnings
+from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
-from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PageField, PagePayload
+from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PageField, PagePayload, encoder_fields_of
 
 # Payload fields that readers filter on get an index (keyword or integer) on a Qdrant server.
 PAYLOAD_INDEXES: dict[PageField, models.PayloadSchemaType] = {
@@ -26,6 +27,8 @@ PAYLOAD_INDEXES: dict[PageField, models.PayloadSchemaType] = {
     PageField.PAGE: models.PayloadSchemaType.INTEGER,
     PageField.CONTENT_HASH: models.PayloadSchemaType.KEYWORD,
     PageField.TEXT_SOURCE: models.PayloadSchemaType.KEYWORD,
+    PageField.ENCODER_VERSION: models.PayloadSchemaType.KEYWORD,
+    PageField.RESOLUTION_POLICY: models.PayloadSchemaType.KEYWORD,
 }
 SCROLL_BATCH = 256
 T = TypeVar("T")
@@ -86,14 +89,35 @@ class PageIndex:
                     for name, dim in self.dims.items()
                 },
             )
-            with warnings.catch_warnings():
-                # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
-                warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
-                for field, schema in PAYLOAD_INDEXES.items():
-                    self.client.create_payload_index(self.collection, field.value, field_schema=schema)
+            self._index_payload(PAYLOAD_INDEXES)
             return
-        check_vectors(self.collection, self.client.get_collection(self.collection).config.params.vectors,
-                      self.dims, exact=True)
+        info = self.client.get_collection(self.collection)
+        check_vectors(self.collection, info.config.params.vectors, self.dims, exact=True)
+        # A collection written by an older mmrag lacks the fields added since (the encoder fields) and their
+        # indexes: added here, once, so its pages are served again without re-ingesting.
+        self._index_payload({f: t for f, t in PAYLOAD_INDEXES.items() if f.value not in (info.payload_schema or {})})
+        self.backfill_encoder_fields()
+
+    def backfill_encoder_fields(self) -> int:
+        """Give pages written before the encoder fields existed those fields, derived from their image key;
+        one set_payload per encoder. Returns the pages changed."""
+        lacking = models.Filter(should=[
+            models.IsEmptyCondition(is_empty=models.PayloadField(key=f.value))
+            for f in (PageField.ENCODER_VERSION, PageField.RESOLUTION_POLICY)
+        ])
+        by_fields: dict[tuple[tuple[str, str], ...], list[Any]] = defaultdict(list)
+        for point in self._scroll(lacking, with_vectors=False):
+            by_fields[tuple(sorted(encoder_fields_of(point.payload or {}).items()))].append(point.id)
+        for fields, ids in by_fields.items():
+            self.client.set_payload(self.collection, payload=dict(fields), points=ids, wait=True)
+        return sum(map(len, by_fields.values()))
+
+    def _index_payload(self, indexes: Mapping[PageField, models.PayloadSchemaType]) -> None:
+        with warnings.catch_warnings():
+            # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
+            warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
+            for field, schema in indexes.items():
+                self.client.create_payload_index(self.collection, field.value, field_schema=schema)
 
     def reset(self) -> None:
         self.client.delete_collection(self.collection)
@@ -191,6 +215,9 @@ class LoopBridge:
     def delete(self, *a: Any, **kw: Any) -> models.UpdateResult:
         return self._run(self._client.delete(*a, **kw))
 
+    def set_payload(self, *a: Any, **kw: Any) -> models.UpdateResult:
+        return self._run(self._client.set_payload(*a, **kw))
+
 
 class AsyncPageReader:
     """Read-only page access over the async client (the REST service and warm-up at start-up)."""
@@ -237,6 +264,14 @@ def check_vectors(collection: str, params: models.VectorParams | Mapping[str, mo
 
 def make_point(vectors: dict[str, list[float]], payload: PagePayload) -> models.PointStruct:
     return models.PointStruct(id=payload.page_id, vector=vectors, payload=payload.to_qdrant())
+
+
+def scope_filter(scope: EncoderScope) -> models.Filter:
+    """Pages whose image tokens the encoder ``scope`` names made (indexed keyword fields on a server)."""
+    return models.Filter(must=[
+        models.FieldCondition(key=name, match=models.MatchValue(value=value))
+        for name, value in scope.payload_match().items()
+    ])
 
 
 def _as_filter(condition: models.Condition | models.Filter | None) -> models.Filter | None:

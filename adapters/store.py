@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 
 from core.keys import ImageKey
 from core.pages import EncodedImage
+from core.payload import STALE_PAGES_FIX, EncoderScope
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,53 @@ class FeatureStore(Protocol):
     def contains(self, key: ImageKey) -> bool: ...
 
     def keys(self) -> Iterator[ImageKey]: ...
+
+    def size(self, key: ImageKey) -> int | None:
+        """The entry's size in bytes; None when there is none."""
+        ...
+
+    def delete(self, key: ImageKey) -> int:
+        """Remove the entry at once (a reader sees all of it or nothing); the bytes freed, 0 if it was gone."""
+        ...
+
+
+class StaleFeaturesError(FeatureStoreError):
+    """Tokens of another vision encoder than the configured one were asked for (a page ingested before an
+    upgrade): refused, since feeding them degrades answers without any error."""
+
+
+class ScopedFeatureStore:
+    """A store that serves only the keys of one encoder. The engines read through it (mmrag/wiring.py), so
+    whatever names a page — retrieval, ``--pages``, warm-up — tokens of another encoder never reach a prompt."""
+
+    def __init__(self, store: FeatureStore, scope: EncoderScope) -> None:
+        self.inner = store
+        self.scope = scope
+        self.backend = store.backend
+        self.stats = store.stats
+
+    def get(self, key: ImageKey) -> EncodedImage | None:
+        if not self.scope.covers(key):
+            raise StaleFeaturesError(
+                f"the image tokens {key} were made by another vision encoder than the configured one "
+                f"({self.scope}); refusing to feed them: {STALE_PAGES_FIX}"
+            )
+        return self.inner.get(key)
+
+    def put(self, key: ImageKey, value: EncodedImage) -> None:
+        self.inner.put(key, value)
+
+    def contains(self, key: ImageKey) -> bool:
+        return self.scope.covers(key) and self.inner.contains(key)
+
+    def keys(self) -> Iterator[ImageKey]:
+        return (k for k in self.inner.keys() if self.scope.covers(k))
+
+    def size(self, key: ImageKey) -> int | None:
+        return self.inner.size(key)
+
+    def delete(self, key: ImageKey) -> int:
+        return self.inner.delete(key)
 
 
 class _BlobStore:
@@ -175,6 +223,22 @@ class DiskFeatureStore(_BlobStore):
         return FeatureStoreError(f"cannot write to the feature store at {self.root}: {what}; check that the "
                                  "folder exists and is writable by this process")
 
+    def size(self, key: ImageKey) -> int | None:
+        try:
+            return self.path_for(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, key: ImageKey) -> int:
+        # unlink is atomic; a reader that opened the file first still reads it whole
+        path = self.path_for(key)
+        try:
+            nbytes = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return nbytes
+
     def keys(self) -> Iterator[ImageKey]:
         for path in sorted(self.root.glob(f"??/img1-*{_SUFFIX}")):
             yield ImageKey.parse(path.name[: -len(_SUFFIX)])
@@ -234,6 +298,17 @@ class RedisFeatureStore(_BlobStore):
 
     def _write(self, key: ImageKey, blob: bytes) -> None:
         self._call("SET", lambda: self.client.set(self._name(key), blob))
+
+    def size(self, key: ImageKey) -> int | None:
+        nbytes = self._call("STRLEN", lambda: self.client.strlen(self._name(key)))
+        return nbytes or None  # no entry is ever empty: 0 means none
+
+    def delete(self, key: ImageKey) -> int:
+        # STRLEN + UNLINK in one MULTI/EXEC: atomic, and the entry's bytes never travel
+        name = self._name(key)
+        nbytes, _ = self._call("UNLINK", lambda: self.client.pipeline(transaction=True).strlen(name).unlink(name)
+                               .execute())
+        return nbytes
 
     def keys(self) -> Iterator[ImageKey]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "img1-*"  # the prefix is literal, not a glob

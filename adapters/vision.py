@@ -1,10 +1,11 @@
 """The vision service: turns page images into the VLM's image tokens ahead of time.
 
-Only the vision tower and its projector (the "merger") of a Qwen2-VL checkpoint are loaded, never the
-language model, so ingestion can run on machines that could not hold the LLM. Its output is exactly what
-the VLM's own vision path computes; vLLM takes it as ``image_embeds`` + ``image_grid_thw`` and skips its
-encoder. The :class:`EncoderVersion` names the weights, the processor config and the salt that produced
-the tokens, so cached tokens are never reused across encoders.
+Only the vision tower and its projector (the "merger") of a supported checkpoint are loaded (the family
+registry, ``adapters/families.py``, says how for each family), never the language model, so ingestion can run
+on machines that could not hold the LLM. Its output is exactly what the VLM's own vision path computes; vLLM
+takes it as ``image_embeds`` + ``image_grid_thw`` and skips its encoder. The :class:`EncoderVersion` names the
+weights, the processor config and the salt that produced the tokens, so cached tokens are never reused across
+encoders.
 """
 
 from __future__ import annotations
@@ -22,23 +23,19 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, AutoImageProcessor
 from transformers.initialization import no_init_weights
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from adapters.checkpoint import local_checkpoint
+from adapters.families import VisionFamily, family_for
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
 
 log = logging.getLogger(__name__)
 
-# transformers 5 names the tower "model.visual.*"; checkpoints saved by transformers 4 (all released
-# Qwen2-VL models) and by transformers 5's save_pretrained use "visual.*".
-VISUAL_PREFIXES = ("model.visual.", "visual.")
-_SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
 _VERSION_HEX = 16
 
 
 class VisionEncoder:
-    """Vision tower + merger of a Qwen2-VL checkpoint, with the processor resized by a policy."""
+    """Vision tower + merger of a supported VLM checkpoint, with the processor resized by a policy."""
 
     def __init__(
         self,
@@ -55,20 +52,23 @@ class VisionEncoder:
         self.forwards = 0  # images run through the tower; the metrics layer reads it
 
         config = AutoConfig.from_pretrained(self.model_dir)
-        _check_model_type(config, self.model_dir)
+        self.family = _checked_family(config, self.model_dir)
         self.hidden_size: int = config.text_config.hidden_size
         self._merge: int = config.vision_config.spatial_merge_size
 
-        state = load_visual_state(self.model_dir)
+        state = load_visual_state(self.model_dir, self.family)
         processor_config = read_image_processor_config(self.model_dir)
-        self.version = encoder_version(state, processor_config, salt=salt, dtype=dtype)
+        self.version = encoder_version(
+            state, processor_config, salt=salt, dtype=dtype,
+            family_config=self.family.versioned_config(config.vision_config),
+        )
         self._processor = _build_processor(self.model_dir, policy, config.vision_config)
         # The tower + merger module, public for inspection (tests check it holds no LLM weights).
-        self.tower = _build_visual(config.vision_config, state, dtype)
+        self.tower = _build_visual(self.family, config.vision_config, state, dtype)
         device = next(self.tower.parameters()).device
-        log.info("vision encoder loaded in %.1f s: version %s, policy %s, %s on %s, from %s",
-                 time.perf_counter() - started, self.version, policy, str(dtype).removeprefix("torch."), device,
-                 self.model_dir)
+        log.info("vision encoder loaded in %.1f s: %s, version %s, policy %s, %s on %s, from %s",
+                 time.perf_counter() - started, self.family.label, self.version, policy,
+                 str(dtype).removeprefix("torch."), device, self.model_dir)
 
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
@@ -76,7 +76,7 @@ class VisionEncoder:
     def num_tokens_for(self, image: Image.Image) -> int:
         """Image tokens ``image`` will take under this policy, from the resize rule alone (no forward)."""
         width, height = image.size
-        return self._processor.get_number_of_image_patches(height, width) // self._merge**2
+        return self.family.num_tokens(self._processor, self._merge, width, height)
 
     def encode(self, images: list[Image.Image]) -> list[EncodedImage]:
         """One batched forward over all ``images``; the output is split back per image."""
@@ -85,7 +85,7 @@ class VisionEncoder:
         with torch.inference_mode():
             batch = self._processor(images=images, return_tensors="pt")
             grid = batch["image_grid_thw"]
-            merged = self.tower(batch["pixel_values"].to(self.dtype), grid_thw=grid).pooler_output
+            merged = self.family.image_embeds(self.tower(batch["pixel_values"].to(self.dtype), grid_thw=grid))
         self.forwards += len(images)
         sizes = (grid.prod(-1) // self._merge**2).tolist()
         # clone(): a split is a view into the whole batch (saving it would write every image), and cloning
@@ -96,7 +96,7 @@ class VisionEncoder:
         ]
 
 
-def visual_weight_files(model_dir: Path) -> tuple[str, dict[str, Path]]:
+def visual_weight_files(model_dir: Path, family: VisionFamily) -> tuple[str, dict[str, Path]]:
     """The tower's key prefix, and checkpoint key -> safetensors file for the tower's keys only.
 
     Reads the index or the safetensors header, never a tensor: finding the tower costs nothing even in a
@@ -115,13 +115,13 @@ def visual_weight_files(model_dir: Path) -> tuple[str, dict[str, Path]]:
             f"no model.safetensors or model.safetensors.index.json in {model_dir}; the vision service reads "
             f"safetensors checkpoints only (re-save a .bin checkpoint with save_pretrained)"
         )
-    prefix = _visual_prefix(key_files, model_dir)
+    prefix = _visual_prefix(key_files, model_dir, family)
     return prefix, {key: file for key, file in key_files.items() if key.startswith(prefix)}
 
 
-def load_visual_state(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_visual_state(model_dir: Path, family: VisionFamily) -> dict[str, torch.Tensor]:
     """The vision tower's tensors, named relative to the tower ("blocks.0.attn.qkv.weight"), as stored."""
-    prefix, files = visual_weight_files(model_dir)
+    prefix, files = visual_weight_files(model_dir, family)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key, file in files.items():
         by_file[file].append(key)
@@ -157,11 +157,15 @@ def encoder_version(
     *,
     salt: str,
     dtype: torch.dtype,
+    family_config: dict[str, Any],
 ) -> EncoderVersion:
-    """sha256 over the tower's tensors (name, dtype, shape, bytes), the processor config, salt and dtype.
+    """sha256 over the tower's tensors (name, dtype, shape, bytes), the processor config, salt, dtype and
+    the family's token-changing vision config fields (``family_config``).
 
     The compute dtype is included because fp32 and bf16 towers give different tokens for the same image.
     Only the tower is hashed: hashing a multi-GB LLM on every start would cost more than loading the tower.
+    An empty ``family_config`` (Qwen2-VL) adds no bytes, so Qwen2-VL versions, hence indexed keys, are the
+    ones computed before the family registry existed.
     """
     h = hashlib.sha256(b"mmrag-vision-encoder-v1\n")
     for name in sorted(visual_state):
@@ -170,30 +174,30 @@ def encoder_version(
         h.update(tensor.reshape(-1).view(torch.uint8).numpy())
     h.update(json.dumps(processor_config, sort_keys=True, separators=(",", ":")).encode())
     h.update(f"\nsalt={salt}\ndtype={dtype}\n".encode())
+    if family_config:
+        h.update(json.dumps(family_config, sort_keys=True, separators=(",", ":")).encode())
     return EncoderVersion(h.hexdigest()[:_VERSION_HEX])
 
 
-def _visual_prefix(keys: dict[str, Path], model_dir: Path) -> str:
-    found = [p for p in VISUAL_PREFIXES if any(k.startswith(p) for k in keys)]
+def _visual_prefix(keys: dict[str, Path], model_dir: Path, family: VisionFamily) -> str:
+    found = [p for p in family.visual_prefixes if any(k.startswith(p) for k in keys)]
     if len(found) != 1:
         raise ValueError(
-            f"expected vision tower weights under exactly one of {VISUAL_PREFIXES} in {model_dir}, found "
-            f"{found or 'none'}; is this a Qwen2-VL checkpoint?"
+            f"expected vision tower weights under exactly one of {family.visual_prefixes} in {model_dir}, "
+            f"found {found or 'none'}; is this a {family.label} checkpoint?"
         )
     return found[0]
 
 
-def _check_model_type(config: Any, model_dir: Path) -> None:
-    if config.model_type not in _SUPPORTED_MODEL_TYPES:
+def _checked_family(config: Any, model_dir: Path) -> VisionFamily:
+    family = family_for(config.model_type, model_dir)
+    width = family.out_width(config.vision_config)
+    if width != config.text_config.hidden_size:
         raise ValueError(
-            f"{model_dir} is a {config.model_type!r} model; the vision service supports {_SUPPORTED_MODEL_TYPES} "
-            f"(set MMRAG_MODEL to a Qwen2-VL checkpoint)"
+            f"{model_dir}: the vision merger outputs {width} wide tokens but the language model is "
+            f"{config.text_config.hidden_size} wide; the checkpoint's config is inconsistent"
         )
-    if config.vision_config.hidden_size != config.text_config.hidden_size:
-        raise ValueError(
-            f"{model_dir}: the vision merger outputs {config.vision_config.hidden_size} wide tokens but the "
-            f"language model is {config.text_config.hidden_size} wide; the checkpoint's config is inconsistent"
-        )
+    return family
 
 
 def _build_processor(model_dir: Path, policy: ResolutionPolicy, vision_config: Any):
@@ -210,10 +214,12 @@ def _build_processor(model_dir: Path, policy: ResolutionPolicy, vision_config: A
     return processor
 
 
-def _build_visual(vision_config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
+def _build_visual(
+    family: VisionFamily, vision_config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> torch.nn.Module:
     # Skip the random init: every parameter is overwritten below (strict load), and init is slow for a
     # 600 M-parameter tower. Buffers such as the rotary inv_freq are still computed in __init__.
     with no_init_weights():
-        visual = Qwen2VisionTransformerPretrainedModel._from_config(vision_config, dtype=dtype)
+        visual = family.tower_class._from_config(vision_config, dtype=dtype)
     visual.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True)
     return visual.eval().requires_grad_(False)

@@ -8,10 +8,12 @@ other module spells a payload key: filters name fields through :class:`PageField
 from __future__ import annotations
 
 import enum
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from core.keys import ImageKey, page_point_id
+from core.keys import EncoderVersion, ImageKey, ResolutionPolicy, page_point_id
 from core.pages import TextSource
 
 # Named vectors of a page point: page text (MiniLM) and page image (open_clip). A page without text has no
@@ -28,6 +30,43 @@ class PageField(str, enum.Enum):
     PAGE = "page"
     CONTENT_HASH = "content_hash"
     TEXT_SOURCE = "text_source"
+    # Parts of ``image_key``, written beside it because Qdrant cannot filter on part of a string: serving
+    # filters on them so that pages encoded by another encoder are never retrieved (see EncoderScope).
+    ENCODER_VERSION = "encoder_version"
+    RESOLUTION_POLICY = "resolution_policy"
+
+
+@dataclass(slots=True, frozen=True)
+class EncoderScope:
+    """The image keys the configured vision encoder serves: its version under its resolution policy.
+
+    Tokens under any other key came from another encoder (a model or projector upgrade, a changed
+    MMRAG_ENCODER_SALT or pixel bounds); feeding them to the VLM degrades answers without any error.
+    """
+
+    version: EncoderVersion
+    policy: ResolutionPolicy
+
+    @classmethod
+    def of(cls, key: ImageKey) -> EncoderScope:
+        return cls(key.encoder_version, key.policy)
+
+    def covers(self, key: ImageKey) -> bool:
+        return EncoderScope.of(key) == self
+
+    def payload_match(self) -> dict[str, str]:
+        """The payload values of every page whose tokens this encoder made."""
+        return {PageField.ENCODER_VERSION.value: self.version, PageField.RESOLUTION_POLICY.value: str(self.policy)}
+
+    def __str__(self) -> str:
+        return f"{self.version}/{self.policy}"
+
+
+STALE_PAGES_FIX = (
+    "re-ingest those documents with the configured model (`mmrag ingest PATH...`), or set MMRAG_MODEL / "
+    "MMRAG_ENCODER_SALT / MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS back to what encoded them (`mmrag index check` "
+    "lists the encoders)"
+)
 
 
 class PayloadError(ValueError):
@@ -60,25 +99,35 @@ class PagePayload:
         out = asdict(self)
         out["image_key"] = str(self.image_key)
         out["text_source"] = self.text_source.value
+        out.update(EncoderScope.of(self.image_key).payload_match())
         return out
 
     @classmethod
     def from_qdrant(cls, payload: dict[str, Any] | None) -> PagePayload:
         data = dict(payload or {})
         missing = [f for f in FIELD_NAMES if f not in data]
+        if missing and set(missing) <= set(_DERIVED_NAMES):
+            raise PayloadError(
+                "the page index was written before mmrag stored each page's encoder fields: open it once for "
+                "writing to add them (`mmrag ingest PATH...`, any path), or re-create it with `mmrag index "
+                "reset --yes` and ingest again"
+            )
         if missing:
             raise PayloadError(
                 f"a point in the page index lacks {', '.join(missing)}: it was not written by this version of "
                 "mmrag ingest. Re-create the index with `mmrag index reset --yes` and ingest again"
             )
         try:
-            return cls(**{
-                **{f: data[f] for f in FIELD_NAMES},
+            page = cls(**{
+                **{f: data[f] for f in _CONSTRUCTOR_FIELDS},
                 "page": int(data["page"]), "num_pages": int(data["num_pages"]),
                 "image_tokens": int(data["image_tokens"]), "width": int(data["width"]),
                 "height": int(data["height"]), "image_key": ImageKey.parse(data["image_key"]),
                 "text_source": TextSource(data["text_source"]),
             })
+            if EncoderScope.of(page.image_key).payload_match() != {f: data[f] for f in _DERIVED_NAMES}:
+                raise ValueError(f"its encoder fields disagree with its image key {page.image_key}")
+            return page
         except (TypeError, ValueError) as exc:
             raise PayloadError(
                 f"a point in the page index has a malformed payload ({exc}); re-create the index with "
@@ -86,4 +135,17 @@ class PagePayload:
             ) from exc
 
 
-FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PagePayload))
+_CONSTRUCTOR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(PagePayload))
+_DERIVED_NAMES: tuple[str, ...] = (PageField.ENCODER_VERSION.value, PageField.RESOLUTION_POLICY.value)
+FIELD_NAMES: tuple[str, ...] = _CONSTRUCTOR_FIELDS + _DERIVED_NAMES  # every key a page's payload has
+
+
+def pages_per_encoder(pages: Iterable[PagePayload]) -> Counter[EncoderScope]:
+    """How many of ``pages`` each encoder (version and resolution policy) made."""
+    return Counter(EncoderScope.of(p.image_key) for p in pages)
+
+
+def encoder_fields_of(payload: dict[str, Any]) -> dict[str, str]:
+    """The encoder fields a stored payload lacks, from its image key: what an index written before they
+    existed is backfilled with (adapters/qdrant.py)."""
+    return EncoderScope.of(ImageKey.parse(payload["image_key"])).payload_match()

@@ -1,7 +1,9 @@
-"""A tiny random-weight Qwen2-VL checkpoint, built offline in seconds, for tests and benchmarks.
+"""Tiny random-weight Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints, built offline in seconds, for tests.
 
-The checkpoint is a real Qwen2-VL (same architecture, processor and chat template as the released models,
-just small) so that vLLM, transformers and our vision service load it exactly as they would a real one.
+Each checkpoint is a real member of its family (same architecture and processor as the released models, just
+small; Qwen2.5-VL's window attention and Qwen3-VL's deepstack included) so that vLLM, transformers and our
+vision service load it exactly as they would a real one. All use the Qwen2-VL chat template (Qwen3-VL's own
+template adds tool and reasoning parts but writes the same image placeholder).
 Its weights are random: answers generated with it mean nothing, and the ``mmrag_model.json`` marker lets
 the CLI and the service say so plainly. See /work/shared/notes/vllm-cpu.md, "A tiny Qwen2-VL made offline".
 
@@ -20,7 +22,13 @@ from pathlib import Path
 
 from adapters.checkpoint import MARKER_FILE, read_marker
 
-MODEL_NAME = "mmrag-tiny-qwen2vl"
+# The checkpoint's model_type -> the name its marker (and vLLM's served model) carries.
+MODEL_NAMES = {
+    "qwen2_vl": "mmrag-tiny-qwen2vl", "qwen2_5_vl": "mmrag-tiny-qwen2.5vl", "qwen3_vl": "mmrag-tiny-qwen3vl",
+}
+MODEL_NAME = MODEL_NAMES["qwen2_vl"]  # the default family's, which the service builds when no model is set
+# model_type -> the transformers class prefix of its config, model and processor (imported only to build).
+_CLASSES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
 # The 14 added tokens of the released Qwen2-VL tokenizers, in their id order.
 QWEN_SPECIAL_TOKENS = (
@@ -40,8 +48,9 @@ QWEN_SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 
-# The chat template shipped with Qwen2-VL-*-Instruct: an image content part becomes
-# <|vision_start|><|image_pad|><|vision_end|>, which the processor/engine expands to the image's tokens.
+# The chat template shipped with Qwen2-VL-*-Instruct and Qwen2.5-VL-*-Instruct (the same): an image content
+# part becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor/engine expands to the
+# image's tokens.
 QWEN2VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
@@ -80,6 +89,9 @@ _HEAD_DIM = 64  # fixed so that mrope_section [8, 12, 12] (sums to head_dim / 2)
 _MROPE_SECTION = [8, 12, 12]
 _INIT_STD = 0.08  # the default 0.02 gives near-uniform logits: greedy outputs would not depend on the image
 _VOCAB_MULTIPLE = 64
+# Qwen2.5-VL window attention, as released: 112-pixel windows (4x4 merged tokens), full attention in the
+# last block of each group (here: the last block), so both attention kinds run in the tiny tower.
+_WINDOW_SIZE = 112
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +99,7 @@ class TinyModelSpec:
     """Everything that determines the checkpoint's bytes; recorded in the marker file."""
 
     seed: int = 0
+    family: str = "qwen2_vl"  # the checkpoint's model_type
     hidden: int = 256  # text hidden size = image token width
     layers: int = 2
     vision_depth: int = 2
@@ -97,6 +110,10 @@ class TinyModelSpec:
     max_positions: int = 4096
 
     def __post_init__(self) -> None:
+        if self.family not in _CLASSES:
+            raise ValueError(
+                f"no tiny model for family {self.family!r}; tiny models exist for {', '.join(_CLASSES)}"
+            )
         # kv heads = heads / 2 with head_dim 64, hence multiples of 128.
         if self.hidden % (2 * _HEAD_DIM) or self.vision_embed_dim % _HEAD_DIM:
             raise ValueError(
@@ -109,6 +126,7 @@ def build_tiny_model(
     out: Path,
     *,
     seed: int = 0,
+    family: str = "qwen2_vl",
     hidden: int = 256,
     layers: int = 2,
     vision_depth: int = 2,
@@ -117,7 +135,8 @@ def build_tiny_model(
     max_pixels: int = 448 * 448,
     max_positions: int = 4096,
 ) -> Path:
-    """Build a random-weight Qwen2-VL checkpoint in ``out`` (which must not exist) and return ``out``.
+    """Build a random-weight checkpoint of ``family`` (a model_type in ``MODEL_NAMES``) in ``out`` (which must
+    not exist) and return ``out``.
 
     Deterministic: the same arguments give byte-identical weight and tokenizer files (for one Python and
     transformers version: the tokenizer learns from the stdlib sources, config.json records the
@@ -126,6 +145,7 @@ def build_tiny_model(
     """
     spec = TinyModelSpec(
         seed=seed,
+        family=family,
         hidden=hidden,
         layers=layers,
         vision_depth=vision_depth,
@@ -151,12 +171,13 @@ def build_tiny_model(
     return out
 
 
-def ensure_tiny_model(out: Path, **params: int) -> Path:
+def ensure_tiny_model(out: Path, **params: int | str) -> Path:
     """Return ``out`` if it already holds a tiny model built with ``params``, else build it there."""
     out = Path(out)
     wanted = asdict(TinyModelSpec(**params))
     marker = read_marker(out)
-    if marker is not None and marker.get("spec") == wanted:
+    # Markers written before families existed are Qwen2-VL builds with the same bytes.
+    if marker is not None and {"family": "qwen2_vl", **marker.get("spec", {})} == wanted:
         return out
     if out.exists():
         raise FileExistsError(
@@ -175,7 +196,7 @@ def _write_checkpoint(folder: Path, spec: TinyModelSpec) -> None:
     # (a container's serving user must read it), so give every file ordinary read permissions.
     for f in folder.iterdir():
         f.chmod(0o644)
-    marker = {"name": MODEL_NAME, "random_weights": True, "seed": spec.seed, "spec": asdict(spec)}
+    marker = {"name": MODEL_NAMES[spec.family], "random_weights": True, "seed": spec.seed, "spec": asdict(spec)}
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -213,23 +234,65 @@ def _build_tokenizer(spec: TinyModelSpec):
     )
 
 
+def _family_class(spec: TinyModelSpec, kind: str):
+    """``kind`` is "Config", "ForConditionalGeneration" or "Processor"."""
+    import transformers
+
+    return getattr(transformers, _CLASSES[spec.family] + kind)
+
+
+def _patch_size(spec: TinyModelSpec) -> int:
+    return 16 if spec.family == "qwen3_vl" else 14  # as released
+
+
 def _build_processor(tokenizer, spec: TinyModelSpec):
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    # Every family uses Qwen2-VL's image processor, as the released checkpoints do.
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
 
     pixels = {"min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels}
-    patches = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
-    return Qwen2VLProcessor(
+    patches = {"patch_size": _patch_size(spec), "temporal_patch_size": 2, "merge_size": 2}
+    # transformers 5 requires a video processor even for an image-only use.
+    if spec.family == "qwen3_vl":
+        video = Qwen3VLVideoProcessor(size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+                                      **patches)
+    else:
+        video = Qwen2VLVideoProcessor(**pixels, **patches)
+    return _family_class(spec, "Processor")(
         image_processor=Qwen2VLImageProcessor(**pixels, **patches),
         tokenizer=tokenizer,
-        # transformers 5 requires a video processor even for an image-only use.
-        video_processor=Qwen2VLVideoProcessor(**pixels, **patches),
+        video_processor=video,
         chat_template=QWEN2VL_CHAT_TEMPLATE,
     )
 
 
-def _build_config(tokenizer, spec: TinyModelSpec):
-    from transformers import Qwen2VLConfig
+def _vision_config(spec: TinyModelSpec) -> dict:
+    common = {
+        "depth": spec.vision_depth,
+        "num_heads": spec.vision_embed_dim // _HEAD_DIM,
+        "patch_size": _patch_size(spec),
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": _INIT_STD,
+    }
+    # Qwen2.5-VL and Qwen3-VL: hidden_size is the tower's width, out_hidden_size the merger's.
+    widths = {
+        "hidden_size": spec.vision_embed_dim,
+        "intermediate_size": 4 * spec.vision_embed_dim,
+        "out_hidden_size": spec.hidden,
+    }
+    if spec.family == "qwen2_5_vl":
+        return common | widths | {"window_size": _WINDOW_SIZE, "fullatt_block_indexes": [spec.vision_depth - 1]}
+    if spec.family == "qwen3_vl":
+        # Every block but the last feeds a deepstack level (released: 3 of 27); 16x16 learned positions.
+        return common | widths | {
+            "deepstack_visual_indexes": list(range(spec.vision_depth - 1)),
+            "num_position_embeddings": 256,
+        }
+    # Qwen2-VL: embed_dim is the tower's width, hidden_size the merger's (projected to the text width).
+    return common | {"embed_dim": spec.vision_embed_dim, "hidden_size": spec.hidden}
 
+
+def _build_config(tokenizer, spec: TinyModelSpec):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     vocab_size = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
     heads = spec.hidden // _HEAD_DIM
@@ -240,26 +303,18 @@ def _build_config(tokenizer, spec: TinyModelSpec):
         "num_hidden_layers": spec.layers,
         "num_attention_heads": heads,
         "num_key_value_heads": heads // 2,
+        **({"head_dim": _HEAD_DIM} if spec.family == "qwen3_vl" else {}),  # Qwen3 does not derive it
         "max_position_embeddings": spec.max_positions,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": list(_MROPE_SECTION)},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": list(_MROPE_SECTION)}
+        | ({"mrope_interleaved": True} if spec.family == "qwen3_vl" else {}),
         "initializer_range": _INIT_STD,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
-    vision = {
-        "depth": spec.vision_depth,
-        "embed_dim": spec.vision_embed_dim,
-        "hidden_size": spec.hidden,  # the merger projects straight to the text width
-        "num_heads": spec.vision_embed_dim // _HEAD_DIM,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "initializer_range": _INIT_STD,
-    }
-    return Qwen2VLConfig(
+    return _family_class(spec, "Config")(
         text_config=text,
-        vision_config=vision,
+        vision_config=_vision_config(spec),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -271,10 +326,10 @@ def _build_config(tokenizer, spec: TinyModelSpec):
 
 def _build_model(tokenizer, spec: TinyModelSpec):
     import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig
 
     config = _build_config(tokenizer, spec)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = _family_class(spec, "ForConditionalGeneration")(config).to(torch.float32).eval()
     _init_weights(model, spec.seed)
     text = config.text_config
     model.generation_config = GenerationConfig(

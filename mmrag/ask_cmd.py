@@ -105,7 +105,8 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> Warm
             payloads = lookup_pages(index, parse_page_refs(pages_spec))
         else:
             payloads = index.pages()
-        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads)
+        scope = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
+        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads if scope.covers(p.image_key))
         if not pages_spec:
             candidates = candidates[:top] if top else candidates
     finally:

@@ -33,9 +33,11 @@ app = typer.Typer(
 model_app = typer.Typer(help="Build or inspect VLM checkpoints.", no_args_is_help=True)
 corpus_app = typer.Typer(help="Sample documents for demos and tests.", no_args_is_help=True)
 index_app = typer.Typer(help="Inspect or reset the Qdrant page index.", no_args_is_help=True)
+store_app = typer.Typer(help="Maintain the feature store (image tokens on disk or in Redis).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(corpus_app, name="corpus")
 app.add_typer(index_app, name="index")
+app.add_typer(store_app, name="store")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
 app.command("bench")(bench)
@@ -72,12 +74,17 @@ def configure_logging() -> None:
 def model_tiny(
     out: Annotated[Path, typer.Option(help="Folder to write the checkpoint to.")] = Path(".mmrag/models/tiny"),
     seed: Annotated[int, typer.Option(help="Weight seed; the same seed gives the same weights.")] = 0,
+    family: Annotated[str, typer.Option(help="The checkpoint's model_type: qwen2_vl, qwen2_5_vl or qwen3_vl.")
+                      ] = "qwen2_vl",
 ) -> None:
-    """Build the tiny random-weight Qwen2-VL test model offline (a few seconds). Its answers are not meaningful."""
-    from devkit.tiny_model import build_tiny_model
+    """Build a tiny random-weight VLM of one family offline (a few seconds). Its answers are not meaningful."""
+    from devkit.tiny_model import MODEL_NAMES, build_tiny_model
 
-    path = build_tiny_model(out, seed=seed)
-    err.print(f"tiny random-weight Qwen2-VL written to [bold]{path}[/] (set MMRAG_MODEL={path} to use it)")
+    if family not in MODEL_NAMES:
+        raise typer.BadParameter(f"{family!r} has no tiny model; use one of {', '.join(MODEL_NAMES)}",
+                                 param_hint="--family")
+    path = build_tiny_model(out, seed=seed, family=family)
+    err.print(f"tiny random-weight {family} model written to [bold]{path}[/] (set MMRAG_MODEL={path} to use it)")
 
 
 @corpus_app.command("sample")
@@ -210,6 +217,46 @@ def index_stats() -> None:
     from mmrag import ingest_cmd
 
     typer.echo(json.dumps(ingest_cmd.stats()))
+
+
+@index_app.command("check")
+def index_check(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+) -> None:
+    """Pages per encoder version and resolution policy, and which of them the configured model can serve.
+
+    Pages of another encoder (after a model upgrade or a changed MMRAG_ENCODER_SALT) are never served.
+    Exit code 1 if there are any.
+    """
+    from core.settings import Settings
+    from mmrag import index_cmd
+
+    result = index_cmd.check(Settings())
+    if as_json:
+        typer.echo(json.dumps(result.to_json()))
+    else:
+        index_cmd.print_check(result, err)
+    raise typer.Exit(1 if result.stale_pages else 0)
+
+
+@store_app.command("gc")
+def store_gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run/--apply", help="--dry-run (the default) only lists what "
+                                          "would go; --apply removes it.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Remove feature entries that no indexed page references (left by upgrades and re-ingests).
+
+    A dry run unless --apply: lists what would go and its bytes. Run it while no ingest is writing.
+    """
+    from core.settings import Settings
+    from mmrag import store_cmd
+
+    report = store_cmd.gc(Settings(), dry_run=dry_run)
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+    else:
+        store_cmd.print_gc(report, err)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
     ("core.payload", "PayloadError"),  # an index written by another version: reset and re-ingest
     ("adapters.store", "FeatureStoreError"),
     ("adapters.checkpoint", "ModelNotFoundError"),
+    ("adapters.families", "UnsupportedFamilyError"),  # a checkpoint of a family mmrag cannot encode for
     ("pydantic", "ValidationError"),  # Settings: an MMRAG_* variable with a bad value
     ("builtins", "FileNotFoundError"),
     ("mmrag.ask_cmd", "ArgumentError"),

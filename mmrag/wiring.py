@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from adapters.checkpoint import ModelSource, configured_model
 from core.engine import Engine, ImageTokenCounts
+from core.payload import EncoderScope, pages_per_encoder
 from core.settings import Settings
 
 if TYPE_CHECKING:
@@ -77,6 +78,31 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder:
     return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt, dtype=dtype)
 
 
+_scopes: dict[tuple[str, str], EncoderScope] = {}
+
+
+def encoder_scope(settings: Settings, model: ModelSource) -> EncoderScope:
+    """The encoder whose image tokens the configured model serves: its version (weights, processor, salt,
+    dtype) under the configured resolution policy. Loads the tower's weights to hash them (no forward), once
+    per process for the same settings: `mmrag ask` needs it for both its engine and its retrieval."""
+    cache_key = (str(model.path), settings.model_dump_json())
+    if cache_key not in _scopes:
+        encoder = vision_encoder(settings, model)
+        _scopes[cache_key] = EncoderScope(encoder.version, encoder.policy)
+    return _scopes[cache_key]
+
+
+def model_family(model: ModelSource) -> str:
+    """The checkpoint's ``model_type`` (qwen2_vl, ...): what `mmrag index check` and the encoder info metric
+    name. Read from config.json, so it costs no weights."""
+    import json
+
+    from adapters.checkpoint import local_checkpoint
+
+    config = local_checkpoint(model.path) / "config.json"
+    return str(json.loads(config.read_text(encoding="utf-8")).get("model_type", "unknown"))
+
+
 def text_embedder(settings: Settings) -> TextEmbedder:
     from adapters.embed import TextEmbedder
 
@@ -134,13 +160,14 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
     )
 
 
-def searcher(settings: Settings, *, client=None) -> PageSearcher:
+def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = None) -> PageSearcher:
+    """``encoder``: retrieve only pages whose tokens it made (whoever feeds hits to the VLM must pass it)."""
     from adapters.qdrant import open_async_qdrant
     from retrieval.search import PageSearcher
 
     return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
                         settings.qdrant_collection, text_embedder(settings), image_embedder(settings),
-                        top_k=settings.top_k)
+                        top_k=settings.top_k, encoder=encoder)
 
 
 # --- engine, scheduler, pipeline -------------------------------------------------------------------------
@@ -171,11 +198,14 @@ def require_engine_urls(settings: Settings) -> list[str]:
 
 
 def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = None, *,
-           allow_inprocess: bool = True) -> Engine:
-    """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process."""
+           allow_inprocess: bool = True, encoder: EncoderScope | None = None) -> Engine:
+    """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process. It reads image
+    tokens of ``encoder`` only (default: the configured model's), refusing stale ones whatever names them."""
+    from adapters.store import ScopedFeatureStore
     from serving.engine.features import FeatureProvider
 
-    features = FeatureProvider(store or feature_store(settings))
+    encoder = encoder or encoder_scope(settings, model)
+    features = FeatureProvider(ScopedFeatureStore(store or feature_store(settings), encoder))
     if settings.engine_url_list:
         from serving.engine.remote import RemoteEngine
 
@@ -211,17 +241,20 @@ def decomposer(settings: Settings, engine: Engine) -> Decomposer:
     return Decomposer(engine, max_n=settings.max_sub_questions, max_question_chars=settings.max_question_chars)
 
 
-def pipeline(settings: Settings, engine: Engine, *, client=None) -> tuple[Pipeline, Scheduler]:
-    """The pipeline over the configured index, its plans going through one prefix-aware scheduler.
+def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None
+             ) -> tuple[Pipeline, Scheduler]:
+    """The pipeline over the configured index, its plans going through one prefix-aware scheduler. It
+    retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens are fed.
 
     The caller owns the engine and closes ``pipeline.searcher.client``.
     """
     from rag.pipeline import Pipeline
     from serving.scheduler import Scheduler
 
+    encoder = encoder or encoder_scope(settings, resolve_model(settings))
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
-    pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client), engine,
+    pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client, encoder=encoder), engine,
                     config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts)
     return pipe, scheduler
 
@@ -244,10 +277,14 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     model = resolve_model(settings)
     log.info("model: %s", model.describe())
     store = store_ or feature_store(settings)
-    raw = engine_ if engine_ is not None else engine(settings, model, store)
+    encoder = encoder_scope(settings, model)
+    raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
-    pipe, scheduler = pipeline(settings, metered)
+    pipe, scheduler = pipeline(settings, metered, encoder=encoder)
     metrics.register_store(store)
+    await pipe.searcher.stale_pages()  # warns at start-up when pages of another encoder are indexed
+    reader = AsyncPageReader(pipe.searcher.client, settings.qdrant_collection)
+    metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
     if settings.engine_url_list:
         metrics.register_remote_replicas(settings.engine_url_list)
     loop = asyncio.get_running_loop()
@@ -261,7 +298,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
                         image=pipe.searcher.image_embedder)
 
     return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
-                    store=store, pages=AsyncPageReader(client, settings.qdrant_collection), metrics=metrics,
+                    store=store, pages=reader, metrics=metrics,
                     jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None,
                     admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ import numpy as np
 from qdrant_client import AsyncQdrantClient, models
 
 from adapters.embed import ImageEmbedder, TextEmbedder
-from adapters.qdrant import IndexConfigError, check_vectors
+from adapters.qdrant import IndexConfigError, check_vectors, scope_filter
 from core.keys import ImageKey
-from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PageField, PagePayload
+from core.payload import IMAGE_VECTOR, STALE_PAGES_FIX, TEXT_VECTOR, EncoderScope, PageField, PagePayload
+
+log = logging.getLogger(__name__)
 
 SNIPPET_CHARS = 200
 KNOWN_DOCS_SHOWN = 10
@@ -52,6 +55,10 @@ class UnknownDocumentError(RetrievalError):
 
 class ImageChannelOffError(RetrievalError):
     pass
+
+
+class StaleIndexError(RetrievalError):
+    """Every indexed page was encoded by another encoder than the configured one: nothing can be served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +91,11 @@ class PageSearcher:
         *,
         top_k: int = 3,
         candidate_k: int = 20,
+        encoder: EncoderScope | None = None,
     ) -> None:
+        """``encoder``: the encoder whose image tokens the caller will feed to the VLM. Pages outside it are
+        never returned (a payload filter in every query), so stale tokens cannot reach a prompt after an
+        upgrade; None returns every page (the retrieval evaluations, which feed no VLM)."""
         if not 0 < top_k <= candidate_k:
             raise ValueError(f"need 0 < top_k <= candidate_k, got top_k={top_k}, candidate_k={candidate_k}")
         self.client = client
@@ -93,6 +104,9 @@ class PageSearcher:
         self.image_embedder = image_embedder
         self.top_k = top_k
         self.candidate_k = candidate_k
+        self.encoder = encoder
+        self._scope = None if encoder is None else scope_filter(encoder)
+        self._warned = (0, 0)  # the stale/total counts last warned about
         self._checked = False  # the collection exists, has pages and matches the embedders
 
     @property
@@ -116,9 +130,9 @@ class PageSearcher:
                 "image-only search was asked for, but the image channel is off: set MMRAG_CLIP_WEIGHTS to a "
                 "local open_clip weights file and re-ingest, or search the text channel"
             )
-        flt = await self._prepare(doc_filter)  # before embedding: a bad filter fails fast
+        prepared = await self._prepare(doc_filter)  # before embedding: a bad filter fails fast
         text_vecs, image_vecs = await asyncio.to_thread(self.embed_queries, queries, channels)
-        return await self._query(queries, text_vecs, image_vecs, flt, top_k or self.top_k)
+        return await self._query(queries, text_vecs, image_vecs, prepared, top_k or self.top_k)
 
     async def search_vectors(
         self,
@@ -133,24 +147,29 @@ class PageSearcher:
         given: both means hybrid). ``queries`` only shape the snippets. One Qdrant round trip."""
         if text_vecs is None and image_vecs is None:
             raise ValueError("search_vectors needs text vectors, image vectors or both")
-        flt = await self._prepare(doc_filter)
-        return await self._query(queries, text_vecs, image_vecs, flt, top_k or self.top_k)
+        prepared = await self._prepare(doc_filter)
+        return await self._query(queries, text_vecs, image_vecs, prepared, top_k or self.top_k)
 
     async def search(self, query: str, **kwargs: Any) -> list[Hit]:
         return (await self.search_many([query], **kwargs))[0]
 
-    async def _prepare(self, doc_filter: list[str] | None) -> models.Filter | None:
+    async def _prepare(self, doc_filter: list[str] | None) -> tuple[models.Filter | None, bool]:
+        """The query filter (encoder scope and documents), and whether documents were named."""
         await self._check_collection()
-        return await self._doc_filter(doc_filter) if doc_filter else None
+        must = [self._scope] if self._scope is not None else []
+        if doc_filter:
+            must.append(await self._doc_filter(doc_filter))
+        return (models.Filter(must=must) if must else None), bool(doc_filter)
 
     async def _query(self, queries: list[str], text_vecs: np.ndarray | None, image_vecs: np.ndarray | None,
-                     flt: models.Filter | None, limit: int) -> list[list[Hit]]:
+                     prepared: tuple[models.Filter | None, bool], limit: int) -> list[list[Hit]]:
+        flt, by_doc = prepared
         requests = [
             self._request(t, i, flt, limit)
             for t, i in zip(_rows(text_vecs, len(queries)), _rows(image_vecs, len(queries)))
         ]
         responses = await self.client.query_batch_points(self.collection, requests=requests)
-        if not any(r.points for r in responses) and flt is None:
+        if not any(r.points for r in responses) and not by_doc:
             await self._check_not_empty()  # emptied since the first check (e.g. `mmrag index reset`)
         return [
             sorted((_hit(p, q) for p in r.points), key=lambda h: h.score, reverse=True)
@@ -207,7 +226,26 @@ class PageSearcher:
                 "vector: re-ingest with the same MMRAG_CLIP_* settings (`mmrag ingest PATH...`), or turn "
                 "the image channel off"
             )
+        stale, total = await self.stale_pages()
+        if stale and stale == total:
+            raise StaleIndexError(
+                f"all {total} indexed pages were encoded by another vision encoder than the configured one "
+                f"({self.encoder}), so none can be served: {STALE_PAGES_FIX}"
+            )
         self._checked = True
+
+    async def stale_pages(self) -> tuple[int, int]:
+        """(pages another encoder than ``encoder`` made, all pages): the former are never retrieved. Logs a
+        warning with the count and the fix when there are any (again only when the counts change)."""
+        if self._scope is None or not await self.client.collection_exists(self.collection):
+            return 0, 0
+        counts = tuple(await asyncio.gather(self._count(models.Filter(must_not=[self._scope])), self._count(None)))
+        if counts[0] and counts != self._warned:
+            log.warning("%d of %d indexed pages were encoded by another vision encoder than the configured one "
+                        "(%s): they are excluded from retrieval and their tokens are never fed to the model. "
+                        "Fix: %s", *counts, self.encoder, STALE_PAGES_FIX)
+        self._warned = counts
+        return counts
 
     async def _check_not_empty(self) -> None:
         if not await self._count(None):

@@ -28,12 +28,13 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from core.engine import Usage
+from core.payload import EncoderScope
 from serving.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ SCHEDULER_CANCELLED_RUNNING = "mmrag_scheduler_cancelled_running"
 
 WARM_SET_PAGES = "mmrag_warm_set_pages"
 WARM_SET_TOKENS = "mmrag_warm_set_tokens"
+SERVING_ENCODER = "mmrag_serving_encoder"  # an info metric: the sample is mmrag_serving_encoder_info
+INDEXED_PAGES = "mmrag_indexed_pages"
 
 STORE_LOOKUPS = "mmrag_feature_store_lookups"
 STORE_HITS = "mmrag_feature_store_hits"
@@ -147,10 +150,16 @@ class Metrics:
         self._warm_pages = Gauge(WARM_SET_PAGES, "Pages in the current warm set.", registry=r)
         self._warm_tokens = Gauge(WARM_SET_TOKENS, "Image tokens in the current warm set.", registry=r)
 
+        self._encoder = Info(SERVING_ENCODER, "The vision encoder whose image tokens this server feeds: its "
+                             "version, model family and resolution policy.", registry=r)
+        self._indexed_pages = Gauge(INDEXED_PAGES, "Indexed pages by the encoder that made their image tokens, at "
+                                    "start-up; servable=false pages (another encoder's) are never served.",
+                                    ["encoder_version", "policy", "servable"], registry=r)
+
         self._stores = _StoreCollector()
         r.register(self._stores)
         self._replicas: _ReplicaCollector | None = None
-        self._own = [c for c in vars(self).values() if isinstance(c, (Counter, Gauge, Histogram))]
+        self._own = [c for c in vars(self).values() if isinstance(c, (Counter, Gauge, Histogram, Info))]
         self._own += list(self._scheduler_counters.values())
 
     # -- per engine request and per answer --
@@ -204,6 +213,15 @@ class Metrics:
         """The warm set now held in the engine's prefix cache (from WarmReport: len(warmed), warmed_tokens)."""
         self._warm_pages.set(pages)
         self._warm_tokens.set(tokens)
+
+    # -- the encoder and the index --
+
+    def set_encoder(self, serving: EncoderScope, family: str, indexed: Mapping[EncoderScope, int]) -> None:
+        """The serving encoder, and the indexed pages per encoder (a mismatch alert fires on servable=false)."""
+        self._encoder.info({"version": serving.version, "family": family, "policy": str(serving.policy)})
+        self._indexed_pages.clear()
+        for scope, pages in indexed.items():
+            self._indexed_pages.labels(scope.version, str(scope.policy), str(scope == serving).lower()).set(pages)
 
     # -- feature stores --
 

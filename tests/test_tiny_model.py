@@ -1,4 +1,4 @@
-"""The tiny random-weight Qwen2-VL: deterministic, loadable offline, and honest about being random."""
+"""The tiny random-weight VLMs: deterministic, loadable offline, and honest about being random."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # any accidental hub lookup fails fast
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from adapters.checkpoint import MARKER_FILE, is_random_weight_model, read_marker
-from devkit.tiny_model import MODEL_NAME, build_tiny_model, ensure_tiny_model
+from devkit.tiny_model import MODEL_NAME, MODEL_NAMES, build_tiny_model, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -142,6 +143,34 @@ def test_ensure_reuses_a_matching_build_and_refuses_a_different_one(model_dir):
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
     with pytest.raises(FileExistsError, match="does not hold"):
         ensure_tiny_model(model_dir, seed=7)
+
+
+def test_a_qwen2_5_vl_build_is_deterministic_and_shares_the_tokenizer(model_dir, tmp_path):
+    a = build_tiny_model(tmp_path / "a", family="qwen2_5_vl")
+    b = build_tiny_model(tmp_path / "b", family="qwen2_5_vl")
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "processor_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (model_dir / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    assert AutoConfig.from_pretrained(a).model_type == "qwen2_5_vl"
+    assert read_marker(a)["name"] == MODEL_NAMES["qwen2_5_vl"] and read_marker(a)["spec"]["family"] == "qwen2_5_vl"
+
+
+def test_a_family_without_a_tiny_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tiny models exist for qwen2_vl, qwen2_5_vl, qwen3_vl"):
+        build_tiny_model(tmp_path / "llava", family="llava")
+    assert not (tmp_path / "llava").exists()
+
+
+def test_ensure_accepts_a_qwen2_vl_build_whose_marker_predates_families(model_dir, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(model_dir, old)
+    marker = json.loads((old / MARKER_FILE).read_text())
+    del marker["spec"]["family"]
+    (old / MARKER_FILE).write_text(json.dumps(marker))
+    assert ensure_tiny_model(old) == old
+    with pytest.raises(FileExistsError, match="does not hold"):
+        ensure_tiny_model(old, family="qwen2_5_vl")
 
 
 def test_a_larger_benchmark_variant_comes_from_parameters_alone(tmp_path):

@@ -40,13 +40,18 @@ def encoder(model_dir) -> VisionEncoder:
     return VisionEncoder(model_dir, POLICY)
 
 
-@pytest.fixture(scope="module")
-def images() -> list[Image.Image]:
+def noise_images() -> list[Image.Image]:
+    """One random-noise image per size in SIZES, the same on every call."""
     rng = np.random.default_rng(0)
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in SIZES]
 
 
-def _copy_checkpoint(
+@pytest.fixture(scope="module")
+def images() -> list[Image.Image]:
+    return noise_images()
+
+
+def copy_checkpoint(
     src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None] | None = None
 ) -> Path:
     """A copy of the checkpoint, with ``edit`` applied to its tensors (checkpoint names)."""
@@ -151,6 +156,12 @@ def test_key_carries_the_encoder_version_and_policy(encoder):
     assert len(encoder.version) == 16
 
 
+def test_the_qwen2_vl_version_is_the_one_computed_before_the_family_registry(encoder):
+    # Indexed keys name this version: a change here orphans every Qwen2-VL page already ingested. (It also
+    # changes if transformers saves another processor config for the tiny model; then re-ingest is expected.)
+    assert encoder.version == "2ab6badb11c2f884"
+
+
 def test_version_is_stable_across_loads(model_dir, encoder):
     assert VisionEncoder(model_dir, POLICY).version == encoder.version
 
@@ -164,7 +175,7 @@ def test_version_changes_with_the_compute_dtype(model_dir, encoder):
 
 
 def test_version_changes_with_the_image_processor_config(model_dir, encoder, tmp_path):
-    copy = _copy_checkpoint(model_dir, tmp_path / "other-processor")
+    copy = copy_checkpoint(model_dir, tmp_path / "other-processor")
     config = json.loads((copy / "processor_config.json").read_text())
     config["image_processor"]["image_mean"] = [0.5, 0.5, 0.5]
     (copy / "processor_config.json").write_text(json.dumps(config))
@@ -175,7 +186,7 @@ def test_a_released_style_preprocessor_config_gives_the_same_version_and_tokens(
     model_dir, encoder, images, tmp_path
 ):
     # Released Qwen2-VL checkpoints keep the image processor in a flat preprocessor_config.json.
-    copy = _copy_checkpoint(model_dir, tmp_path / "released-layout")
+    copy = copy_checkpoint(model_dir, tmp_path / "released-layout")
     combined = json.loads((copy / "processor_config.json").read_text())
     (copy / "preprocessor_config.json").write_text(json.dumps(combined.pop("image_processor")))
     (copy / "processor_config.json").write_text(json.dumps(combined))
@@ -190,7 +201,7 @@ def test_version_changes_when_a_vision_weight_changes(model_dir, encoder, tmp_pa
     def nudge_merger(tensors):
         tensors["visual.merger.mlp.2.bias"] += 1e-3
 
-    copy = _copy_checkpoint(model_dir, tmp_path / "other-vision", nudge_merger)
+    copy = copy_checkpoint(model_dir, tmp_path / "other-vision", nudge_merger)
     assert VisionEncoder(copy, POLICY).version != encoder.version
 
 
@@ -199,12 +210,12 @@ def test_version_ignores_language_model_weights(model_dir, encoder, tmp_path):
         tensors["lm_head.weight"] += 1e-3
         tensors["model.layers.0.mlp.up_proj.weight"] += 1e-3
 
-    copy = _copy_checkpoint(model_dir, tmp_path / "other-llm", nudge_llm)
+    copy = copy_checkpoint(model_dir, tmp_path / "other-llm", nudge_llm)
     assert VisionEncoder(copy, POLICY).version == encoder.version
 
 
 def test_sharded_checkpoint_with_transformers5_names_gives_the_same_tokens(model_dir, encoder, images, tmp_path):
-    copy = _copy_checkpoint(model_dir, tmp_path / "sharded")
+    copy = copy_checkpoint(model_dir, tmp_path / "sharded")
     tensors = load_file(copy / "model.safetensors")
     (copy / "model.safetensors").unlink()
     renamed = {("model." + k if k.startswith("visual.") else k): v for k, v in tensors.items()}
@@ -244,6 +255,6 @@ def test_a_checkpoint_without_a_vision_tower_is_refused(model_dir, tmp_path):
         for key in [k for k in tensors if k.startswith("visual.")]:
             del tensors[key]
 
-    copy = _copy_checkpoint(model_dir, tmp_path / "no-tower", drop_tower)
+    copy = copy_checkpoint(model_dir, tmp_path / "no-tower", drop_tower)
     with pytest.raises(ValueError, match="is this a Qwen2-VL checkpoint"):
         VisionEncoder(copy, POLICY)

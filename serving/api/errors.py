@@ -16,11 +16,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from adapters.qdrant import IndexConfigError
-from adapters.store import FeatureStoreError
+from adapters.store import FeatureStoreError, StaleFeaturesError
 from core.payload import PayloadError
 from core.settings import Settings
 from rag.decompose import BadQuestionError
-from retrieval.search import ImageChannelOffError, NoDocumentsError, RetrievalError, UnknownDocumentError
+from retrieval.search import (ImageChannelOffError, NoDocumentsError, RetrievalError, StaleIndexError,
+                              UnknownDocumentError)
 from serving.api.schemas import ErrorDetail, ErrorResponse
 from serving.engine.features import MissingFeaturesError
 from serving.engine.remote import EngineRequestError, EngineUnavailableError
@@ -83,6 +84,9 @@ _MAPPED: list[tuple[type[Exception], int, str]] = [
     (NoDocumentsError, 404, "no_documents"),
     (ImageChannelOffError, 400, "image_channel_off"),
     (MissingFeaturesError, 409, "missing_image_tokens"),
+    # Pages of another encoder (a model, salt or pixel-bound change): never served; the message names the fix.
+    (StaleIndexError, 409, "stale_index"),
+    (StaleFeaturesError, 409, "stale_image_tokens"),
     (RetrievalError, 503, "retrieval_unavailable"),
     (EngineUnavailableError, 503, "engine_unavailable"),
     (EngineRequestError, 502, "engine_rejected"),

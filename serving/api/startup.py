@@ -11,10 +11,12 @@ log = logging.getLogger(__name__)
 
 
 async def warm_at_startup(services: Services) -> None:
-    """Fill the serving engine's prefix cache with the most recurring pages that fit its KV share."""
-    pages = await services.pages.pages()
+    """Fill the serving engine's prefix cache with the most recurring pages that fit its KV share. Only pages
+    the configured encoder made: the tokens of another one are never fed (build_services warned of them)."""
+    encoder = services.pipeline.searcher.encoder
+    pages = [p for p in await services.pages.pages() if encoder is None or encoder.covers(p.image_key)]
     if not pages:
-        log.info("warm-up skipped: no pages indexed yet")
+        log.info("warm-up skipped: no pages of the configured encoder are indexed")
         return
     candidates = rank_by_demand((p.image_key, p.image_tokens) for p in pages)
     top = services.settings.warm_top

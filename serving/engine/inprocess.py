@@ -54,8 +54,13 @@ class InProcessEngine:
         self.renderer = PromptRenderer(llm.get_tokenizer())
 
     @classmethod
-    def start(cls, model: ModelSource, features: FeatureProvider, config: EngineConfig) -> InProcessEngine:
-        """Start vLLM (tens of seconds on CPU). Call once per process and share the engine."""
+    def start(cls, model: ModelSource, features: FeatureProvider, config: EngineConfig, *,
+              metrics: bool = True) -> InProcessEngine:
+        """Start vLLM (tens of seconds on CPU). Call once per process and share the engine.
+
+        ``metrics``: vLLM's `vllm:*` metrics in the process-wide registry. There is one set per process —
+        a second engine's stat logger unregisters the first's — so only the serving engine should have them.
+        """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -63,7 +68,8 @@ class InProcessEngine:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         tie_engine_cores_to_this_process()  # a `kill -9` of this process must not leave the engine core behind
         # Served under its name, not its folder: vLLM labels its metrics with it.
-        args = AsyncEngineArgs(model=str(model.path), served_model_name=[model.name], **config.vllm_kwargs())
+        args = AsyncEngineArgs(model=str(model.path), served_model_name=[model.name], disable_log_stats=not metrics,
+                               **config.vllm_kwargs())
         t0 = time.perf_counter()
         engine = cls(AsyncLLM.from_engine_args(args), model, features, config)
         vllm_config = engine.llm.vllm_config

@@ -11,7 +11,8 @@ ASK_ERRORS = error_responses({
     400: "Empty or over-long question (`bad_question`), or an image-only search with the image channel off "
          "(`image_channel_off`).",
     404: "A document named in `docs` is not ingested (`unknown_document`), or nothing is (`no_documents`).",
-    409: "A retrieved page's image tokens are not stored (`missing_image_tokens`): re-ingest it.",
+    409: "A retrieved page's image tokens are not stored (`missing_image_tokens`): re-ingest it; or every "
+         "page is of another vision encoder than the configured one (`stale_index`): re-ingest or set it back.",
     **TOO_LARGE,
     **INVALID_REQUEST,
     429: "More questions are being answered than the server takes at once (`overloaded`): retry after the "

@@ -1,0 +1,91 @@
+"""`mmrag index check`: which vision encoders made the indexed pages, and which the configured model serves.
+
+A page's image tokens are usable only by the encoder that made them (its ImageKey names the encoder version
+and the resolution policy); after a model or projector upgrade, or a changed MMRAG_ENCODER_SALT or pixel
+bound, the old pages are excluded from serving until they are re-ingested. This shows how many that is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from core.payload import STALE_PAGES_FIX, EncoderScope, pages_per_encoder
+from core.settings import Settings
+from mmrag import wiring
+
+
+@dataclass(slots=True, frozen=True)
+class EncoderPages:
+    encoder: EncoderScope
+    pages: int
+    documents: int
+    servable: bool  # the configured model's encoder made these pages
+
+    def to_json(self) -> dict[str, Any]:
+        return {"encoder_version": self.encoder.version, "policy": str(self.encoder.policy), "pages": self.pages,
+                "documents": self.documents, "servable": self.servable}
+
+
+@dataclass(slots=True, frozen=True)
+class IndexCheck:
+    serving: EncoderScope  # the configured model's encoder
+    family: str
+    encoders: list[EncoderPages]  # most pages first
+
+    @property
+    def pages(self) -> int:
+        return sum(e.pages for e in self.encoders)
+
+    @property
+    def stale_pages(self) -> int:
+        return sum(e.pages for e in self.encoders if not e.servable)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "serving": {"encoder_version": self.serving.version, "policy": str(self.serving.policy),
+                        "family": self.family},
+            "pages": self.pages,
+            "stale_pages": self.stale_pages,
+            "encoders": [e.to_json() for e in self.encoders],
+            "fix": STALE_PAGES_FIX if self.stale_pages else "",
+        }
+
+
+def check(settings: Settings) -> IndexCheck:
+    """Pages per (encoder version, resolution policy) in the index, against the configured model's encoder.
+    Reads the tower's weights to hash them (no forward) and every page payload (no vectors)."""
+    model = wiring.resolve_model(settings)
+    serving = wiring.encoder_scope(settings, model)
+    index = wiring.read_index(settings)
+    try:
+        pages = index.pages() if index.client.collection_exists(settings.qdrant_collection) else []
+    finally:
+        index.client.close()
+    counts = pages_per_encoder(pages)
+    docs: dict[EncoderScope, set[str]] = defaultdict(set)
+    for page in pages:
+        docs[EncoderScope.of(page.image_key)].add(page.doc_id)
+    encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving)
+                for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
+    return IndexCheck(serving, wiring.model_family(model), encoders)
+
+
+def print_check(result: IndexCheck, console: Console) -> None:
+    console.print(f"configured encoder: {result.serving.version} ({result.family}), policy {result.serving.policy}")
+    table = Table(title="indexed pages per encoder", show_header=True)
+    for column in ("encoder version", "policy", "pages", "documents", "servable"):
+        table.add_column(column, justify="right" if column in ("pages", "documents") else "left")
+    for e in result.encoders:
+        table.add_row(e.encoder.version, str(e.encoder.policy), str(e.pages), str(e.documents),
+                      "yes" if e.servable else "[red]no[/]")
+    console.print(table)
+    if result.stale_pages:
+        console.print(f"[yellow]{result.stale_pages} of {result.pages} pages cannot be served[/] (never retrieved "
+                      f"nor fed to the model): {STALE_PAGES_FIX}")
+    elif not result.pages:
+        console.print("no pages indexed yet: run `mmrag ingest PATH...`")
