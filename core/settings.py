@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
     engine_dtype: str = "auto"
     answer_max_tokens: int = 128
+    engine_timeout_s: float = Field(default=120.0, gt=0)  # remote replicas: longest wait for a stream's next bytes
 
     # Scheduler in front of the engine (serving/scheduler.py)
     scheduler_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight

@@ -209,7 +209,7 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
     if settings.engine_url_list:
         from serving.engine.remote import RemoteEngine
 
-        return RemoteEngine(settings.engine_url_list, model, features)
+        return RemoteEngine(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s)
     if not allow_inprocess:
         require_engine_urls(settings)
     from serving.engine.inprocess import InProcessEngine

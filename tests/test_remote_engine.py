@@ -81,6 +81,7 @@ async def test_greedy_tokens_over_http_equal_the_in_process_engine_for_two_image
 
 
 async def test_second_request_with_the_same_leading_image_reuses_its_kv(engine, keys):
+    await engine.reset_prefix_cache()  # cold, whatever earlier tests sent to the session replica
     block = (await engine.kv_capacity()).block_size
     first = await engine.generate(plan(keys[2], text="What is the title?"))
     before = await engine.prefix_counters()
@@ -100,6 +101,7 @@ async def test_second_request_with_the_same_leading_image_reuses_its_kv(engine, 
 
 
 async def test_a_different_image_gets_no_cached_image_tokens(engine, keys):
+    await engine.reset_prefix_cache()
     await engine.generate(plan(keys[3]))
     other = await engine.generate(plan(keys[4]))
     assert other.usage.cached_image_tokens == 0

@@ -2,8 +2,14 @@
 
 Each request goes to the replica chosen by rendezvous (highest-random-weight) hashing on the plan's first
 image key, so every plan that starts with the same figure lands on the replica whose prefix cache holds that
-figure's KV, and adding or removing a replica moves only the keys that ranked it first. A replica that
-refuses the connection is skipped for the next one in the same order; nothing else is retried.
+figure's KV, and adding or removing a replica moves only the keys that ranked it first.
+
+Faults: a replica that cannot be connected to, drops the connection mid-answer (killed, restarted), stalls
+past the read timeout, or answers 5xx (its engine died, it is shutting down) is skipped for the next one in
+the same order, each replica at most once per request; when every replica has failed, the caller gets
+EngineUnavailableError with each one's cause. A 4xx is the request's own fault and is raised at once.
+Cancelling ``generate`` closes the stream's connection, and vLLM aborts a streamed request whose client
+disconnects (Starlette's StreamingResponse watches for the disconnect and cancels vLLM's generator).
 
 The prompt is the one the in-process engine renders: the same chat messages (PromptRenderer.messages), the
 image tokens sent as precomputed embeddings with the ImageKey as uuid (vLLM's cache key for the image).
@@ -39,7 +45,7 @@ _PREFIX_HITS = "vllm:prefix_cache_hits"
 
 
 class EngineUnavailableError(RuntimeError):
-    """No configured replica accepted a connection."""
+    """No configured replica could serve the request (each refused, dropped, stalled or failed it)."""
 
 
 class EngineRequestError(RuntimeError):
@@ -49,6 +55,7 @@ class EngineRequestError(RuntimeError):
         super().__init__(f"vLLM at {url} answered {status}: {message}")
         self.url = url
         self.status = status
+        self.message = message
 
 
 # --- routing: pure functions, testable without a server --------------------------------------------------
@@ -163,6 +170,7 @@ class RemoteEngine:
         *,
         tokenizer: Any = None,
         timeout_s: float = 120.0,
+        connect_timeout_s: float = 3.0,
     ) -> None:
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -177,8 +185,18 @@ class RemoteEngine:
             # The same tokenizer and chat template the replicas load: image spans are computed locally.
             tokenizer = AutoTokenizer.from_pretrained(str(model.path), local_files_only=True)
         self.renderer = PromptRenderer(tokenizer)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
-        self.connect_failures: Counter[str] = Counter()  # replica URL -> connections refused
+        # Connecting is a LAN round trip: a replica that cannot be reached in seconds is down, so the next is
+        # tried soon. ``timeout_s`` bounds each wait for the stream's next bytes (queueing + prefill before the
+        # first token, then one decode step). No pool cap: a streamed answer holds its connection throughout,
+        # and a cap would queue requests here behind a PoolTimeout; the scheduler bounds what is in flight.
+        # Idle connections are dropped well before vLLM's own 5 s keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+        # closes them, so a request is not written into a connection the replica is closing (a ReadError).
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=20, keepalive_expiry=2.0),
+        )
+        self.connect_failures: Counter[str] = Counter()  # replica URL -> connections that could not be made
+        self.failovers: Counter[str] = Counter()  # replica URL -> requests that failed there after connecting
         self._served_names: dict[str, str] = {}
 
     # -- generation --
@@ -219,27 +237,36 @@ class RemoteEngine:
 
     async def _send(self, key: str, body: dict[str, Any], started: float,
                     on_first_token: Callable[[], None] | None = None) -> tuple[str, _Stream]:
-        refused: list[str] = []
+        # Re-sending to the next replica is safe: the answer is a pure function of the prompt (the same weights
+        # on every replica; greedy decoding gives the same tokens, sampling another draw from the same
+        # distribution; the prefix cache changes speed, never tokens), nothing of a failed attempt reaches the
+        # caller (its partial stream is dropped), and a replica that may still hold the request has lost our
+        # connection and aborts it. Each replica is tried once: attempts <= len(self.urls).
+        first_token = _once(on_first_token)
+        failures: list[str] = []
         for url in rendezvous_order(key, self.urls):
             try:
                 body["model"] = await self._served_name(url)
-                return url, await self._stream(url, body, _Stream(started, on_first_token))
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing reached the replica, so trying the next one cannot run the request twice.
+                return url, await self._stream(url, body, _Stream(started, first_token))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # refused, or no answer to connect
                 self.connect_failures[url] += 1
-                refused.append(f"{url} ({exc})")
-                log.warning("replica %s refused the connection; trying the next one", url)
+                cause = f"could not connect: {_cause(exc)}"
             except EngineRequestError as exc:
-                if exc.status >= 500:  # the replica failed; a 4xx is the request's fault and the caller's to report
-                    log.warning("replica %s failed the request: %s", url, exc)
-                raise
-            except httpx.TransportError as exc:
-                # After the connection: the request may have run, so it is not sent to another replica.
-                log.warning("replica %s failed mid-request (%s: %s); not retried", url, type(exc).__name__, exc)
-                raise
+                if exc.status < 500:  # the request's fault: every replica would refuse it the same way
+                    raise
+                self.failovers[url] += 1  # 5xx: its engine died, it is shutting down, or its stream broke off
+                cause = f"answered {exc.status}: {exc.message}"
+            except httpx.RequestError as exc:
+                # After connecting: RemoteProtocolError / ReadError (dropped mid-answer: killed, restarted),
+                # ReadTimeout (no byte for timeout_s), WriteError / WriteTimeout, DecodingError (a garbled body).
+                self.failovers[url] += 1
+                cause = f"failed mid-request: {_cause(exc)}"
+            self._served_names.pop(url, None)  # a replica that comes back may serve under another name
+            failures.append(f"{url} ({cause})")
+            log.warning("replica %s %s; re-sending to the next one", url, cause)
         raise EngineUnavailableError(
-            f"no vLLM replica accepted a connection: {'; '.join(refused)}. Start one with `mmrag engine serve` "
-            "(it prints the URL), or fix MMRAG_ENGINE_URLS to list running replicas."
+            f"no vLLM replica could serve the request: {'; '.join(failures)}. Start one with `mmrag engine "
+            "serve` (it prints the URL), or fix MMRAG_ENGINE_URLS to list running replicas."
         )
 
     async def _stream(self, url: str, body: dict[str, Any], out: _Stream) -> _Stream:
@@ -252,9 +279,13 @@ class RemoteEngine:
                     continue
                 data = line[len("data: "):]
                 if data == "[DONE]":
-                    break
-                out.add(url, json.loads(data))
-        return out
+                    return out
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    raise EngineRequestError(url, 502, f"unreadable stream line {data[:200]!r}") from None
+                out.add(url, chunk)
+        raise EngineRequestError(url, 502, "the stream ended without its [DONE] line: the replica stopped")
 
     async def _served_name(self, url: str) -> str:
         """The replica's name for our model (vLLM serves it under the path or hub id it was started with)."""
@@ -296,9 +327,10 @@ class RemoteEngine:
         async def one(url: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
             try:
                 resp = await self.client.get(f"{url}/metrics")
-            except (httpx.ConnectError, httpx.ConnectTimeout):
-                self.connect_failures[url] += 1
-                log.warning("replica %s refused the connection; leaving it out of the metrics", url)
+            except httpx.TransportError as exc:
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    self.connect_failures[url] += 1
+                log.warning("replica %s did not answer /metrics (%s); leaving it out", url, _cause(exc))
                 return None
             if resp.status_code != 200:
                 raise EngineRequestError(url, resp.status_code, resp.text[:500])
@@ -316,7 +348,11 @@ class RemoteEngine:
     async def reset_prefix_cache(self) -> None:
         """Drop every replica's cached prefixes. vLLM serves this route only with VLLM_SERVER_DEV_MODE=1."""
         for url in self.urls:
-            resp = await self.client.post(f"{url}/reset_prefix_cache")
+            try:
+                resp = await self.client.post(f"{url}/reset_prefix_cache")
+            except httpx.TransportError as exc:
+                raise EngineUnavailableError(f"replica {url} did not answer POST /reset_prefix_cache "
+                                             f"({_cause(exc)}): start it, or fix MMRAG_ENGINE_URLS") from exc
             if resp.status_code == 404:
                 raise EngineRequestError(url, 404, "POST /reset_prefix_cache is off: start the replica with "
                                                    "VLLM_SERVER_DEV_MODE=1 to allow it")
@@ -352,3 +388,23 @@ def _error_message(resp: httpx.Response) -> str:
         return str(resp.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return resp.text[:500] or resp.reason_phrase
+
+
+def _cause(exc: Exception) -> str:
+    """An httpx error as text: several (ReadTimeout, PoolTimeout) carry an empty message."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``fn``, called at most once: a re-sent request must not report its prefill twice (Engine.generate)."""
+    if fn is None:
+        return None
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return call
