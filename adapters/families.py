@@ -9,7 +9,9 @@ checkpoint (LLM, tokenizer, template) is read from the checkpoint itself.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
+from adapters.checkpoint import local_checkpoint
 from core.pages import EncodedImage
 
 # transformers 5 names the tower "model.visual.*"; checkpoints saved by transformers 4 (all released
@@ -125,6 +128,13 @@ def family_for(model_type: str, where: object = "the checkpoint") -> VisionFamil
         f"{where} is a {model_type!r} model, which the vision service does not support{reason}; supported "
         f"families: {supported} (set MMRAG_MODEL to a checkpoint of one of them)"
     )
+
+
+def checkpoint_family(model_path: str | Path) -> VisionFamily:
+    """The family of a checkpoint, from its config.json ``model_type`` (no weights read)."""
+    model_dir = local_checkpoint(model_path)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return family_for(str(config.get("model_type")), model_dir)
 
 
 def _plain(value: Any) -> Any:

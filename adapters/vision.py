@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,31 +45,27 @@ class VisionEncoder:
         *,
         salt: str = "",
         dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> None:
         started = time.perf_counter()
-        self.model_dir = local_checkpoint(model_path)
+        checkpoint = VisionCheckpoint.load(model_path)
+        self.model_dir = checkpoint.model_dir
+        self.family = checkpoint.family
         self.policy = policy
         self.dtype = dtype
+        self.device = torch.device(device)
         self.forwards = 0  # images run through the tower; the metrics layer reads it
 
-        config = AutoConfig.from_pretrained(self.model_dir)
-        self.family = _checked_family(config, self.model_dir)
-        self.hidden_size: int = config.text_config.hidden_size
-        self._merge: int = config.vision_config.spatial_merge_size
-
-        state = load_visual_state(self.model_dir, self.family)
-        processor_config = read_image_processor_config(self.model_dir)
-        self.version = encoder_version(
-            state, processor_config, salt=salt, dtype=dtype,
-            family_config=self.family.versioned_config(config.vision_config),
-        )
-        self._processor = _build_processor(self.model_dir, policy, config.vision_config)
+        vision_config = checkpoint.config.vision_config
+        self.hidden_size: int = checkpoint.config.text_config.hidden_size
+        self._merge: int = vision_config.spatial_merge_size
+        self.version = checkpoint.version(salt=salt, dtype=dtype, device_kind=self.device.type)
+        self._processor = _build_processor(self.model_dir, policy, vision_config)
         # The tower + merger module, public for inspection (tests check it holds no LLM weights).
-        self.tower = _build_visual(self.family, config.vision_config, state, dtype)
-        device = next(self.tower.parameters()).device
+        self.tower = _build_visual(self.family, vision_config, checkpoint.state, dtype).to(self.device)
         log.info("vision encoder loaded in %.1f s: %s, version %s, policy %s, %s on %s, from %s",
                  time.perf_counter() - started, self.family.label, self.version, policy,
-                 str(dtype).removeprefix("torch."), device, self.model_dir)
+                 str(dtype).removeprefix("torch."), self.device, self.model_dir)
 
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
@@ -85,7 +82,9 @@ class VisionEncoder:
         with torch.inference_mode():
             batch = self._processor(images=images, return_tensors="pt")
             grid = batch["image_grid_thw"]
-            merged = self.family.image_embeds(self.tower(batch["pixel_values"].to(self.dtype), grid_thw=grid))
+            pixels = batch["pixel_values"].to(self.device, self.dtype)
+            # Back on the CPU: the store writes, and vLLM takes, host tensors.
+            merged = self.family.image_embeds(self.tower(pixels, grid_thw=grid.to(self.device))).cpu()
         self.forwards += len(images)
         sizes = (grid.prod(-1) // self._merge**2).tolist()
         # clone(): a split is a view into the whole batch (saving it would write every image), and cloning
@@ -94,6 +93,36 @@ class VisionEncoder:
             EncodedImage(tokens.clone(), thw.reshape(1, 3).clone())
             for tokens, thw in zip(torch.split(merged, sizes), grid, strict=True)
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class VisionCheckpoint:
+    """What of a checkpoint the vision service reads: its config, family, the tower's tensors as stored and
+    the image processor's config. Enough to compute the encoder version without building the tower."""
+
+    model_dir: Path
+    config: Any
+    family: VisionFamily
+    state: dict[str, torch.Tensor]
+    processor_config: dict[str, Any]
+
+    @classmethod
+    def load(cls, model_path: str | Path) -> VisionCheckpoint:
+        model_dir = local_checkpoint(model_path)
+        config = AutoConfig.from_pretrained(model_dir)
+        family = _checked_family(config, model_dir)
+        return cls(model_dir, config, family, load_visual_state(model_dir, family),
+                   read_image_processor_config(model_dir))
+
+    def version(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
+        return encoder_version(self.state, self.processor_config, salt=salt, dtype=dtype, device_kind=device_kind,
+                               family_config=self.family.versioned_config(self.config.vision_config))
+
+
+def encoder_version_of(model_path: str | Path, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
+    """The version a :class:`VisionEncoder` with these arguments would have, without building the tower (an
+    API host computes the version of pages encoded on a GPU host without needing that GPU)."""
+    return VisionCheckpoint.load(model_path).version(salt=salt, dtype=dtype, device_kind=device_kind)
 
 
 def visual_weight_files(model_dir: Path, family: VisionFamily) -> tuple[str, dict[str, Path]]:
@@ -158,11 +187,14 @@ def encoder_version(
     salt: str,
     dtype: torch.dtype,
     family_config: dict[str, Any],
+    device_kind: str = "cpu",
 ) -> EncoderVersion:
-    """sha256 over the tower's tensors (name, dtype, shape, bytes), the processor config, salt, dtype and
-    the family's token-changing vision config fields (``family_config``).
+    """sha256 over the tower's tensors (name, dtype, shape, bytes), the processor config, salt, compute
+    dtype and device kind, and the family's token-changing vision config fields (``family_config``).
 
-    The compute dtype is included because fp32 and bf16 towers give different tokens for the same image.
+    The compute dtype and the device kind are included because fp32 and bf16 towers, or CPU and GPU kernels,
+    give different tokens for the same image (adapters/hardware.py VisionPlacement). The CPU adds no bytes,
+    so CPU versions are the ones computed before the device was configurable.
     Only the tower is hashed: hashing a multi-GB LLM on every start would cost more than loading the tower.
     An empty ``family_config`` (Qwen2-VL) adds no bytes, so Qwen2-VL versions, hence indexed keys, are the
     ones computed before the family registry existed.
@@ -176,6 +208,8 @@ def encoder_version(
     h.update(f"\nsalt={salt}\ndtype={dtype}\n".encode())
     if family_config:
         h.update(json.dumps(family_config, sort_keys=True, separators=(",", ":")).encode())
+    if device_kind != "cpu":
+        h.update(f"\ndevice={device_kind}\n".encode())
     return EncoderVersion(h.hexdigest()[:_VERSION_HEX])
 
 

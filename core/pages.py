@@ -36,9 +36,11 @@ class RenderedPage:
 
 @dataclass(slots=True, frozen=True, eq=False)  # eq=False: tensors have no boolean ==
 class EncodedImage:
-    """One page's image tokens as the vision encoder produced them (ViT + merger output)."""
+    """One page's image tokens as the vision encoder produced them (ViT + merger output), in the layout vLLM
+    takes as ``image_embeds``: one row per image token, the LLM's hidden size wide; for Qwen3-VL each row is
+    the merged token followed by its deepstack features, (1 + levels) x hidden wide (adapters/families.py)."""
 
-    image_tokens: torch.Tensor  # (n_tokens, hidden), contiguous, CPU, owns its storage
+    image_tokens: torch.Tensor  # (n_tokens, width), contiguous, CPU, owns its storage
     grid_thw: torch.Tensor  # (1, 3) int64: temporal, height, width patches before merging
 
     @property

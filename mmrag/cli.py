@@ -16,10 +16,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from mmrag.bench_cmd import bench
 from mmrag.engine_cmd import engine_app
-from mmrag.errors import is_user_error
+from mmrag.errors import describe, is_user_error
 from mmrag.retrieval_cmd import retrieval_app
 
 app = typer.Typer(
@@ -275,5 +276,5 @@ def main() -> None:
         if not is_user_error(exc):
             raise
         # Configuration and environment problems: one line that names the fix, no traceback.
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {escape(describe(exc))}")
         sys.exit(2)

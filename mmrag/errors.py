@@ -40,3 +40,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, loaded_user_errors())
+
+
+def describe(exc: BaseException) -> str:
+    """The one line shown for a user error. A bad MMRAG_* variable is named as the variable, with its value
+    and what it takes, instead of pydantic's field-name report."""
+    errors = getattr(exc, "errors", None)
+    if getattr(exc, "title", None) != "Settings" or not callable(errors):
+        return str(exc)
+    parts = []
+    for e in errors():
+        name = "_".join(str(p) for p in e["loc"]).upper()
+        where = f"MMRAG_{name}={e['input']!r}: " if name else ""
+        parts.append(where + e["msg"].removeprefix("Value error, "))
+    return "; ".join(parts) + " (fix the environment variable)"

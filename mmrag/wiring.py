@@ -67,15 +67,21 @@ def feature_store(settings: Settings) -> FeatureStore:
     return DiskFeatureStore(settings.features_dir)
 
 
+def vision_placement(settings: Settings, *, require_device: bool = True):
+    """MMRAG_VISION_DEVICE / MMRAG_VISION_DTYPE resolved for this host (adapters/hardware.py)."""
+    from adapters.hardware import vision_placement as resolve
+
+    return resolve(settings.vision_device, settings.vision_dtype, require_device=require_device)
+
+
 def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder:
     import torch
 
     from adapters.vision import VisionEncoder
 
-    dtype = getattr(torch, settings.vision_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"MMRAG_VISION_DTYPE={settings.vision_dtype!r} is not a torch dtype; use float32 or bfloat16")
-    return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt, dtype=dtype)
+    placement = vision_placement(settings)
+    return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt,
+                         dtype=getattr(torch, placement.dtype), device=placement.device)
 
 
 _scopes: dict[tuple[str, str], EncoderScope] = {}
@@ -83,24 +89,28 @@ _scopes: dict[tuple[str, str], EncoderScope] = {}
 
 def encoder_scope(settings: Settings, model: ModelSource) -> EncoderScope:
     """The encoder whose image tokens the configured model serves: its version (weights, processor, salt,
-    dtype) under the configured resolution policy. Loads the tower's weights to hash them (no forward), once
-    per process for the same settings: `mmrag ask` needs it for both its engine and its retrieval."""
+    device kind, dtype) under the configured resolution policy. Reads the tower's weights to hash them
+    (builds no module, needs no GPU even for MMRAG_VISION_DEVICE=cuda), once per process for the same
+    settings: `mmrag ask` needs it for both its engine and its retrieval."""
     cache_key = (str(model.path), settings.model_dump_json())
     if cache_key not in _scopes:
-        encoder = vision_encoder(settings, model)
-        _scopes[cache_key] = EncoderScope(encoder.version, encoder.policy)
+        import torch
+
+        from adapters.vision import encoder_version_of
+
+        placement = vision_placement(settings, require_device=False)
+        version = encoder_version_of(model.path, salt=settings.encoder_salt, dtype=getattr(torch, placement.dtype),
+                                     device_kind=placement.kind)
+        _scopes[cache_key] = EncoderScope(version, settings.resolution_policy)
     return _scopes[cache_key]
 
 
 def model_family(model: ModelSource) -> str:
     """The checkpoint's ``model_type`` (qwen2_vl, ...): what `mmrag index check` and the encoder info metric
     name. Read from config.json, so it costs no weights."""
-    import json
+    from adapters.families import checkpoint_family
 
-    from adapters.checkpoint import local_checkpoint
-
-    config = local_checkpoint(model.path) / "config.json"
-    return str(json.loads(config.read_text(encoding="utf-8")).get("model_type", "unknown"))
+    return checkpoint_family(model.path).model_type
 
 
 def text_embedder(settings: Settings) -> TextEmbedder:

@@ -56,7 +56,7 @@ def test_the_engine_config_carries_every_engine_setting(defaults):
 
 
 def test_auto_dtype_is_what_the_cpu_runs_natively():
-    from serving.engine.config import native_cpu_dtype
+    from adapters.hardware import native_cpu_dtype
 
     assert native_cpu_dtype({"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
     assert native_cpu_dtype({"avx2", "amx_bf16"}) == "bfloat16"
@@ -69,9 +69,3 @@ def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_u
     assert disk.backend == "disk" and str(tmp_path / "features") in str(disk.root)
     redis = wiring.feature_store(defaults.model_copy(update={"redis_url": redis_url}))
     assert redis.backend == "redis"
-
-
-def test_a_vision_dtype_that_is_not_a_torch_dtype_names_the_fix(defaults, tiny_model):
-    bad = defaults.model_copy(update={"vision_dtype": "float33"})
-    with pytest.raises(ValueError, match="MMRAG_VISION_DTYPE"):
-        wiring.vision_encoder(bad, wiring.resolve_model(bad.model_copy(update={"model": str(tiny_model)})))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from adapters.hardware import native_cpu_dtype
 
 
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -63,28 +64,6 @@ class EngineConfig:
         if self.block_size:
             flags += ["--block-size", str(self.block_size)]
         return flags
-
-
-# CPU flags with which bfloat16 matmuls run natively; elsewhere (e.g. AVX2-only AMD EPYC) bf16 is emulated
-# and a linear layer runs ~5x slower than in fp32.
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def native_cpu_dtype(flags: set[str] | None = None) -> str:
-    """bfloat16 where the CPU runs it natively (AVX512-BF16 or AMX), float32 otherwise."""
-    flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if any(f in flags for f in NATIVE_BF16_FLAGS) else "float32"
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -9,11 +9,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from core.pages import EncodedImage
 from adapters.checkpoint import ModelSource
+from adapters.families import checkpoint_family
 from core.engine import Completion, KVCapacity, PromptPlan, Usage
+from core.pages import EncodedImage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.lifeline import tie_engine_cores_to_this_process
@@ -36,14 +35,6 @@ def sampling_params(plan: PromptPlan) -> Any:
     )
 
 
-def image_data(features: list[EncodedImage]) -> dict[str, torch.Tensor]:
-    """All images of a prompt as one precomputed-embeddings item set (vLLM splits by grid size)."""
-    return {
-        "image_embeds": torch.cat([f.image_tokens for f in features]),
-        "image_grid_thw": torch.cat([f.grid_thw for f in features]),
-    }
-
-
 class InProcessEngine:
     def __init__(self, llm: Any, model: ModelSource, features: FeatureProvider, config: EngineConfig) -> None:
         self.llm = llm
@@ -51,7 +42,8 @@ class InProcessEngine:
         self.random_weights = model.random_weights
         self.features = features
         self.config = config
-        self.renderer = PromptRenderer(llm.get_tokenizer())
+        self.family = checkpoint_family(model.path)  # how its image tokens go to vLLM (Qwen3-VL: deepstack too)
+        self.renderer = PromptRenderer(llm.get_tokenizer(), image_pad_token=self.family.image_pad_token)
 
     @classmethod
     def start(cls, model: ModelSource, features: FeatureProvider, config: EngineConfig, *,
@@ -132,7 +124,7 @@ class InProcessEngine:
     def build_request(self, plan: PromptPlan, feats: list[EncodedImage]) -> dict[str, Any]:
         request: dict[str, Any] = {"prompt": self.renderer.render(plan)}
         if feats:
-            request["multi_modal_data"] = {"image": image_data(feats)}
+            request["multi_modal_data"] = {"image": self.family.vllm_image_item(feats)}
             # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.
             request["multi_modal_uuids"] = {"image": [str(k) for k in plan.images]}
         return request

@@ -33,6 +33,7 @@ import torch
 
 from core.pages import EncodedImage
 from adapters.checkpoint import ModelSource
+from adapters.families import checkpoint_family
 from core.engine import Completion, KVCapacity, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
@@ -184,7 +185,7 @@ class RemoteEngine:
 
             # The same tokenizer and chat template the replicas load: image spans are computed locally.
             tokenizer = AutoTokenizer.from_pretrained(str(model.path), local_files_only=True)
-        self.renderer = PromptRenderer(tokenizer)
+        self.renderer = PromptRenderer(tokenizer, image_pad_token=checkpoint_family(model.path).image_pad_token)
         # Connecting is a LAN round trip: a replica that cannot be reached in seconds is down, so the next is
         # tried soon. ``timeout_s`` bounds each wait for the stream's next bytes (queueing + prefill before the
         # first token, then one decode step). No pool cap: a streamed answer holds its connection throughout,

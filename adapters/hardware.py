@@ -1,0 +1,82 @@
+"""What this host runs natively: the CPU's bfloat16 support, and where (and in which dtype) the vision tower
+runs. The engine's ``auto`` dtype (serving/engine/config.py) and the vision service's ``auto`` device and
+dtype are decided here, so both read the host the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# CPU flags with which bfloat16 matmuls run natively; elsewhere (e.g. AVX2-only AMD EPYC) bf16 is emulated
+# and a linear layer runs ~5x slower than in fp32.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def native_cpu_dtype(flags: set[str] | None = None) -> str:
+    """bfloat16 where the CPU runs it natively (AVX512-BF16 or AMX), float32 otherwise."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in NATIVE_BF16_FLAGS) else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class VisionPlacement:
+    """Where the vision tower runs and in which dtype, resolved for this host.
+
+    ``kind`` ("cpu" or "cuda") and ``dtype`` enter the encoder version: a CPU and a GPU kernel, or fp32 and
+    bf16, give different tokens for the same image. The GPU index does not (cuda:0 and cuda:1 of one host
+    run the same kernels), so moving the encoder between a host's GPUs keeps every cached token valid.
+    """
+
+    device: str  # a torch device string: "cpu", "cuda", "cuda:1"
+    dtype: str  # a torch dtype name: "float32", "bfloat16", "float16"
+
+    @property
+    def kind(self) -> str:
+        return self.device.partition(":")[0]
+
+
+def vision_placement(device: str, dtype: str, *, require_device: bool = True) -> VisionPlacement:
+    """Resolve MMRAG_VISION_DEVICE and MMRAG_VISION_DTYPE (validated by Settings) for this host.
+
+    ``auto`` device: the first GPU when torch sees one, else the CPU. ``auto`` dtype: bfloat16 on a GPU that
+    runs it (float16 on older ones); float32 on a CPU, on every CPU kind, so an index encoded on an
+    AVX-512 host stays servable from an AVX2-only one (and the fp32 tokens are the ones the cache-correctness
+    proofs compare). ``require_device=False`` resolves an explicit ``cuda`` on a host without a GPU, for
+    computing the encoder version only (an API host whose vision service runs elsewhere).
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if device == "auto":
+        device = "cuda" if cuda else "cpu"
+    if device.startswith("cuda") and require_device:
+        if not cuda:
+            raise ValueError(
+                f"MMRAG_VISION_DEVICE={device} but torch sees no GPU (torch.cuda.is_available() is False: a "
+                f"CPU-only torch build, or no NVIDIA driver in this container); set MMRAG_VISION_DEVICE=cpu, "
+                f"or auto to use a GPU only when there is one"
+            )
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"MMRAG_VISION_DEVICE={device} but torch sees {torch.cuda.device_count()} GPU(s) "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1}); pick one of them (CUDA_VISIBLE_DEVICES renumbers them)"
+            )
+    if dtype == "auto":
+        if device == "cpu":
+            dtype = "float32"
+        else:
+            dtype = "bfloat16" if not cuda or torch.cuda.is_bf16_supported() else "float16"
+    return VisionPlacement(device, dtype)
