@@ -59,6 +59,15 @@ def test_prometheus_scrapes_the_api_and_the_vllm_replica_every_5s_at_their_compo
     assert "8080:8080" in services["api"]["ports"] and "8000" in services["vllm"]["command"]
 
 
+def test_compose_prometheus_loads_the_alerting_rules_from_beside_its_config():
+    """rule_files is relative to the config file, so promtool here and Prometheus in compose read the same
+    deploy/prometheus/alerts.yml (its own tests: tests/test_alerts.py)."""
+    assert load_yaml(DEPLOY / "prometheus" / "prometheus.yml")["rule_files"] == ["alerts.yml"]
+    mounts = load_yaml(COMPOSE)["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+
+
 # --- dashboards -------------------------------------------------------------------------------------------
 
 
