@@ -155,6 +155,15 @@ class PageIndex:
         """Every indexed page."""
         return [PagePayload.from_qdrant(p.payload) for p in self._scroll(None, with_vectors=False)]
 
+    def pages_outside(self, scope: EncoderScope) -> list[PagePayload]:
+        """Every page whose image tokens another encoder than ``scope`` made (what `mmrag reencode` redoes)."""
+        points = self._scroll(models.Filter(must_not=[scope_filter(scope)]), with_vectors=False)
+        return [PagePayload.from_qdrant(p.payload) for p in points]
+
+    def set_page_fields(self, page_id: str, fields: Mapping[str, Any]) -> None:
+        """Overwrite these payload fields of one page, leaving its other fields and its vectors as they are."""
+        self.client.set_payload(self.collection, payload=dict(fields), points=[page_id], wait=True)
+
     def points(self, *, with_vectors: bool = False) -> list[models.Record]:
         """Every point as stored (tests and tools that look at vectors)."""
         return self._scroll(None, with_vectors=with_vectors)

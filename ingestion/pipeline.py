@@ -23,7 +23,7 @@ from typing import Any
 from core.keys import ImageKey
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
-from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PagePayload
+from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
@@ -82,7 +82,7 @@ class Ingestor:
         self.text_embedder = text_embedder
         self.image_embedder = image_embedder
         self.fingerprint = "|".join([
-            f"enc={encoder.version}", str(settings.resolution_policy), f"dpi={settings.pdf_dpi}",
+            encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={settings.pdf_dpi}",
             f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
             f"image={image_embedder.name if image_embedder else 'off'}",
         ])
@@ -121,7 +121,7 @@ class Ingestor:
             # Count into a scratch report first: a file that fails half-way must not count its pages.
             scratch = IngestReport()
             points = []
-            for batch in _batches(doc.pages(), self.settings.vision_batch_size):
+            for batch in batches(doc.pages(), self.settings.vision_batch_size):
                 points.extend(self._process_batch(doc, batch, scratch))
                 if on_batch:
                     on_batch(scratch.pages)
@@ -155,13 +155,8 @@ class Ingestor:
         ]
 
     def _encode_missing(self, pages: list[RenderedPage], keys: list[ImageKey], report: IngestReport) -> None:
-        # One forward per distinct missing key: a figure repeated within the batch is encoded once.
-        missing: dict[ImageKey, RenderedPage] = {}
-        for page, key in zip(pages, keys):
-            if key in missing or self.store.contains(key):
-                report.cached += 1
-            else:
-                missing[key] = page
+        missing, cached = missing_keys(self.store, pages, keys)
+        report.cached += cached
         if not missing:
             return
         t0 = time.perf_counter()
@@ -204,7 +199,27 @@ class Ingestor:
         )
 
 
-def _batches(pages: Iterator[RenderedPage], size: int) -> Iterator[list[RenderedPage]]:
+def missing_keys(store: FeatureStore, pages: list[RenderedPage], keys: list[ImageKey]
+                 ) -> tuple[dict[ImageKey, RenderedPage], int]:
+    """The keys the store lacks, each with one page to encode it from, and how many pages need no forward:
+    one forward per distinct missing key, so a figure repeated within the batch is encoded once."""
+    missing: dict[ImageKey, RenderedPage] = {}
+    cached = 0
+    for page, key in zip(pages, keys):
+        if key in missing or store.contains(key):
+            cached += 1
+        else:
+            missing[key] = page
+    return missing, cached
+
+
+def encoder_fingerprint(scope: EncoderScope) -> str:
+    """A page fingerprint's leading parts: the encoder and policy that made its tokens. `mmrag reencode`
+    rewrites exactly these (ingestion/reencode.py), so a re-encoded page is current for `mmrag ingest`."""
+    return f"enc={scope.version}|{scope.policy}"
+
+
+def batches(pages: Iterator[RenderedPage], size: int) -> Iterator[list[RenderedPage]]:
     batch: list[RenderedPage] = []
     for page in pages:
         batch.append(page)

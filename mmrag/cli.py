@@ -21,6 +21,7 @@ from rich.markup import escape
 from mmrag.bench_cmd import bench
 from mmrag.engine_cmd import engine_app
 from mmrag.errors import describe, is_user_error
+from mmrag.reencode_cmd import reencode
 from mmrag.retrieval_cmd import retrieval_app
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
 app.command("bench")(bench)
+app.command("reencode")(reencode)
 
 err = Console(stderr=True)
 

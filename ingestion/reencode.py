@@ -1,0 +1,242 @@
+"""`mmrag reencode`: give every indexed page the image tokens of the configured vision encoder, in place.
+
+After a model or projector upgrade (or a changed MMRAG_ENCODER_SALT or pixel bound) the pages' image keys name
+the old encoder, and serving excludes them (core/payload.py, EncoderScope). Only their image tokens are stale:
+their text, OCR and vectors are not, so this renders each stale page's image again from its source file,
+encodes it, and switches the page's payload to the new key, without loading any embedder.
+
+Per batch of pages, in this order, so a run killed at any point and run again ends exactly where an
+uninterrupted run ends:
+1. render the pages from their source file (each file opened once) and check the file's sha256 and each
+   page's content hash against the index: a page whose source changed is left untouched and reported;
+2. encode the pages whose new key the store lacks (one vision forward each) and store them. Entries are
+   content-addressed, so an entry left by a killed run is whole and reused without a forward;
+3. only then switch each page's payload fields (image key, encoder fields, image_tokens, fingerprint), one
+   page at a time: a page whose tokens could not be stored keeps its old key. Text and vectors are never
+   written, and old entries stay in the store until `mmrag store gc --apply`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adapters.qdrant import PageIndex
+from adapters.store import FeatureStore, FeatureStoreError
+from adapters.vision import VisionEncoder
+from core.keys import ImageKey
+from core.pages import RenderedPage
+from core.payload import EncoderScope, PagePayload
+from core.settings import Settings
+from ingestion.loaders import Document, IngestError, open_document
+from ingestion.pipeline import batches, encoder_fingerprint, missing_keys
+
+log = logging.getLogger(__name__)
+
+SKIPPED_FIX = (
+    "re-ingest those files with `mmrag ingest PATH...` (it renders, encodes and embeds them anew); a file that is "
+    "gone stays unservable until it is ingested from where it is now"
+)
+FILE_CHANGED = "the file changed since it was indexed (its sha256 differs)"
+FILE_UNREADABLE = "its source file cannot be opened"
+PAGE_CHANGED = "the page renders differently than when it was indexed (the file or MMRAG_PDF_DPI changed)"
+
+ProgressFn = Callable[[int, int], None]  # (pages done, pages to re-encode)
+
+
+@dataclass(slots=True, frozen=True)
+class SkippedPage:
+    """A stale page left as it was, and why."""
+
+    path: str
+    page: int
+    reason: str
+
+
+@dataclass(slots=True)
+class ReencodeReport:
+    encoder: str  # the configured encoder's scope: what every re-encoded page now carries
+    dry_run: bool
+    pages: int = 0  # indexed pages
+    current: int = 0  # already the configured encoder's before this run: nothing to do
+    stale_by_encoder: dict[str, int] = field(default_factory=dict)  # pages to re-encode, per old encoder
+    files: int = 0  # source files those pages come from
+    reencoded: int = 0  # pages switched to the configured encoder
+    encoded: int = 0  # vision forwards (in a dry run: the forwards it would take)
+    reused: int = 0  # pages whose new tokens were stored already (a killed run's, or a page with the same image)
+    skipped: list[SkippedPage] = field(default_factory=list)
+    unreferenced_entries: int = 0  # store entries no page references any more: what `mmrag store gc` frees
+    seconds: float = 0.0
+
+    @property
+    def to_reencode(self) -> int:
+        return sum(self.stale_by_encoder.values())
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
+        out["seconds"] = round(self.seconds, 3)
+        out["to_reencode"] = self.to_reencode
+        out["fix"] = SKIPPED_FIX if self.skipped else ""
+        return out
+
+
+def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope) -> ReencodeReport:
+    """What a run would do, from the index and the store alone (nothing is rendered or encoded): the stale
+    pages per old encoder, and the vision forwards they need (a page's new key is its indexed content hash
+    under ``scope``; a changed source file, found only by a run, needs none)."""
+    report, stale = _plan(index, scope, dry_run=True)
+    report.encoded = sum(not store.contains(k) for k in {ImageKey(p.content_hash, scope.version, scope.policy)
+                                                          for p in stale})
+    report.unreferenced_entries = _unreferenced(index, store)
+    return report
+
+
+def _plan(index: PageIndex, scope: EncoderScope, *, dry_run: bool) -> tuple[ReencodeReport, list[PagePayload]]:
+    stale = index.pages_outside(scope)
+    report = ReencodeReport(str(scope), dry_run=dry_run, pages=index.count())
+    report.current = report.pages - len(stale)
+    report.stale_by_encoder = dict(Counter(str(EncoderScope.of(p.image_key)) for p in stale).most_common())
+    report.files = len({p.path for p in stale})
+    return report, stale
+
+
+def fingerprint_under(fingerprint: str, old: EncoderScope, new: EncoderScope) -> str | None:
+    """``fingerprint`` with its encoder parts (ingestion/pipeline.encoder_fingerprint) naming ``new``: what
+    `mmrag ingest` under the new encoder writes for the same page, so it finds the page current. None when the
+    fingerprint does not start with ``old``'s parts (not written by this version of mmrag)."""
+    prefix = encoder_fingerprint(old) + "|"
+    if not fingerprint.startswith(prefix):
+        return None
+    return encoder_fingerprint(new) + "|" + fingerprint.removeprefix(prefix)
+
+
+class Reencoder:
+    """Re-encodes the stale pages of one index for one encoder; needs no embedder (vectors are never written)."""
+
+    def __init__(self, settings: Settings, *, encoder: VisionEncoder, store: FeatureStore, index: PageIndex) -> None:
+        self.settings = settings
+        self.encoder = encoder
+        self.store = store
+        self.index = index
+        self.scope = EncoderScope(encoder.version, encoder.policy)
+        # Only the image is needed, and OCR does not change it (nor its content hash): skip tesseract.
+        self._render_settings = settings.model_copy(update={"ocr": False})
+
+    def run(self, *, progress: ProgressFn | None = None) -> ReencodeReport:
+        started = time.perf_counter()
+        report, stale = _plan(self.index, self.scope, dry_run=False)
+        notify = progress or (lambda done, total: None)
+        by_source: dict[str, list[PagePayload]] = defaultdict(list)
+        for page in sorted(stale, key=lambda p: (p.path, p.page)):
+            by_source[page.path].append(page)
+        done = 0
+        notify(0, len(stale))
+        for path, pages in by_source.items():
+            self._reencode_file(path, pages, report, lambda n: notify(done + n, len(stale)))
+            done += len(pages)
+            notify(done, len(stale))
+        report.unreferenced_entries = _unreferenced(self.index, self.store)
+        report.seconds = time.perf_counter() - started
+        log.info("re-encoded %d pages for %s (%d vision forwards, %d reused, %d skipped) in %.2f s", report.reencoded,
+                 self.scope, report.encoded, report.reused, len(report.skipped), report.seconds)
+        return report
+
+    def _reencode_file(self, path: str, pages: list[PagePayload], report: ReencodeReport,
+                       on_batch: Callable[[int], None]) -> None:
+        pending = {p.page: p for p in pages}  # left out of `report` so far
+        try:
+            with open_document(Path(path), self._render_settings) as doc:
+                for page in pages:
+                    reason = _unchangeable(page, doc, self.scope)
+                    if reason:
+                        self._skip(pending.pop(page.page), reason, report)
+                done = 0
+                for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size):
+                    # A store failure raises before any page of the batch is switched: they stay pending.
+                    self._reencode_batch([(pending[r.page], r) for r in batch], report)
+                    for r in batch:
+                        del pending[r.page]
+                    done += len(batch)
+                    on_batch(done)
+        except IngestError as exc:  # the file is gone, unreadable or damaged
+            self._skip_all(pending, f"{FILE_UNREADABLE}: {exc}", report)
+        except FeatureStoreError as exc:  # the store is unreachable: the next file tries again
+            self._skip_all(pending, str(exc), report)
+
+    def _renders(self, doc: Document, pending: dict[int, PagePayload], report: ReencodeReport
+                 ) -> Iterator[RenderedPage]:
+        """The pending pages rendered, in page order; a page whose image changed is reported instead."""
+        last = max(pending, default=0)
+        for rendered in doc.pages():
+            if rendered.page > last:
+                return
+            page = pending.get(rendered.page)
+            if page is None:
+                continue
+            if rendered.content_hash != page.content_hash:
+                self._skip(pending.pop(page.page), PAGE_CHANGED, report)
+                continue
+            yield rendered
+
+    def _reencode_batch(self, batch: list[tuple[PagePayload, RenderedPage]], report: ReencodeReport) -> None:
+        keys = [self.encoder.key_for(rendered.content_hash) for _, rendered in batch]
+        failed = self._store_missing([r for _, r in batch], keys, report)
+        for (page, rendered), key in zip(batch, keys):
+            if key in failed:  # its tokens are not stored: it keeps its old key, still valid for the old encoder
+                self._skip(page, f"its new image tokens could not be stored: {failed[key]}", report)
+                continue
+            self._switch(page, rendered, key)
+            report.reencoded += 1
+
+    def _store_missing(self, pages: list[RenderedPage], keys: list[ImageKey], report: ReencodeReport
+                       ) -> dict[ImageKey, str]:
+        """Encode and store the keys the store lacks (a repeated image once); the keys that failed, with why."""
+        missing, reused = missing_keys(self.store, pages, keys)
+        report.reused += reused
+        failed: dict[ImageKey, str] = {}
+        for key, value in zip(missing, self.encoder.encode([p.image for p in missing.values()])):
+            try:
+                self.store.put(key, value)
+            except FeatureStoreError as exc:
+                failed[key] = str(exc)
+        report.encoded += len(missing)
+        return failed
+
+    def _switch(self, page: PagePayload, rendered: RenderedPage, key: ImageKey) -> None:
+        new = dataclasses.replace(
+            page, image_key=key, image_tokens=self.encoder.num_tokens_for(rendered.image),
+            width=rendered.image.width, height=rendered.image.height,
+            fingerprint=fingerprint_under(page.fingerprint, EncoderScope.of(page.image_key), self.scope),
+        )
+        before, after = page.to_qdrant(), new.to_qdrant()
+        self.index.set_page_fields(page.page_id, {k: v for k, v in after.items() if before[k] != v})
+
+    def _skip_all(self, pending: dict[int, PagePayload], reason: str, report: ReencodeReport) -> None:
+        for page in pending.values():
+            self._skip(page, reason, report)
+
+    @staticmethod
+    def _skip(page: PagePayload, reason: str, report: ReencodeReport) -> None:
+        log.warning("not re-encoded: %s page %d: %s", page.path, page.page, reason)
+        report.skipped.append(SkippedPage(page.path, page.page, reason))
+
+
+def _unchangeable(page: PagePayload, doc: Document, scope: EncoderScope) -> str:
+    """Why ``page`` cannot be re-encoded from ``doc`` without re-ingesting it; empty when it can."""
+    if page.file_sha256 != doc.file_sha256:
+        return FILE_CHANGED
+    if fingerprint_under(page.fingerprint, EncoderScope.of(page.image_key), scope) is None:
+        return f"its fingerprint {page.fingerprint!r} was not written by this version of mmrag ingest"
+    return ""
+
+
+def _unreferenced(index: PageIndex, store: FeatureStore) -> int:
+    referenced = {p.image_key for p in index.pages()}
+    return sum(k not in referenced for k in store.keys())
