@@ -16,10 +16,17 @@ from core.keys import ImageKey
 
 
 class Layout(str, enum.Enum):
-    # [system][images][text]: prompts that share leading images share a KV prefix.
+    """How a question's pages become plans (rag/pipeline.plan_prompts). Every layout but NAIVE renders
+    [system][images][text] (serving/engine/prompt.py): prompts that share leading images share a KV prefix."""
+
+    # One plan per sub-question, pages in the batch's canonical order (rag/order.canonical_order).
     CANONICAL = "canonical"
-    # [system][text][images]: the question comes first, so two prompts diverge before any image.
-    # Kept as the baseline the benchmark and the scheduler tests compare against.
+    # One plan per sub-question, pages in the process-wide popularity order (rag/order.PagePopularity).
+    GLOBAL = "global"
+    # One plan per (sub-question, page), then a synthesis: every page leads a prompt, none are seen together.
+    PER_PAGE = "per_page"
+    # [system][text][images] in retrieval-score order: the question comes first, so two prompts diverge
+    # before any image. Kept as the baseline the benchmark and the scheduler tests compare against.
     NAIVE = "naive"
 
 

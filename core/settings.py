@@ -83,6 +83,9 @@ class Settings(BaseSettings):
 
     # RAG
     top_k: int = 3  # pages per sub-question
+    # Prompt layout (rag/pipeline.py): canonical (pages in the batch's shared order), global (pages in a
+    # process-wide popularity order, stable across requests), per_page (one prompt per page, then a synthesis).
+    layout: Literal["canonical", "global", "per_page"] = "canonical"
     max_sub_questions: int = 4
     max_question_chars: int = 2000
 

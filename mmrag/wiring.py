@@ -240,9 +240,10 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
 
 
 def pipeline_config(settings: Settings) -> PipelineConfig:
+    from core.engine import Layout
     from rag.pipeline import PipelineConfig
 
-    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens)
+    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens, layout=Layout(settings.layout))
 
 
 def decomposer(settings: Settings, engine: Engine) -> Decomposer:

@@ -1,8 +1,17 @@
 """The RAG pipeline: question → sub-questions → pages per sub-question → prompt plans → cited answer.
 
-One prompt plan per sub-question (its pages + the sub-question). Pages within every plan follow the
-canonical order of the batch, so sub-questions that retrieve the same figure share its KV prefix; a final
-text-only prompt synthesises the sub-answers. Every step is async; nothing here blocks the event loop.
+The layout (``PipelineConfig.layout``, MMRAG_LAYOUT) decides the plans; all of them are exact (the model
+sees the full pages, nothing is approximated), they differ in which prompt prefixes recur:
+
+- canonical: one plan per sub-question (its pages + the sub-question), pages in the canonical order of the
+  batch, so sub-questions that retrieve the same figure share its KV prefix;
+- global: the same plans, pages in the process-wide popularity order (rag/order.PagePopularity), so a pair
+  of pages renders the same way across requests and the second page hits wherever the pair recurs;
+- per_page: one plan per (sub-question, page), each starting with its page, so every page leads a prompt
+  and every reuse of a page can hit;
+- naive (the benchmark's baseline): pages in retrieval-score order, the question before them.
+
+A final text-only prompt synthesises the sub-answers. Every step is async; nothing here blocks the event loop.
 """
 
 from __future__ import annotations
@@ -10,11 +19,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from core.engine import Engine, ImageTokenCounts, Layout, PromptPlan, SamplingSpec, Submit, Usage
+from core.keys import ImageKey
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
-from rag.order import canonical_order
+from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
@@ -27,18 +38,59 @@ class PipelineConfig:
     layout: Layout = Layout.CANONICAL
 
 
-def build_plans(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
-                layout: Layout = Layout.CANONICAL) -> list[PromptPlan]:
-    """One plan per sub-question that found pages. Canonical layout: images in the batch's canonical order;
-    naive layout (the baseline): images in retrieval-score order, question first."""
-    keyed = [[h.image_key for h in hs] for hs in hits]
-    orders = canonical_order(keyed) if layout is Layout.CANONICAL else [list(dict.fromkeys(k)) for k in keyed]
+@dataclass(slots=True, frozen=True)
+class PlannedPrompt:
+    """One plan and what the synthesis needs to label its answer."""
+
+    plan: PromptPlan
+    sub_question: int  # index into the sub-questions
+    page: Hit | None = None  # per-page layout: the page the plan is about
+
+
+def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
+                 layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None
+                 ) -> list[PlannedPrompt]:
+    """The plans of one question, in sub-question order; a sub-question without pages gets none.
+
+    Per-page layout: one plan per (sub-question, distinct page), pages in retrieval-score order. It changes
+    what the model sees: no prompt shows two pages together, so a comparison across pages happens only in
+    the synthesis, from the sub-answers' text; and it costs a request and its decode tokens per page
+    instead of per sub-question (plus the synthesis, now even for a one-sub-question question with several
+    pages).
+
+    ``popularity`` (the global layout only, where it is required) is read, not updated: the caller observes
+    each sub-question's pages first (``Pipeline.ask`` does), so the order includes this question.
+    """
     sampling = SamplingSpec(max_tokens=max_tokens)
-    return [
-        PromptPlan(images=tuple(order), text=q, sampling=sampling, layout=layout)
-        for q, order in zip(sub_questions, orders)
-        if order
-    ]
+    if layout is Layout.PER_PAGE:
+        return [PlannedPrompt(PromptPlan(images=(h.image_key,), text=q, sampling=sampling, layout=layout), i, h)
+                for i, (q, hs) in enumerate(zip(sub_questions, hits)) for h in _distinct_pages(hs)]
+    keyed = [[h.image_key for h in hs] for hs in hits]
+    if layout is Layout.CANONICAL:
+        orders = canonical_order(keyed)
+    elif layout is Layout.GLOBAL:
+        if popularity is None:
+            raise ValueError("the global layout orders pages by a PagePopularity: pass popularity=")
+        orders = [popularity.order(k) for k in keyed]
+    else:
+        orders = [list(dict.fromkeys(k)) for k in keyed]
+    return [PlannedPrompt(PromptPlan(images=tuple(order), text=q, sampling=sampling, layout=layout), i)
+            for i, (q, order) in enumerate(zip(sub_questions, orders)) if order]
+
+
+def _distinct_pages(hits: Sequence[Hit]) -> list[Hit]:
+    """Each image key once, at its first (best-scored) hit: the same page in two documents is one prompt."""
+    first: dict[ImageKey, Hit] = {}
+    for hit in hits:
+        first.setdefault(hit.image_key, hit)
+    return list(first.values())
+
+
+def build_plans(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
+                layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None) -> list[PromptPlan]:
+    """The plain plans of :func:`plan_prompts` (what the benchmark replays)."""
+    return [p.plan for p in plan_prompts(sub_questions, hits, max_tokens=max_tokens, layout=layout,
+                                         popularity=popularity)]
 
 
 def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
@@ -52,17 +104,30 @@ def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
     return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
 
 
-def synthesis_plan(question: str, sub_questions: Sequence[str], answers: Sequence[str], max_tokens: int
+def synthesis_plan(question: str, planned: Sequence[PlannedPrompt], answers: Sequence[str], max_tokens: int
                    ) -> PromptPlan:
+    """One text prompt over the sub-answers, numbered by sub-question; a per-page answer names its page
+    (``Answer 1 from [doc.pdf, page 3]: ...``), the form the answers cite pages in."""
     lines = [f"Question: {question}"]
-    lines += [f"Sub-question {i}: {q}\nAnswer {i}: {a.strip()}" for i, (q, a) in enumerate(zip(sub_questions, answers), 1)]
+    for i, (_, group) in enumerate(groupby(zip(planned, answers), key=lambda row: row[0].sub_question), 1):
+        rows = list(group)
+        lines.append(f"Sub-question {i}: {rows[0][0].plan.text}")
+        lines += [f"Answer {i}{_source(p.page)}: {a.strip()}" for p, a in rows]
     return PromptPlan(images=(), text="\n".join(lines), system_prompt_id="synthesize",
                       sampling=SamplingSpec(max_tokens=max_tokens))
 
 
+def _source(page: Hit | None) -> str:
+    return f" from [{page.doc}, page {page.page}]" if page is not None else ""
+
+
 class Pipeline:
     """``submit`` is where plans go (the scheduler's submit when serving; ``engine.generate`` by default);
-    ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens."""
+    ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens.
+
+    With the global layout the pipeline holds the process's one :class:`PagePopularity` (the wiring builds
+    one pipeline per process) and observes every sub-question's retrieved pages before planning.
+    """
 
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
                  config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
@@ -73,6 +138,7 @@ class Pipeline:
         self.config = config
         self.submit = submit or engine.generate
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
+        self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
 
     async def ask(self, question: str, *, docs: list[str] | None = None) -> Answer:
         decomposition = await self.decomposer.decompose(question)
@@ -83,20 +149,27 @@ class Pipeline:
             return self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
-        plans = build_plans(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout)
-        completions = await _all(self.submit(p) for p in plans)
+        if self.popularity is not None:
+            for hs in hits:
+                self.popularity.observe(h.image_key for h in hs)
+        planned = plan_prompts(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout,
+                               popularity=self.popularity)
+        completions = await _all(self.submit(p.plan) for p in planned)
         for c in completions:
             usage.add(c.usage)
-        answered = [p.text for p in plans]
         if len(completions) == 1:
             text = completions[0].text
         else:
-            final = await self.submit(synthesis_plan(question, answered, [c.text for c in completions],
+            final = await self.submit(synthesis_plan(question, planned, [c.text for c in completions],
                                                      self.config.max_tokens))
             usage.add(final.usage)
             text = final.text
         answer = self._answer(text, decomposition, cite(hits), usage)
-        answer.extra["sub_answers"] = [{"sub_question": q, "answer": c.text} for q, c in zip(answered, completions)]
+        answer.extra["sub_answers"] = [
+            {"sub_question": p.plan.text, "answer": c.text,
+             **({"page": f"[{p.page.doc}, page {p.page.page}]"} if p.page is not None else {})}
+            for p, c in zip(planned, completions)
+        ]
         return answer
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:

@@ -1,15 +1,22 @@
-"""The RAG pipeline end to end on the session engine and index: sub-questions, pages, cited answers."""
+"""The RAG pipeline end to end on the session engine and index: sub-questions, pages, cited answers; and the
+layouts that turn a question's pages into prompt plans."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
+from core.keys import ImageKey
 from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
-from rag.pipeline import build_plans, cite
-from retrieval.search import NoDocumentsError, UnknownDocumentError
-from core.engine import Layout
+from rag.order import PagePopularity
+from rag.pipeline import build_plans, cite, plan_prompts, synthesis_plan
+from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
+from core.engine import Layout, PromptPlan
+
+TWO_PART = "What is the retry limit and the timeout of the ingest service?"
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +85,116 @@ def test_citations_keep_each_page_once_with_its_best_score():
     assert [c.page_id for c in cites] == ["id-b.pdf-2", "id-a.pdf-1"]
     plans = build_plans(["q1", "q2"], [[hit("a.pdf", 1, 0.5)], []], max_tokens=4, layout=Layout.NAIVE)
     assert len(plans) == 1 and plans[0].layout is Layout.NAIVE  # a sub-question without pages gets no plan
+
+
+def page_hit(doc: str, page: int, score: float = 0.5) -> Hit:
+    """A retrieval hit whose image key is the page's own (the same page in two documents: pass the same doc)."""
+    digest = hashlib.sha256(f"{doc}-{page}".encode()).hexdigest()
+    key = ImageKey.parse(f"img1-{digest}-{'ab' * 8}-px1-2")
+    return Hit(f"id-{doc}-{page}", "d", doc, page, score, "", key, 10, "/p")
+
+
+def test_the_global_layout_orders_every_plan_by_the_learned_popularity():
+    p, b, c = page_hit("a.pdf", 1), page_hit("a.pdf", 2), page_hit("b.pdf", 1)
+    pop = PagePopularity()
+    for _ in range(4):
+        pop.observe([c.image_key])
+    pop.observe([p.image_key, b.image_key])
+    hits = [[b, p], [p, c, b]]
+    plans = build_plans(["q1", "q2"], hits, max_tokens=4, layout=Layout.GLOBAL, popularity=pop)
+    rank = pop.order([p.image_key, b.image_key, c.image_key])
+    assert rank[0] == c.image_key  # asked 4 times; p and b once each, so by key
+    assert [list(x.images) for x in plans] == [[k for k in rank if k != c.image_key], rank]
+    assert all(x.layout is Layout.GLOBAL for x in plans)
+    with pytest.raises(ValueError, match="popularity="):
+        build_plans(["q1"], hits[:1], max_tokens=4, layout=Layout.GLOBAL)
+
+
+def test_the_per_page_layout_gives_one_plan_per_sub_question_and_page_each_starting_with_it():
+    a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.7)
+    same_as_a1 = Hit("id-c", "d", "c.pdf", 4, 0.6, "", a1.image_key, 10, "/p")  # a1's image in another document
+    planned = plan_prompts(["q1", "q2", "q3"], [[a1, a2, same_as_a1], [], [b1, a1]], max_tokens=4,
+                           layout=Layout.PER_PAGE)
+    assert [(p.plan.text, p.plan.images, p.page) for p in planned] == [
+        ("q1", (a1.image_key,), a1), ("q1", (a2.image_key,), a2), ("q3", (b1.image_key,), b1),
+        ("q3", (a1.image_key,), a1),
+    ]
+    assert [p.sub_question for p in planned] == [0, 0, 2, 2]
+    assert all(p.plan.layout is Layout.PER_PAGE and p.plan.sampling.max_tokens == 4 for p in planned)
+
+
+def test_the_synthesis_names_every_per_page_answer_with_its_page():
+    a1, b3 = page_hit("a.pdf", 1), page_hit("b.pdf", 3)
+    planned = plan_prompts(["q1", "q2"], [[a1, b3], [b3]], max_tokens=4, layout=Layout.PER_PAGE)
+    plan = synthesis_plan("Q?", planned, [" x ", "y", "z"], max_tokens=6)
+    assert plan.text == ("Question: Q?\nSub-question 1: q1\nAnswer 1 from [a.pdf, page 1]: x\n"
+                         "Answer 1 from [b.pdf, page 3]: y\nSub-question 2: q2\nAnswer 2 from [b.pdf, page 3]: z")
+    assert plan.images == () and plan.system_prompt_id == "synthesize" and plan.sampling.max_tokens == 6
+
+
+def test_the_synthesis_of_one_plan_per_sub_question_is_as_before():
+    planned = plan_prompts(["q1", "q2", "q3"], [[page_hit("a.pdf", 1)], [], [page_hit("a.pdf", 2)]],
+                           max_tokens=4)
+    assert synthesis_plan("Q?", planned, ["x", "y"], max_tokens=6).text == (
+        "Question: Q?\nSub-question 1: q1\nAnswer 1: x\nSub-question 2: q3\nAnswer 2: y")
+
+
+async def test_every_layout_but_naive_renders_the_images_before_the_text(pipeline):
+    key = page_hit("a.pdf", 1).image_key
+    render = lambda layout: pipeline.engine.renderer.render(PromptPlan((key,), "Which page?", layout=layout))  # noqa: E731
+    canonical = render(Layout.CANONICAL)
+    assert canonical.index("<|image_pad|>") < canonical.index("Which page?")
+    assert render(Layout.GLOBAL) == render(Layout.PER_PAGE) == canonical  # the same bytes: the same KV prefix
+
+
+@pytest.fixture
+async def pipeline_with(engine_settings, pipeline):
+    """A pipeline wired for a layout (MMRAG_LAYOUT) on the session engine and index, recording every plan it
+    submits (to the real scheduler)."""
+
+    def build(layout: str):
+        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, "layout": layout})
+        p, _ = wiring.pipeline(settings, pipeline.engine, client=pipeline.searcher.client)
+        p.submitted = []
+        scheduled = p.submit
+
+        async def submit(plan: PromptPlan):
+            p.submitted.append(plan)
+            return await scheduled(plan)
+
+        p.submit = submit
+        return p
+
+    return build
+
+
+async def test_the_global_layout_answers_with_pages_in_the_popularity_order(pipeline_with):
+    p = pipeline_with("global")
+    await p.engine.reset_prefix_cache()
+    answer = await p.ask(TWO_PART)
+    *plans, synthesis = p.submitted
+    assert len(plans) == 2 and synthesis.system_prompt_id == "synthesize" and len(answer.extra["sub_answers"]) == 2
+    assert all(plan.layout is Layout.GLOBAL and list(plan.images) == p.popularity.order(plan.images)
+               for plan in plans)
+    uses = [k for plan in plans for k in plan.images]
+    assert {k: p.popularity.count(k) for k in uses} == {k: uses.count(k) for k in uses}
+    # The pages both sub-questions retrieved were asked twice: they lead both plans, which share their prefix.
+    assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
+    again = await p.ask(TWO_PART)
+    assert p.submitted[3:5] == plans and again.usage.cached_image_tokens > answer.usage.cached_image_tokens
+
+
+async def test_the_per_page_layout_answers_from_one_prompt_per_page_and_one_synthesis(pipeline_with):
+    p = pipeline_with("per_page")
+    await p.engine.reset_prefix_cache()
+    answer = await p.ask(TWO_PART)
+    *plans, synthesis = p.submitted
+    assert len(answer.sub_questions) == 2 and len(plans) == len(answer.extra["sub_answers"]) > 2
+    assert all(len(plan.images) == 1 and plan.layout is Layout.PER_PAGE for plan in plans)
+    assert {plan.text for plan in plans} == set(answer.sub_questions)
+    assert synthesis.text.count(" from [") == len(plans)
+    # Each sub-answer says which page it saw (the REST schema's SubAnswer.page).
+    assert all(sub["page"] in synthesis.text for sub in answer.extra["sub_answers"])
+    assert all(f"from [{c.doc}, page {c.page}]" in synthesis.text for c in answer.citations)
+    # A page both sub-questions retrieved leads two prompts: the second reuses the first one's KV.
+    assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64

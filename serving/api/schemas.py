@@ -100,6 +100,8 @@ class ModelInfo(_Response):
 class SubAnswer(_Response):
     sub_question: str = Field(description="One sub-question, as it was asked of the model.")
     answer: str = Field(description="The model's answer to it, before synthesis.")
+    page: str | None = Field(default=None, description="MMRAG_LAYOUT=per_page: the one page this answer saw, "
+                             "as `[document, page N]`; absent when the sub-question's pages were seen together.")
 
 
 class AskResponse(_Response):

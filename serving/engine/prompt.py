@@ -99,7 +99,8 @@ class PromptRenderer:
         """
         parts = image_parts if image_parts is not None else [{"type": "image"} for _ in plan.images]
         text = [{"type": "text", "text": self.guard(plan.text)}]
-        content = parts + text if plan.layout is Layout.CANONICAL else text + parts
+        # Images first in every layout but the naive baseline: prompts sharing leading images share KV.
+        content = text + parts if plan.layout is Layout.NAIVE else parts + text
         return [
             {"role": "system", "content": system_prompt(plan.system_prompt_id)},
             {"role": "user", "content": content},
