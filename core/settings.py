@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     layout: Literal["canonical", "global", "per_page"] = "canonical"
     max_sub_questions: int = 4
     max_question_chars: int = 2000
+    # Who splits a question: the model (guided JSON, validated, the rules when it is rejected), the rules, or
+    # auto: the model unless it has random weights (its replies are never grounded, so asking it would only
+    # spend one long decode per question before the rules run anyway).
+    decomposer: Literal["auto", "model", "rules"] = "auto"
 
     @field_validator("vision_device")
     @classmethod

@@ -247,9 +247,12 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
 
 
 def decomposer(settings: Settings, engine: Engine) -> Decomposer:
+    """MMRAG_DECOMPOSER: ``auto`` asks the model unless its weights are random."""
     from rag.decompose import Decomposer
 
-    return Decomposer(engine, max_n=settings.max_sub_questions, max_question_chars=settings.max_question_chars)
+    ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
+    return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
+                      max_question_chars=settings.max_question_chars)
 
 
 def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None

@@ -17,6 +17,7 @@ A final text-only prompt synthesises the sub-answers. Every step is async; nothi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import groupby
@@ -141,12 +142,15 @@ class Pipeline:
         self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
 
     async def ask(self, question: str, *, docs: list[str] | None = None) -> Answer:
+        clock = _Stages()
         decomposition = await self.decomposer.decompose(question)
+        clock.lap("decompose_s")
         subs = decomposition.sub_questions
         hits = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
+        clock.lap("retrieve_s")
         usage = Usage()
         if not any(hits):
-            return self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
+            return clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], usage))
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
         if self.popularity is not None:
@@ -155,6 +159,7 @@ class Pipeline:
         planned = plan_prompts(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout,
                                popularity=self.popularity)
         completions = await _all(self.submit(p.plan) for p in planned)
+        clock.lap("sub_answers_s")
         for c in completions:
             usage.add(c.usage)
         if len(completions) == 1:
@@ -164,13 +169,14 @@ class Pipeline:
                                                      self.config.max_tokens))
             usage.add(final.usage)
             text = final.text
+            clock.lap("synthesis_s")
         answer = self._answer(text, decomposition, cite(hits), usage)
         answer.extra["sub_answers"] = [
             {"sub_question": p.plan.text, "answer": c.text,
              **({"page": f"[{p.page.doc}, page {p.page.page}]"} if p.page is not None else {})}
             for p, c in zip(planned, completions)
         ]
-        return answer
+        return clock.stamp(answer)
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:
         return Answer(
@@ -182,6 +188,24 @@ class Pipeline:
             random_weights=self.engine.random_weights,
             sub_question_source=decomposition.source,
         )
+
+
+class _Stages:
+    """Wall time per stage of one answer, in the order they ran (queueing in the scheduler included in the
+    stage whose plans waited): what `answer.extra["timings"]` reports."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(now - self._last, 4)
+        self._last = now
+
+    def stamp(self, answer: Answer) -> Answer:
+        answer.extra["timings"] = self.seconds
+        return answer
 
 
 async def _all(awaitables) -> list:

@@ -36,6 +36,10 @@ async def test_a_two_part_question_gets_sub_questions_pages_and_citations(pipeli
     assert scores == sorted(scores, reverse=True)
     assert len(out["sub_answers"]) == 2
     assert out["usage"]["image_tokens"] > 0 and out["model"]["random_weights"] is True
+    # Where the time went, every stage that ran, in order.
+    timings = out["timings"]
+    assert list(timings) == ["decompose_s", "retrieve_s", "sub_answers_s", "synthesis_s"]
+    assert all(v >= 0 for v in timings.values()) and timings["sub_answers_s"] > 0 and timings["synthesis_s"] > 0
 
 
 async def test_sub_questions_sharing_a_page_share_its_prefix(pipeline):

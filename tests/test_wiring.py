@@ -69,3 +69,14 @@ def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_u
     assert disk.backend == "disk" and str(tmp_path / "features") in str(disk.root)
     redis = wiring.feature_store(defaults.model_copy(update={"redis_url": redis_url}))
     assert redis.backend == "redis"
+
+
+@pytest.mark.parametrize(("setting", "random_weights", "asks_model"), [
+    ("auto", True, False), ("auto", False, True), ("model", True, True), ("rules", False, False),
+])
+def test_the_decomposer_asks_the_model_unless_its_weights_are_random(defaults, setting, random_weights, asks_model):
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(random_weights=random_weights)  # the one attribute the choice reads
+    decomposer = wiring.decomposer(defaults.model_copy(update={"decomposer": setting}), engine)
+    assert (decomposer.model is not None) is asks_model

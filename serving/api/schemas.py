@@ -104,6 +104,17 @@ class SubAnswer(_Response):
                              "as `[document, page N]`; absent when the sub-question's pages were seen together.")
 
 
+class Timings(_Response):
+    """Where the answer's time went, in seconds of wall time, stage by stage (a stage that did not run is
+    absent: no pages found, or one sub-answer and so no synthesis)."""
+
+    decompose_s: float = Field(description="Splitting the question (a model request, or the rules).")
+    retrieve_s: float = Field(description="The batched Qdrant search of every sub-question.")
+    sub_answers_s: float | None = Field(default=None, description="Every sub-question's (or page's) prompt, "
+                                        "scheduler queueing, prefill and decode included, all at once.")
+    synthesis_s: float | None = Field(default=None, description="The final prompt over the sub-answers.")
+
+
 class AskResponse(_Response):
     answer: str = Field(description="The answer (synthesised from the sub-answers when there are several).")
     sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
@@ -116,6 +127,7 @@ class AskResponse(_Response):
     sub_answers: list[SubAnswer] | None = Field(
         default=None, description="Each sub-question's own answer; absent when no page was found."
     )
+    timings: Timings | None = Field(default=None, description="Seconds per stage of this answer.")
 
 
 # --- documents and pages ---------------------------------------------------------------------------------
