@@ -1,20 +1,35 @@
-"""Runs the six configurations on one model, back to back in one process, and records every engine request.
+"""Runs every configuration on one model, back to back in one process, and records every engine request.
 
 Two engines, started one after the other with the same settings except caching (one in-process AsyncLLM
 at a time): engine A has prefix caching and the processor cache off (no_cache, vision_cache); engine B has
-prefix caching on (apc_naive, mmrag, mmrag_warm, mmrag_budget), its prefix cache reset between configs.
+vLLM's caching defaults — prefix caching, the multimodal processor cache and the encoder cache on — and
+serves every other configuration; its prefix, processor and encoder caches are reset before each one.
 Before each configuration two cold single-page probe prompts time the machine, and during it the CPU time of
 other processes is measured, so a reader can tell a ratio from a change in background load.
+
+The configurations a user would run instead of mmrag send page pixels with vLLM's defaults:
+
+- ``vllm_llamaindex``: the prompt llama-index's multimodal chat path builds (:func:`llamaindex_messages`);
+- ``vllm_images_first``: the savvy vLLM user's prompt, images first in retrieval-score order, then the
+  question (mmrag's renderer on score-ordered pages).
+
+``floor`` is mmrag's prompts and scheduler with every image prefix already in the KV cache: the questions
+run in batches whose image prefixes fit in half the KV cache; before each batch every distinct image prefix
+of it is prefilled (untimed), then the batch runs timed. What is left is what no cache can remove: the text
+after the images, the image tokens in the block that holds the first text tokens, and the decode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -22,43 +37,144 @@ from prometheus_client import REGISTRY
 
 from core.keys import ImageKey
 from adapters.checkpoint import ModelSource
+from adapters.hardware import cpu_flags, native_cpu_dtype
 from adapters.store import FeatureStore
+from rag.order import PagePopularity
 from rag.pipeline import build_plans
 from retrieval.search import Hit
 from core.engine import Completion, KVCapacity, Layout, PromptPlan, SamplingSpec, Usage
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, resolve_dtype
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
+from serving.engine.prompt import PromptRenderer, PromptTokens
 from serving.scheduler import Policy, Scheduler, SchedulerConfig
-from serving.warmup import rank_by_demand, warm
+from serving.warmup import rank_by_demand, warm, warm_plan
 
 from bench.corpus import BenchCorpus
-from bench.workload import PromptImages, Question, Workload, fits_in_kv, oracle_bound, prefix_bound
+from bench.workload import (PromptImages, Question, Workload, cache_tokens, fits_in_kv, oracle_bound,
+                            prefix_bound)
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
+class ImageInput(str, enum.Enum):
+    TOKENS = "tokens"  # precomputed image tokens from the feature store, keyed by the image key
+    FRESH_PIXELS = "fresh_pixels"  # pixels with a fresh multi_modal_uuid per request: no vLLM cache serves them
+    PIXELS = "pixels"  # pixels without uuids: vLLM hashes their content, as for any client of `vllm serve`
+
+
+class PromptStyle(str, enum.Enum):
+    MMRAG = "mmrag"  # serving/engine/prompt.PromptRenderer, as the plan's layout says
+    IMAGES_FIRST = "images_first"  # the same renderer, images first in the plan's page order, then the question
+    LLAMAINDEX = "llamaindex"  # llamaindex_messages()
+
+
 @dataclass(slots=True, frozen=True)
 class ConfigSpec:
+    """One configuration. A new pipeline layout is one more line in CONFIGS with its ``layout``."""
+
     name: str
-    pixels: bool  # send page pixels (vision encoder per request) instead of stored image tokens
-    caching: bool  # engine B (prefix caching on) or engine A (off)
-    layout: Layout
+    images: ImageInput
+    caching: bool  # engine B (vLLM's caching defaults) or engine A (prefix and processor caches off)
+    layout: Layout  # what rag/pipeline.build_plans gets: the page order of each plan
     policy: Policy
+    prompt: PromptStyle = PromptStyle.MMRAG
     warm: bool = False
     budget: bool = False  # the smaller resolution policy's keys
+    prefilled: bool = False  # floor: every image prefix in the KV cache before its prompt runs
+
+    def __post_init__(self) -> None:
+        if self.prompt is not PromptStyle.MMRAG and self.images is ImageInput.TOKENS:
+            raise ValueError(f"{self.name}: only pixel configurations render their own prompt style")
 
 
+_T, _PX, _FRESH = ImageInput.TOKENS, ImageInput.PIXELS, ImageInput.FRESH_PIXELS
+_NAIVE, _CANON, _FCFS, _DFS = Layout.NAIVE, Layout.CANONICAL, Policy.FCFS, Policy.DFS_WEIGHT
 CONFIGS = (
-    ConfigSpec("no_cache", pixels=True, caching=False, layout=Layout.NAIVE, policy=Policy.FCFS),
-    ConfigSpec("vision_cache", pixels=False, caching=False, layout=Layout.NAIVE, policy=Policy.FCFS),
-    ConfigSpec("apc_naive", pixels=False, caching=True, layout=Layout.NAIVE, policy=Policy.FCFS),
-    ConfigSpec("mmrag", pixels=False, caching=True, layout=Layout.CANONICAL, policy=Policy.DFS_WEIGHT),
-    ConfigSpec("mmrag_warm", pixels=False, caching=True, layout=Layout.CANONICAL, policy=Policy.DFS_WEIGHT,
-               warm=True),
-    ConfigSpec("mmrag_budget", pixels=False, caching=True, layout=Layout.CANONICAL, policy=Policy.DFS_WEIGHT,
-               warm=True, budget=True),
+    ConfigSpec("no_cache", _FRESH, caching=False, layout=_NAIVE, policy=_FCFS),
+    ConfigSpec("vision_cache", _T, caching=False, layout=_NAIVE, policy=_FCFS),
+    ConfigSpec("apc_naive", _T, caching=True, layout=_NAIVE, policy=_FCFS),
+    # NAIVE keeps the retrieval-score page order; the prompt style decides where the question goes.
+    ConfigSpec("vllm_llamaindex", _PX, caching=True, layout=_NAIVE, policy=_FCFS, prompt=PromptStyle.LLAMAINDEX),
+    ConfigSpec("vllm_images_first", _PX, caching=True, layout=_NAIVE, policy=_FCFS,
+               prompt=PromptStyle.IMAGES_FIRST),
+    ConfigSpec("mmrag", _T, caching=True, layout=_CANON, policy=_DFS),
+    ConfigSpec("mmrag_warm", _T, caching=True, layout=_CANON, policy=_DFS, warm=True),
+    ConfigSpec("mmrag_budget", _T, caching=True, layout=_CANON, policy=_DFS, warm=True, budget=True),
+    # The exact layouts that try to close the gap to the position oracle (rag/pipeline.py, MMRAG_LAYOUT), both
+    # with mmrag_warm's warm-up: one global page order learned online, and one prompt per retrieved page.
+    ConfigSpec("mmrag_global", _T, caching=True, layout=Layout.GLOBAL, policy=_DFS, warm=True),
+    ConfigSpec("mmrag_per_page", _T, caching=True, layout=Layout.PER_PAGE, policy=_DFS, warm=True),
+    ConfigSpec("floor", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True),
 )
+
+
+# llama-index's multimodal chat path (llama-index-core 0.14.25, read from its source and checked against it in
+# tests/test_bench.py): RetrieverQueryEngine.from_args(retriever=..., llm=..., multimodal=True), which replaces
+# the deprecated SimpleMultiModalQueryEngine (llama_index/core/query_engine/multi_modal.py). Its synthesizer
+# (llama_index/core/response_synthesizers/base.py) turns each retrieved node, in retrieval-score order, into a
+# ChatMessage of the node's content blocks (``get_content_blocks(MetadataMode.LLM)``: its metadata as a text
+# block, then its image), and the default ``chat_content_qa_template``, CHAT_CONTENT_QA_PROMPT
+# (llama_index/core/prompts/chat_prompts.py), renders: a system message (TEXT_QA_SYSTEM_PROMPT); a user message
+# "Context information is below." + a rule, then each node's metadata text and image, then a rule and the
+# query. So the images come before the query, after a fixed preamble and each after its own metadata line.
+# llama-index-llms-openai's to_openai_message_dict (llama_index/llms/openai/utils.py, which OpenAILike uses)
+# sends the blocks as content parts in that order, and Qwen2-VL's chat template keeps it.
+# One request per sub-question, all its pages in it: with OpenAILike's default context_window (3,900) llama-index
+# counts 2,125 tokens per ImageBlock and splits a 2-page sub-question into a QA call and a sequential refine
+# call instead — more work than modelled here, so this configuration is the favourable case for llama-index.
+LLAMAINDEX_SYSTEM = (
+    "You are an expert Q&A system that is trusted around the world.\n"
+    "Always answer the query using the provided context information, and not prior knowledge.\n"
+    "Some rules to follow:\n"
+    "1. Never directly reference the given context in your answer.\n"
+    "2. Avoid statements like 'Based on the context, ...' or 'The context information ...' or anything along "
+    "those lines."
+)
+LLAMAINDEX_CONTEXT = "Context information is below.\n---------------------"
+LLAMAINDEX_QUERY = ("---------------------\nGiven the context information and not prior knowledge, answer the "
+                    "query.\nQuery: {query}\nAnswer:")
+
+
+def llamaindex_messages(query: str, captions: Sequence[str]) -> list[dict[str, Any]]:
+    """The OpenAI-style messages llama-index sends for ``query`` over pages with these metadata lines (one per
+    page, retrieval-score order; "" for a node without metadata). Images are bare ``{"type": "image"}`` parts."""
+    content: list[dict[str, Any]] = []
+    pending = [LLAMAINDEX_CONTEXT]
+    for caption in captions:
+        pending += [caption] if caption else []
+        if pending:  # adjacent text blocks of the template come out as one, joined by a newline
+            content.append({"type": "text", "text": "\n".join(pending)})
+            pending = []
+        content.append({"type": "image"})
+    content += [{"type": "text", "text": t} for t in pending]
+    content.append({"type": "text", "text": LLAMAINDEX_QUERY.format(query=query)})
+    return [{"role": "system", "content": LLAMAINDEX_SYSTEM}, {"role": "user", "content": content}]
+
+
+def page_caption(doc: str, page: int) -> str:
+    """The metadata line llama-index puts before a PDF page's image (MetadataMode.LLM of file_name, page_label)."""
+    return f"file_name: {doc}\npage_label: {page}"
+
+
+@dataclass(slots=True)
+class Prompts:
+    """How a configuration's plans become prompt text."""
+
+    renderer: PromptRenderer
+    style: PromptStyle = PromptStyle.MMRAG
+    captions: dict[ImageKey, str] = field(default_factory=dict)  # LLAMAINDEX: each page's metadata line
+
+    def render(self, plan: PromptPlan) -> str:
+        if self.style is PromptStyle.LLAMAINDEX:
+            messages = llamaindex_messages(self.renderer.guard(plan.text), [self.captions[k] for k in plan.images])
+            return self.renderer.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self.style is PromptStyle.IMAGES_FIRST:
+            plan = replace(plan, layout=Layout.CANONICAL)  # the renderer puts images first; the order stays
+        return self.renderer.render(plan)
+
+    def tokens(self, plan: PromptPlan, tokens: dict[ImageKey, int]) -> PromptTokens:
+        return self.renderer.tokens(self.render(plan), [tokens[k] for k in plan.images])
 
 
 @dataclass(slots=True)
@@ -95,22 +211,37 @@ class PlanRecord:
 @dataclass(slots=True)
 class ConfigResult:
     spec: ConfigSpec
+    plans: list[PromptPlan] = field(default_factory=list)  # what was submitted, in workload order
     records: list[PlanRecord] = field(default_factory=list)
     question_latencies_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     kv_usage_peak: float = 0.0
     vision_forwards: int = 0
-    oracle_hit_rate: float = 0.0
-    prefix_bound_hit_rate: float = 0.0
+    position_oracle_hit_rate: float = 0.0  # any reuse of a page hits, wherever it sits
+    prefix_bound_hit_rate: float = 0.0  # what a prefix cache can reach with this configuration's layout
     probe: list[Usage] = field(default_factory=list)
     warm: dict[str, Any] | None = None
-    # (cached, total) image tokens of the first image of each prompt, and of the images after it
     other_cpu_cores: float = 0.0
     steal_cores: float = 0.0
     own_cpu_cores: float = 0.0
+    # (cached, total) image tokens of the first image of each prompt, and of the images after it
     first_image_tokens: tuple[int, int] = (0, 0)
     later_image_tokens: tuple[int, int] = (0, 0)
     scheduler: dict[str, int] = field(default_factory=dict)
+
+    def absorb(self, part: ConfigResult) -> None:
+        """Add a timed part of the run (floor's batches): times add up, loads average over the wall time."""
+        wall = self.wall_s + part.wall_s
+        for name in ("other_cpu_cores", "steal_cores", "own_cpu_cores"):
+            setattr(self, name, (getattr(self, name) * self.wall_s + getattr(part, name) * part.wall_s) / wall)
+        self.wall_s = wall
+        self.plans += part.plans
+        self.records += part.records
+        self.question_latencies_s += part.question_latencies_s
+        self.kv_usage_peak = max(self.kv_usage_peak, part.kv_usage_peak)
+        self.vision_forwards += part.vision_forwards
+        for k, v in part.scheduler.items():
+            self.scheduler[k] = self.scheduler.get(k, 0) + v
 
 
 @dataclass(slots=True)
@@ -120,34 +251,71 @@ class BenchRun:
     dtype: str
     engine_start_s: list[float]
     vit_probe_s: float  # a cold single-page prompt as pixels minus the same as image tokens, engine A
+    machine: dict[str, Any] = field(default_factory=dict)  # machine_info()
+
+
+# The CPU flags that decide the engine's speed and its `auto` dtype (adapters/hardware.py).
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU the numbers were measured on: its model, the flags that matter here, its core count."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())  # the first processor's
+    flags = cpu_flags(cpuinfo)
+    # A VM often names its CPU only "Intel(R) Xeon(R) Processor": family/model/stepping, as the hypervisor
+    # reports them, and the flags tell the generation.
+    ident = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    return {"cpu_model": fields.get("model name", "unknown"), "cpu_family_model_stepping": ident,
+            "cpus": os.cpu_count(), "cpu_flags": {f: f in flags for f in RELEVANT_CPU_FLAGS},
+            "native_bf16": native_cpu_dtype(flags) == "bfloat16"}
 
 
 # --- engines the scheduler can drive --------------------------------------------------------------------
 
 
 class PixelEngine:
-    """no_cache: the page pixels go to vLLM with a fresh uuid per request, so no vLLM cache can serve them
-    (its encoder cache is keyed by the uuid; the processor cache and prefix caching are off in engine A).
-    The request runs through the in-process engine's own loop (``InProcessEngine.run_request``)."""
+    """Page pixels to vLLM, the prompt in the configuration's style, through the in-process engine's own
+    request loop (``InProcessEngine.run_request``).
 
-    def __init__(self, inner: InProcessEngine, images: dict[ImageKey, Image.Image], tokens: dict[ImageKey, int]):
+    ``fresh_uuids`` (no_cache): a fresh uuid per request keys every vLLM cache, so none can serve the image.
+    Otherwise no uuids: vLLM hashes the image content, as it does for any client of `vllm serve`, and its
+    processor, encoder and prefix caches work as they do by default. vLLM counts no encoder-cache hits, so
+    there each request reports as its vision forwards the images not wholly served from the prefix cache: an
+    upper bound (the encoder cache may still hold some of them).
+    """
+
+    def __init__(self, inner: InProcessEngine, images: dict[ImageKey, Image.Image], tokens: dict[ImageKey, int],
+                 prompts: Prompts, *, fresh_uuids: bool) -> None:
         self.inner = inner
         self.images = images
         self.tokens = tokens
+        self.prompts = prompts
+        self.fresh_uuids = fresh_uuids
         self.model_name = inner.model_name
         self.random_weights = inner.random_weights
-        self.forwards = 0
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
         started = time.perf_counter()
-        request = {
-            "prompt": self.inner.renderer.render(plan),
-            "multi_modal_data": {"image": [self.images[k] for k in plan.images]},
-            "multi_modal_uuids": {"image": [f"pixels-{uuid.uuid4().hex}" for _ in plan.images]},
-        }
-        self.forwards += len(plan.images)
-        return await self.inner.run_request(plan, request, [self.tokens[k] for k in plan.images], started=started,
-                                            vision_encodes=len(plan.images), on_first_token=on_first_token)
+        request: dict[str, Any] = {"prompt": self.prompts.render(plan),
+                                   "multi_modal_data": {"image": [self.images[k] for k in plan.images]}}
+        if self.fresh_uuids:
+            request["multi_modal_uuids"] = {"image": [f"pixels-{uuid.uuid4().hex}" for _ in plan.images]}
+        counts = [self.tokens[k] for k in plan.images]
+        completion = await self.inner.run_request(
+            plan, request, counts, started=started, vision_encodes=len(plan.images) if self.fresh_uuids else 0,
+            on_first_token=on_first_token)
+        if not self.fresh_uuids:
+            usage = completion.usage
+            spans = self.inner.renderer.tokens(request["prompt"], counts).image_spans
+            usage.vision_encodes = sum(1 for start, n in spans if start + n > usage.cached_tokens)
+        return completion
 
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
@@ -183,11 +351,17 @@ class _FirstTokens:
 # --- one configuration ----------------------------------------------------------------------------------
 
 
-def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpus, max_tokens: int
-                   ) -> list[PromptPlan]:
-    """The plans rag/pipeline.build_plans makes from this question's simulated retrieval."""
+def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpus, max_tokens: int,
+                   popularity: PagePopularity | None = None) -> list[PromptPlan]:
+    """The plans rag/pipeline.build_plans makes from this question's simulated retrieval. The global layout
+    learns as the pipeline does: ``popularity`` observes each sub-question's pages before this question is
+    planned (questions planned in arrival order)."""
     hits = [[_hit(p, rank, keys, corpus) for rank, p in enumerate(s.pages)] for s in q.subs]
-    return build_plans([s.text for s in q.subs], hits, max_tokens=max_tokens, layout=spec.layout)
+    if popularity is not None:
+        for hs in hits:
+            popularity.observe(h.image_key for h in hs)
+    return build_plans([s.text for s in q.subs], hits, max_tokens=max_tokens, layout=spec.layout,
+                       popularity=popularity)
 
 
 def _hit(page: int, rank: int, keys: Keys, corpus: BenchCorpus) -> Hit:
@@ -199,13 +373,15 @@ def _hit(page: int, rank: int, keys: Keys, corpus: BenchCorpus) -> Hit:
                path=str(corpus.root / p.file))
 
 
-def prompt_images(plans: list[PromptPlan], keys: Keys, renderer: Any) -> list[PromptImages]:
+def prompt_images(plans: Sequence[PromptPlan], keys: Keys, prompts: Prompts) -> list[PromptImages]:
+    """Each plan's images, their token spans and its tokens as the prefix cache sees them, as rendered."""
     out = []
+    tokenizer, pad = prompts.renderer.tokenizer, prompts.renderer.image_pad_id
     for plan in plans:
-        spans = renderer.tokens(renderer.render(plan), [keys.tokens[k] for k in plan.images]).image_spans
-        # The naive layout puts the (unique) sub-question before the images: it is part of every prefix.
-        lead = (plan.text,) if plan.layout is Layout.NAIVE else ()
-        out.append(PromptImages(plan.images, spans, lead))
+        text, counts = prompts.render(plan), [keys.tokens[k] for k in plan.images]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        spans = prompts.renderer.tokens(text, counts).image_spans
+        out.append(PromptImages(plan.images, spans, cache_tokens(ids, pad, plan.images, counts)))
     return out
 
 
@@ -242,13 +418,18 @@ async def _sample_kv(peak: list[float], stop: asyncio.Event, period_s: float = 0
             pass
 
 
-async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: Keys) -> ConfigResult:
+async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: Keys,
+                     questions: list[Question] | None = None) -> ConfigResult:
+    """The workload's questions (or these) through the scheduler, timed."""
     wl = inputs.workload
+    questions = wl.questions if questions is None else questions
     result = ConfigResult(spec)
     recorder = _FirstTokens(engine)
     sched = Scheduler(recorder, SchedulerConfig(policy=spec.policy, max_concurrency=inputs.scheduler_concurrency),
                       image_tokens=lambda p: sum(keys.tokens[k] for k in p.images))
-    plans = {q.qid: question_plans(q, spec, keys, inputs.corpus, wl.spec.max_tokens) for q in wl.questions}
+    popularity = PagePopularity() if spec.layout is Layout.GLOBAL else None  # one per run, as per process
+    plans = {q.qid: question_plans(q, spec, keys, inputs.corpus, wl.spec.max_tokens, popularity) for q in questions}
+    result.plans = [p for q in questions for p in plans[q.qid]]
 
     async def ask(q: Question) -> None:
         started = time.perf_counter()
@@ -272,9 +453,9 @@ async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: K
             await asyncio.sleep(max(0.0, started + q.arrival_s - time.perf_counter()))
             await ask(q)
 
-        await asyncio.gather(*(arrive(q) for q in wl.questions))
+        await asyncio.gather(*(arrive(q) for q in questions))
     else:
-        queue = iter(wl.questions)
+        queue = iter(questions)
 
         async def worker() -> None:
             for q in queue:  # one shared iterator: each worker takes the next question when it is free
@@ -321,38 +502,96 @@ async def _warm_up(engine: InProcessEngine, inputs: BenchInputs, keys: Keys) -> 
     return info, set(report.warmed)
 
 
-def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, renderer: Any, capacity: KVCapacity,
-             warmed: set[ImageKey] | None) -> None:
+def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, base: Prompts, own: Prompts,
+             capacity: KVCapacity, warmed: set[ImageKey] | None) -> None:
+    """The position oracle over the canonical rendering (``base``: the same number for every configuration on
+    these keys), and the prefix bound of the configuration's own prompts (``own``) and warm-up."""
     spec, wl = result.spec, inputs.workload
 
-    def prompts(layout_spec: ConfigSpec) -> list[PromptImages]:
-        plans = [p for q in wl.questions
-                 for p in question_plans(q, layout_spec, keys, inputs.corpus, wl.spec.max_tokens)]
-        return prompt_images(plans, keys, renderer)
+    as_canonical = replace(spec, layout=Layout.CANONICAL)
+    plans = [p for q in wl.questions for p in question_plans(q, as_canonical, keys, inputs.corpus, wl.spec.max_tokens)]
+    canonical = prompt_images(plans, keys, base)
+    warm_set = None
+    if spec.prefilled:
+        warm_set = {k for p in canonical for k in p.keys}
+    elif spec.warm:
+        warm_set = fits_in_kv(canonical, capacity.tokens, capacity.block_size)
+    result.position_oracle_hit_rate = oracle_bound(canonical, capacity.block_size, warm_set)
+    if not spec.caching:
+        return
+    mine = prompt_images(result.plans, keys, own)  # as submitted (a layout may learn as it plans)
+    # What was in the cache before the first question: the warm-up's prompts (through the engine's own
+    # renderer), or the floor's prefill of every image prefix.
+    seen = prompt_images([warm_plan(k) for k in sorted(warmed or (), key=str)], keys, base)
+    if spec.prefilled:
+        seen = prompt_images([fill_plan(p.keys) for p in mine], keys, own)
+    result.prefix_bound_hit_rate = prefix_bound(mine, capacity.block_size, seen)
 
-    # The workload's bound, over its canonical rendering: the same number for every config on these keys.
-    canonical = prompts(replace(spec, layout=Layout.CANONICAL))
-    warm_set = fits_in_kv(canonical, capacity.tokens, capacity.block_size) if spec.warm else None
-    result.oracle_hit_rate = oracle_bound(canonical, capacity.block_size, warm_set)
-    # What a prefix cache could reach with this config's own layout and the warm-up it really did.
-    result.prefix_bound_hit_rate = prefix_bound(prompts(spec), capacity.block_size, warmed) if spec.caching else 0.0
 
-
-def _hits_by_position(result: ConfigResult, keys: Keys, renderer: Any) -> None:
+def _hits_by_position(result: ConfigResult, keys: Keys, prompts: Prompts) -> None:
     """Where the hits were: the first image of each prompt, or the images behind it."""
     first, later = [0, 0], [0, 0]
     for rec in result.records:
-        spans = renderer.tokens(renderer.render(rec.plan), [keys.tokens[k] for k in rec.plan.images]).image_spans
-        for pos, (start, n) in enumerate(spans):
+        for pos, (start, n) in enumerate(prompts.tokens(rec.plan, keys.tokens).image_spans):
             bucket = first if pos == 0 else later
             bucket[0] += max(0, min(start + n, rec.usage.cached_tokens) - start)
             bucket[1] += n
     result.first_image_tokens, result.later_image_tokens = (first[0], first[1]), (later[0], later[1])
 
 
+async def _run_prefilled(engine: InProcessEngine, spec: ConfigSpec, inputs: BenchInputs, keys: Keys,
+                         prompts: Prompts, capacity: KVCapacity) -> ConfigResult:
+    """floor: batches of questions whose distinct image prefixes fit in the warm-up share of the KV cache
+    (each charged a whole prompt of its own, so nothing prefilled is evicted before its batch ends); per
+    batch, the longest distinct image prefixes are prefilled untimed (a prefix of one is cached with it), then
+    the batch runs timed. The timed parts add up to the configuration's wall time."""
+    wl = inputs.workload
+    budget = capacity.tokens * inputs.warm_share
+
+    def cost(images: tuple[ImageKey, ...]) -> int:
+        return prompts.tokens(fill_plan(images), keys.tokens).prompt_tokens + capacity.block_size
+
+    batches: list[tuple[list[Question], set[tuple[ImageKey, ...]]]] = []
+    used = 0.0
+    for q in wl.questions:
+        mine = {p.images for p in question_plans(q, spec, keys, inputs.corpus, wl.spec.max_tokens)}
+        new = mine - batches[-1][1] if batches else mine
+        extra = sum(cost(t) for t in new)
+        if not batches or used + extra > budget:
+            batches.append(([], set()))
+            new, extra, used = mine, sum(cost(t) for t in mine), 0.0
+        batches[-1][0].append(q)
+        batches[-1][1].update(new)
+        used += extra
+    result, fill_s, filled = ConfigResult(spec), 0.0, 0
+    for questions, prefixes in batches:
+        longest = [t for t in prefixes if not any(len(u) > len(t) and u[: len(t)] == t for u in prefixes)]
+        t = time.perf_counter()
+        await asyncio.gather(*(engine.generate(fill_plan(images)) for images in sorted(longest, key=str)))
+        fill_s += time.perf_counter() - t
+        filled += len(longest)
+        result.absorb(await run_config(engine, spec, inputs, keys, questions))
+    result.warm = {"batches": len(batches), "prefixes_prefilled": filled, "seconds": round(fill_s, 3)}
+    return result
+
+
+def fill_plan(images: tuple[ImageKey, ...]) -> PromptPlan:
+    """A prompt that caches everything a plan with these images shares with it: the images, in order."""
+    return PromptPlan(images=images, text="", sampling=SamplingSpec(max_tokens=1))
+
+
+async def _cold(engine: InProcessEngine) -> None:
+    """Engine B before a configuration: no prefix, processed-image or encoder output left from the last."""
+    await engine.reset_prefix_cache()
+    await engine.llm.reset_mm_cache()
+    await engine.llm.reset_encoder_cache()
+
+
 async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchRun:
     wanted = [c for c in CONFIGS if names is None or c.name in names]
     images = {inputs.full.by_page[p.index]: inputs.corpus.image(p) for p in inputs.corpus.pages}
+    hits = [_hit(p.index, 0, inputs.full, inputs.corpus) for p in inputs.corpus.pages]
+    captions = {h.image_key: page_caption(h.doc, h.page) for h in hits}  # llama-index's metadata lines
     features = FeatureProvider(inputs.store)
     results: dict[str, ConfigResult] = {}
     starts: list[float] = []
@@ -371,24 +610,33 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
             dtype = str(engine.llm.vllm_config.model_config.dtype).removeprefix("torch.")
             if not caching:
                 vit_probe = await _vit_probe(engine, inputs, images)
+            base = Prompts(engine.renderer)
             for spec in group:
                 keys = inputs.budget if spec.budget else inputs.full
+                own = Prompts(engine.renderer, spec.prompt, captions)
                 warm_info, warmed = None, None
                 probes = await probe(engine, inputs, reset=caching)
+                if caching:
+                    await _cold(engine)
                 if spec.warm:
                     warm_info, warmed = await _warm_up(engine, inputs, keys)
-                target = PixelEngine(engine, images, keys.tokens) if spec.pixels else engine
                 inputs.log(f"  {spec.name}: {len(inputs.workload.questions)} questions ...")
-                result = await run_config(target, spec, inputs, keys)
-                result.probe, result.warm = probes, warm_info
-                _oracles(result, inputs, keys, engine.renderer, capacity, warmed)
-                _hits_by_position(result, keys, engine.renderer)
+                if spec.prefilled:
+                    result = await _run_prefilled(engine, spec, inputs, keys, own, capacity)
+                else:
+                    target = engine if spec.images is ImageInput.TOKENS else PixelEngine(
+                        engine, images, keys.tokens, own, fresh_uuids=spec.images is ImageInput.FRESH_PIXELS)
+                    result = await run_config(target, spec, inputs, keys)
+                    result.warm = warm_info
+                result.probe = probes
+                _oracles(result, inputs, keys, base, own, capacity, warmed)
+                _hits_by_position(result, keys, own)
                 results[spec.name] = result
                 inputs.log(f"  {spec.name}: {result.wall_s:.1f} s, "
                            f"{len(inputs.workload.questions) / result.wall_s:.2f} questions/s")
         finally:
             await engine.close()
-    return BenchRun({c.name: results[c.name] for c in wanted}, capacity, dtype, starts, vit_probe)
+    return BenchRun({c.name: results[c.name] for c in wanted}, capacity, dtype, starts, vit_probe, machine_info())
 
 
 async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[ImageKey, Image.Image]) -> float:
@@ -396,7 +644,7 @@ async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[
     page = inputs.corpus.pages[-1]  # engine A caches nothing: the probe leaves no trace for the configs
     key = inputs.full.by_page[page.index]
     plan = PromptPlan(images=(key,), text="vision probe", sampling=SamplingSpec(max_tokens=1))
-    pixels = PixelEngine(engine, images, inputs.full.tokens)
+    pixels = PixelEngine(engine, images, inputs.full.tokens, Prompts(engine.renderer), fresh_uuids=True)
     diffs = []
     for _ in range(2):
         px = (await pixels.generate(plan)).usage.ttft_s
@@ -407,6 +655,7 @@ async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[
 
 def default_engine_config(max_model_len: int = 4096) -> EngineConfig:
     """The same for every configuration: 32-token blocks (CPU attention wants multiples of 32), 1 GiB of KV,
-    eager mode (20 s start-up), vLLM's dtype choice for the checkpoint on this CPU."""
+    eager mode (20 s start-up), the dtype `mmrag serve` resolves ``auto`` to on this host (bfloat16 only where
+    the CPU runs it natively: AVX512-BF16 or AMX; float32 elsewhere)."""
     return EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=max_model_len, max_images_per_prompt=4,
-                        enforce_eager=True, dtype="auto", max_num_seqs=16)
+                        enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16)

@@ -5,7 +5,7 @@ popularity (page 0 the most popular), in the order drawn — that order is the r
 the naive layout keeps and the canonical layout replaces. Questions arrive as a Poisson process at a set
 rate, or in a closed loop at a set concurrency (the runner's choice; arrival times are drawn here).
 
-The oracle bound (image-token hit rate), from the workload alone:
+The position oracle (image-token hit rate), from the workload alone:
 
 - cold: every use of a page after its first use can hit;
 - warm: every use of a page that fits in the KV cache can hit (pages ranked by their uses in the workload,
@@ -17,8 +17,9 @@ image keys (full or budget resolution) is measured against the same number.
 In tokens: consecutive hitting images of a prompt form a run, and the run's image tokens that lie in full
 KV blocks count (the engine caches full blocks only, so the block holding a run's last image tokens and
 the next, different tokens never hits). The bound ignores that a prefix cache needs the whole prefix before
-an image to match, so :func:`prefix_bound` gives the tighter figure a prefix cache can reach with a layout:
-an image at position ``i`` hits only if the same first ``i + 1`` images were seen before.
+an image to match, so :func:`prefix_bound` gives the tighter figure a prefix cache can reach with a layout,
+computed on the prompts' tokens: an image at position ``i`` hits only if the same tokens up to it (the same
+first ``i + 1`` images, behind the same text) were seen before.
 """
 
 from __future__ import annotations
@@ -120,11 +121,27 @@ def make_workload(spec: WorkloadSpec) -> Workload:
 
 @dataclass(slots=True, frozen=True)
 class PromptImages:
-    """The images of one prompt, in submission order, and where their tokens sit in the prompt."""
+    """The images of one prompt, in submission order, where their tokens sit in the prompt, and the prompt's
+    tokens as a prefix cache sees them (:func:`cache_tokens`; needed by :func:`prefix_bound` only)."""
 
     keys: tuple[Hashable, ...]
     spans: tuple[tuple[int, int], ...]  # (first token, tokens) per image
-    lead: tuple[Hashable, ...] = ()  # what precedes the images and is part of every prefix (naive: the text)
+    tokens: tuple[Hashable, ...] = ()
+
+
+def cache_tokens(ids: Sequence[int], pad_id: int, keys: Sequence[Hashable], counts: Sequence[int]
+                 ) -> tuple[Hashable, ...]:
+    """A prompt's token ids with each image placeholder expanded to its image's tokens, ``(key, i)``: equal
+    where a prefix cache's block hashes are equal (vLLM hashes a block's token ids with the images in it)."""
+    out: list[Hashable] = []
+    images = iter(zip(keys, counts))
+    for t in ids:
+        if t == pad_id:
+            key, n = next(images)
+            out += [(key, i) for i in range(n)]
+        else:
+            out.append(t)
+    return tuple(out)
 
 
 def _run_tokens(p: PromptImages, first: int, last: int, block_size: int) -> int:
@@ -177,20 +194,33 @@ def oracle_bound(prompts: Sequence[PromptImages], block_size: int, warm: set[Has
     return hit / total if total else 0.0
 
 
-def prefix_bound(prompts: Sequence[PromptImages], block_size: int, warm: set[Hashable] | None = None) -> float:
-    """What a prefix cache can reach with this layout: an image hits only if the prompt's whole prefix up to
-    and including it was seen before (or warmed, for a single leading page).
+def prefix_bound(prompts: Sequence[PromptImages], block_size: int, seen: Sequence[PromptImages] = ()) -> float:
+    """What a prefix cache of unbounded size can reach with these prompts, in image tokens: a prompt reuses
+    its leading full blocks that an earlier prompt (or one of ``seen``: the warm-up's, or the floor's prefill)
+    had, token for token — never its last token, which vLLM always computes.
 
-    Independent of the order the prompts run in: each distinct prefix misses exactly once.
+    Independent of the order the prompts run in: each distinct chain of blocks misses exactly once.
     """
     total = sum(n for p in prompts for _, n in p.spans)
-    seen: set[tuple[Hashable, ...]] = {(k,) for k in (warm or ())}
+    cache: set[int] = set()
+
+    def chain(p: PromptImages) -> list[int]:
+        hashes, h = [], 0
+        for b in range(len(p.tokens) // block_size):
+            h = hash((h, p.tokens[b * block_size:(b + 1) * block_size]))
+            hashes.append(h)
+        return hashes
+
+    for p in seen:
+        cache.update(chain(p))
     hit = 0
     for p in prompts:
-        prefixes = [p.lead + p.keys[: i + 1] for i in range(len(p.keys))]
+        hashes = chain(p)
+        limit = min(len(hashes), (len(p.tokens) - 1) // block_size)
         matched = 0
-        while matched < len(prefixes) and prefixes[matched] in seen:
+        while matched < limit and hashes[matched] in cache:
             matched += 1
-        hit += _hit_tokens(p, [i < matched for i in range(len(p.keys))], block_size)
-        seen.update(prefixes)
+        cached = matched * block_size
+        hit += sum(max(0, min(start + n, cached) - start) for start, n in p.spans)
+        cache.update(hashes)
     return hit / total if total else 0.0

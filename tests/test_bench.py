@@ -13,13 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.workload import PromptImages, WorkloadSpec, make_workload, oracle_bound, prefix_bound
+from bench.runner import llamaindex_messages, page_caption
+from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {"no_cache", "vision_cache", "apc_naive", "mmrag", "mmrag_warm", "mmrag_budget"}
+CONFIGS = {"no_cache", "vision_cache", "apc_naive", "vllm_llamaindex", "vllm_images_first", "mmrag", "mmrag_warm",
+           "mmrag_budget", "mmrag_global", "mmrag_per_page", "floor"}
+PIXELS_HASHED = {"vllm_llamaindex", "vllm_images_first"}  # pixels without uuids: vLLM's content hash
 CONFIG_FIELDS = {
-    "throughput_qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "image_hit_rate", "oracle_hit_rate", "oracle_ratio",
-    "prefix_bound_hit_rate", "vit_forwards_per_question", "image_prefill_share", "peak_kv_usage", "wall_s",
+    "throughput_qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "image_hit_rate", "position_oracle_hit_rate",
+    "position_oracle_ratio", "prefix_bound_hit_rate", "vit_forwards_per_question", "image_prefill_share",
+    "peak_kv_usage", "wall_s",
 }
 
 
@@ -35,14 +39,34 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     assert set(data["configs"]) == CONFIGS
     for name, c in data["configs"].items():
         assert CONFIG_FIELDS <= set(c), (name, CONFIG_FIELDS - set(c))
-        assert c["throughput_qps"] > 0 and c["requests"] == data["workload"]["sub_questions_total"]
+        # One engine request per sub-question; per_page: one per (sub-question, distinct page).
+        expected = data["workload"]["page_uses" if name == "mmrag_per_page" else "sub_questions_total"]
+        assert c["throughput_qps"] > 0 and c["requests"] == expected, name
     cfg = data["configs"]
-    # The vision encoder runs per image only where pixels are sent; no cache can serve the baselines.
-    assert cfg["no_cache"]["vit_forwards_per_question"] > 0
-    assert all(cfg[n]["vit_forwards_per_question"] == 0 for n in CONFIGS - {"no_cache"})
+    # The vision encoder runs only where pixels are sent; no cache can serve the baselines.
+    assert all(cfg[n]["vit_forwards_per_question"] > 0 for n in {"no_cache"} | PIXELS_HASHED)
+    assert all(cfg[n]["vit_forwards_per_question"] == 0 for n in CONFIGS - {"no_cache"} - PIXELS_HASHED)
     assert cfg["no_cache"]["image_hit_rate"] == cfg["vision_cache"]["image_hit_rate"] == 0
     assert cfg["mmrag_warm"]["image_hit_rate"] > 0
-    assert len(data["targets"]) == 5
+    # Without uuids vLLM's own content hash keys its prefix cache: a page leading a prompt again hits, in both
+    # layouts (llama-index's preamble before the first image is fixed text).
+    assert all(cfg[n]["image_hit_rate"] > 0 and cfg[n]["prefix_bound_hit_rate"] > 0 for n in PIXELS_HASHED)
+    # The floor prefilled every image prefix: it hits all that block granularity allows, its prefix bound, which
+    # is at least the all-warm position oracle (that one stops at the block holding the last image's end).
+    floor = cfg["floor"]
+    assert floor["image_hit_rate"] == floor["prefix_bound_hit_rate"] >= floor["position_oracle_hit_rate"] > 0.5
+    assert floor["warm_up"]["prefixes_prefilled"] > 0
+    assert len(data["targets"]) == 8 and all("met" in t for t in data["targets"].values())
+    # The exact layouts' costs next to the canonical one: per_page sends one prompt per page, so more requests.
+    layouts = data["layouts"]
+    assert layouts["best"] in {"mmrag_warm", "mmrag_global", "mmrag_per_page"}
+    assert layouts["mmrag_per_page"]["requests"] > layouts["mmrag_warm"]["requests"] == cfg["mmrag_warm"]["requests"]
+    assert cfg["mmrag_global"]["requests"] == cfg["mmrag_warm"]["requests"]
+    assert {f"{a} / {b}" for a in ("mmrag", "mmrag_warm") for b in ("vllm_llamaindex", "vllm_images_first", "floor")
+            } == set(data["comparisons"])
+    machine = data["machine"]
+    assert machine["cpu_model"] != "unknown" and machine["dtype"] == data["model"]["dtype"]
+    assert set(machine["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert {"cold_prefill_share", "params_total_m", "dtype"} <= set(data["model"])
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
@@ -60,15 +84,86 @@ def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_disti
     assert uses[0] > uses[19]  # Zipf: the first page is the most popular
 
 
-def test_the_oracle_counts_repeat_uses_in_full_blocks_and_the_prefix_bound_needs_the_whole_prefix():
-    # A 40-token system prompt, then 256-token images; blocks of 32.
-    a = PromptImages(("A",), ((41, 256),))
-    ba = PromptImages(("B", "A"), ((41, 256), (299, 256)))
+def _prompt(keys: tuple[str, ...], text: tuple[int, ...]) -> PromptImages:
+    """A 41-token system prompt, then 256-token images, then the text's tokens (ids 500+)."""
+    pad, ids = 99, (*range(41), *[99] * len(keys), *text)
+    spans = tuple((41 + 256 * i, 256) for i in range(len(keys)))
+    return PromptImages(keys, spans, cache_tokens(ids, pad, keys, [256] * len(keys)))
+
+
+def test_the_oracle_counts_repeat_uses_in_full_blocks_and_the_prefix_bound_needs_the_same_tokens_before():
+    # Blocks of 32; the images span 41..297 (A first) and 297..553.
+    a, a2 = _prompt(("A",), (500,)), _prompt(("A",), (501,))
+    ba = _prompt(("B", "A"), (500,))
     # A repeat use hits the image up to its last full block: 288 - 41 tokens.
     assert oracle_bound([a, a], 32) == (288 - 41) / 512
+    assert prefix_bound([a, a2], 32) == (288 - 41) / 512
+    # The same prompt again: everything but the block holding its last token, which vLLM always computes.
+    assert prefix_bound([a, a], 32) == (288 - 41) / 512
     # Behind another first page, A can hit in the oracle (from the next block boundary on) but not in a
-    # prefix cache, which needs the prompt to start with the same pages.
+    # prefix cache, which needs the prompt to start with the same tokens.
     assert oracle_bound([a, ba], 32) == (544 - 320) / 768
     assert prefix_bound([a, ba], 32) == 0
-    # Warm pages hit from their first use.
-    assert prefix_bound([a], 32, warm={"A"}) == oracle_bound([a], 32, warm={"A"}) == (288 - 41) / 256
+    # Warm pages hit from their first use; so does everything prefilled (the floor) up to the text.
+    assert prefix_bound([a], 32, seen=[_prompt(("A",), (7,))]) == oracle_bound([a], 32, warm={"A"}) == (288 - 41) / 256
+    fills = [_prompt(("A",), ()), _prompt(("B", "A"), ())]
+    both = (247 + 256 + 247) / 768
+    assert prefix_bound([a, ba], 32, seen=fills) == oracle_bound([a, ba], 32, warm={"A", "B"}) == both
+    # Text after an image that two prompts share lets the block holding the image's end hit as well.
+    ab, ab2 = _prompt(("A", "B"), (*range(600, 640), 1)), _prompt(("A", "B"), (*range(600, 640), 2))
+    assert prefix_bound([ab, ab2], 32) == 512 / 1024
+
+
+def test_the_llamaindex_prompt_is_the_one_llama_index_builds_for_image_nodes(tmp_path):
+    """bench.runner.llamaindex_messages against llama-index itself: RetrieverQueryEngine with multimodal=True
+    over two retrieved page images, with and without metadata, the chat messages recorded at the LLM."""
+    from PIL import Image
+    from llama_index.core.llms import ChatMessage, ChatResponse, CustomLLM, LLMMetadata
+    from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import ImageNode, NodeWithScore
+
+    seen: list[list[ChatMessage]] = []
+
+    class Recorder(CustomLLM):
+        @property
+        def metadata(self) -> LLMMetadata:  # a context window that holds both pages: one call, no refine
+            return LLMMetadata(is_chat_model=True, context_window=32768, num_output=4)
+
+        @llm_completion_callback()
+        def complete(self, prompt, formatted=False, **kw):
+            raise AssertionError("the multimodal path chats")
+
+        @llm_completion_callback()
+        def stream_complete(self, prompt, formatted=False, **kw):
+            raise AssertionError("the multimodal path chats")
+
+        @llm_chat_callback()
+        def chat(self, messages, **kw):
+            seen.append(list(messages))
+            return ChatResponse(message=ChatMessage(role="assistant", content="answer"))
+
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"page-{i}.png")
+        Image.new("RGB", (32, 32), (80 * i, 0, 0)).save(paths[-1])
+    for with_metadata in (True, False):
+        nodes = [NodeWithScore(node=ImageNode(image_path=str(path), metadata={"file_name": f"doc-{i}.pdf",
+                                                                              "page_label": i + 1}
+                                              if with_metadata else {}), score=1.0 - 0.1 * i)
+                 for i, path in enumerate(paths)]
+
+        class Fixed(BaseRetriever):
+            def _retrieve(self, query_bundle):
+                return nodes
+
+        seen.clear()
+        RetrieverQueryEngine.from_args(retriever=Fixed(), llm=Recorder(), multimodal=True).query("What is shown?")
+        assert len(seen) == 1
+        got = [{"role": m.role.value,
+                "content": [{"type": "text", "text": b.text} if b.block_type == "text" else {"type": b.block_type}
+                            for b in m.blocks]} for m in seen[0]]
+        got[0]["content"] = "".join(part["text"] for part in got[0]["content"])  # the system prompt: all text
+        captions = [page_caption(f"doc-{i}.pdf", i + 1) if with_metadata else "" for i in range(2)]
+        assert got == llamaindex_messages("What is shown?", captions)
