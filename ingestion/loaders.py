@@ -27,7 +27,7 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image, ImageOps
 
-from core.keys import content_hash_of, doc_id_for
+from core.keys import ContentHash, content_hash_of, doc_id_for
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
 from ingestion import ocr
@@ -71,6 +71,11 @@ class FileFailure:
 
 class IngestError(Exception):
     """A source file that cannot be ingested; the message says what to do about it."""
+
+
+class ImageTooLargeError(IngestError):
+    """An image over a size limit (MMRAG_MAX_IMAGE_BYTES, MMRAG_MAX_IMAGE_PIXELS, Pillow's own bomb limit): the
+    services answer it with 413, other decoding failures with 400; the message names the limit."""
 
 
 # --- discovery ---------------------------------------------------------------------------------------
@@ -455,7 +460,7 @@ def _open_image(data: bytes, fmt: str, settings: Settings) -> _ImageSource:
                 _check_image_pixels(im.size, settings)  # header only: nothing decoded yet
                 im.load()  # a full decode: truncation shows up here, not at open()
     except Image.DecompressionBombError as exc:
-        raise IngestError(_pillow_bomb_message(settings)) from exc
+        raise ImageTooLargeError(_pillow_bomb_message(settings)) from exc
     except _PIL_DECODE_ERRORS as exc:
         raise IngestError(_image_damaged_message(fmt, exc)) from exc
     return _ImageSource(data, fmt, frames)
@@ -469,7 +474,7 @@ def _frame_count(im: Image.Image, fmt: str) -> int:
 def _check_image_pixels(size: tuple[int, int], settings: Settings) -> None:
     width, height = size
     if width * height > settings.max_image_pixels:
-        raise IngestError(
+        raise ImageTooLargeError(
             f"the image is {width}x{height} px ({width * height:,} pixels), over the limit of "
             f"{settings.max_image_pixels:,}: downscale it, or raise MMRAG_MAX_IMAGE_PIXELS if the image is trusted"
         )
@@ -492,6 +497,35 @@ def _image_damaged_message(fmt: str, exc: Exception, number: int | None = None) 
         f"{where} cannot be decoded ({type(exc).__name__}: {exc}): it is damaged or truncated; "
         "re-export or re-download it"
     )
+
+
+def decode_image(data: bytes, settings: Settings) -> Image.Image:
+    """Image bytes from an untrusted caller (an upload to the vision service, an image in a question) as the
+    normalised picture ingestion would make of the same file: its first frame, upright, RGB over white.
+
+    The same defences as ingesting an image file (a format read from the bytes, never from a name; every
+    frame's pixels bounded by MMRAG_MAX_IMAGE_PIXELS before decoding; a full decode), plus a bound on the
+    bytes themselves; so :func:`image_content_hash` of the result is the hash ingestion gives that file's page.
+    Raises :class:`ImageTooLargeError` over a limit and :class:`IngestError` for anything else undecodable.
+    """
+    if len(data) > settings.max_image_bytes:
+        raise ImageTooLargeError(
+            f"the image is {len(data):,} bytes, over the limit of {settings.max_image_bytes:,}: downscale or "
+            "recompress it, or raise MMRAG_MAX_IMAGE_BYTES"
+        )
+    if not data:
+        raise IngestError("the image is empty (0 bytes): send the file's bytes")
+    fmt = sniff_format(data[:1024])
+    if fmt is None or fmt == "PDF":
+        what = "a PDF" if fmt == "PDF" else "no image format mmrag reads (unrecognised header)"
+        raise IngestError(f"the bytes are {what}: send a PNG, JPEG, WebP or TIFF image (PNG for rendered pages, "
+                          "which it keeps lossless)")
+    return _open_image(data, fmt, settings).raster(0).image
+
+
+def image_content_hash(image: Image.Image) -> ContentHash:
+    """The content hash of a normalised image (:func:`normalise_image`): what its ImageKey is made of."""
+    return content_hash_of(image.mode, image.size, image.tobytes())
 
 
 class _ImageSource:
@@ -625,7 +659,7 @@ class Document:
             path=self.path,
             page=index + 1,
             image=image,
-            content_hash=content_hash_of(image.mode, image.size, image.tobytes()),
+            content_hash=image_content_hash(image),
             text=text,
             text_source=source,
             timings=timings,

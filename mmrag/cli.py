@@ -23,6 +23,7 @@ from mmrag.engine_cmd import engine_app
 from mmrag.errors import describe, is_user_error
 from mmrag.reencode_cmd import reencode
 from mmrag.retrieval_cmd import retrieval_app
+from mmrag.vision_cmd import vision_app
 
 app = typer.Typer(
     help="mmrag: ask questions over figure-heavy documents with a VLM, reusing image-prefix KV on purpose.\n\n"
@@ -42,6 +43,7 @@ app.add_typer(index_app, name="index")
 app.add_typer(store_app, name="store")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
+app.add_typer(vision_app, name="vision")
 app.command("bench")(bench)
 app.command("reencode")(reencode)
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from adapters.qdrant import PageIndex
     from adapters.store import FeatureStore
     from adapters.vision import VisionEncoder
+    from adapters.vision_client import RemoteVisionEncoder
     from ingestion.pipeline import Ingestor
     from rag.decompose import Decomposer
     from rag.pipeline import Pipeline, PipelineConfig
@@ -74,7 +75,13 @@ def vision_placement(settings: Settings, *, require_device: bool = True):
     return resolve(settings.vision_device, settings.vision_dtype, require_device=require_device)
 
 
-def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder:
+def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | RemoteVisionEncoder:
+    """The vision service at MMRAG_VISION_URL when set (`mmrag vision serve`: same interface, same keys),
+    else the tower in this process on MMRAG_VISION_DEVICE."""
+    if settings.vision_url:
+        from adapters.vision_client import RemoteVisionEncoder
+
+        return RemoteVisionEncoder(settings.vision_url)
     import torch
 
     from adapters.vision import VisionEncoder
@@ -91,9 +98,33 @@ def encoder_scope(settings: Settings, model: ModelSource) -> EncoderScope:
     """The encoder whose image tokens the configured model serves: its version (weights, processor, salt,
     device kind, dtype) under the configured resolution policy. Reads the tower's weights to hash them
     (builds no module, needs no GPU even for MMRAG_VISION_DEVICE=cuda), once per process for the same
-    settings: `mmrag ask` needs it for both its engine and its retrieval."""
+    settings: `mmrag ask` needs it for both its engine and its retrieval.
+
+    With MMRAG_VISION_URL it is the service's own (GET /v1/info): its device kind and dtype, which this host
+    cannot know, are part of the version, and its keys are the ones ingestion stored; when the service does
+    not answer at start-up, the version computed here, with a warning."""
     cache_key = (str(model.path), settings.model_dump_json())
-    if cache_key not in _scopes:
+    if cache_key in _scopes:
+        return _scopes[cache_key]
+    info = None
+    if settings.vision_url:
+        from adapters.vision_client import VisionServiceError, service_info
+
+        try:
+            info = service_info(settings.vision_url)
+        except VisionServiceError as exc:
+            # Questions without images must still be answered: serve the scope this host's settings give (the
+            # same as the service's when both hosts set MMRAG_VISION_DEVICE and MMRAG_VISION_DTYPE alike).
+            log.warning("%s; serving the encoder version computed here from MMRAG_VISION_DEVICE=%s and "
+                        "MMRAG_VISION_DTYPE=%s, which must be the service's", exc, settings.vision_device,
+                        settings.vision_dtype)
+    if info is not None:
+        if info.policy != settings.resolution_policy:
+            log.warning("the vision service at %s encodes under %s, not MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS (%s) of "
+                        "this host: its policy is the one served", settings.vision_url, info.policy,
+                        settings.resolution_policy)
+        _scopes[cache_key] = EncoderScope(info.version, info.policy)
+    else:
         import torch
 
         from adapters.vision import encoder_version_of
@@ -243,7 +274,8 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
     from core.engine import Layout
     from rag.pipeline import PipelineConfig
 
-    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens, layout=Layout(settings.layout))
+    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens, layout=Layout(settings.layout),
+                          max_images_per_prompt=settings.max_images_per_prompt)
 
 
 def decomposer(settings: Settings, engine: Engine) -> Decomposer:
@@ -285,7 +317,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     """
     from adapters.qdrant import AsyncPageReader, LoopBridge
     from serving.api.admission import Admission
-    from serving.api.services import MeteredEngine, Services
+    from serving.api.conversations import Conversations
+    from serving.api.services import MeteredEngine, QuestionImages, Services
     from serving.ingest_jobs import IngestJobs
 
     model = resolve_model(settings)
@@ -314,7 +347,10 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics,
                     jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None,
-                    admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer))
+                    admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
+                    question_images=QuestionImages(settings, store, lambda: vision_encoder(settings, model)),
+                    conversations=Conversations(max_entries=settings.max_conversations,
+                                                ttl_s=settings.conversation_ttl_s))
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None) -> FastAPI:
@@ -326,3 +362,25 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Featu
         return await build_services(settings, metrics=metrics, engine_=engine, store_=store)
 
     return assemble(settings, build)
+
+
+# --- the vision service ----------------------------------------------------------------------------------
+
+
+def vision_app(settings: Settings) -> FastAPI:
+    """`mmrag vision serve`: the tower on MMRAG_VISION_DEVICE, batching its callers' images, its tokens going
+    into the configured feature store. It encodes in this process even where MMRAG_VISION_URL (an environment
+    shared with ingestion and the API) names the service itself."""
+    from serving.vision.app import VisionService, create_vision_app, encoder_info
+    from serving.vision.batcher import VisionBatcher
+    from serving.vision.metrics import VisionMetrics
+
+    encoder = vision_encoder(settings.model_copy(update={"vision_url": ""}), resolve_model(settings))
+    store = feature_store(settings)
+    info = encoder_info(encoder)
+    metrics = VisionMetrics({"version": info.version, "policy": str(info.policy), "family": info.family,
+                             "device": info.device, "dtype": info.dtype})
+    batcher = VisionBatcher(encoder, store, max_batch=settings.vision_max_batch,
+                            max_wait_ms=settings.vision_max_wait_ms, queue_cap=settings.vision_queue_cap,
+                            observe=metrics)
+    return create_vision_app(settings, VisionService(encoder, store, batcher, metrics, info))

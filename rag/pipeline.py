@@ -11,6 +11,10 @@ sees the full pages, nothing is approximated), they differ in which prompt prefi
   and every reuse of a page can hit;
 - naive (the benchmark's baseline): pages in retrieval-score order, the question before them.
 
+Images sent with the question (``Pipeline.ask(images=...)``, already encoded and stored by the caller) lead
+every prompt of that question in every layout, before its pages, so all its sub-questions share their KV;
+pages make room for them, lowest score first, within ``max_images_per_prompt``.
+
 A final text-only prompt synthesises the sub-answers. Every step is async; nothing here blocks the event loop.
 """
 
@@ -37,6 +41,7 @@ class PipelineConfig:
     top_k: int = 3  # pages per sub-question
     max_tokens: int = 128
     layout: Layout = Layout.CANONICAL
+    max_images_per_prompt: int = 4  # the engine's limit: a question's own images and its pages together
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,9 +54,10 @@ class PlannedPrompt:
 
 
 def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
-                 layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None
-                 ) -> list[PlannedPrompt]:
-    """The plans of one question, in sub-question order; a sub-question without pages gets none.
+                 layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None,
+                 images: Sequence[ImageKey] = ()) -> list[PlannedPrompt]:
+    """The plans of one question, in sub-question order; a sub-question without pages gets none, unless the
+    question brought ``images``: those lead every plan (a page that is one of them is not shown twice).
 
     Per-page layout: one plan per (sub-question, distinct page), pages in retrieval-score order. It changes
     what the model sees: no prompt shows two pages together, so a comparison across pages happens only in
@@ -63,9 +69,20 @@ def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *,
     each sub-question's pages first (``Pipeline.ask`` does), so the order includes this question.
     """
     sampling = SamplingSpec(max_tokens=max_tokens)
+    lead = tuple(images)
+
+    def plan(i: int, pages: Sequence[ImageKey], page: Hit | None = None) -> PlannedPrompt:
+        keys = tuple(dict.fromkeys((*lead, *pages)))
+        return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
+
     if layout is Layout.PER_PAGE:
-        return [PlannedPrompt(PromptPlan(images=(h.image_key,), text=q, sampling=sampling, layout=layout), i, h)
-                for i, (q, hs) in enumerate(zip(sub_questions, hits)) for h in _distinct_pages(hs)]
+        planned = []
+        for i, hs in enumerate(hits):
+            if pages := _distinct_pages(hs):
+                planned += [plan(i, (h.image_key,), h) for h in pages]
+            elif lead:
+                planned.append(plan(i, ()))
+        return planned
     keyed = [[h.image_key for h in hs] for hs in hits]
     if layout is Layout.CANONICAL:
         orders = canonical_order(keyed)
@@ -75,8 +92,23 @@ def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *,
         orders = [popularity.order(k) for k in keyed]
     else:
         orders = [list(dict.fromkeys(k)) for k in keyed]
-    return [PlannedPrompt(PromptPlan(images=tuple(order), text=q, sampling=sampling, layout=layout), i)
-            for i, (q, order) in enumerate(zip(sub_questions, orders)) if order]
+    return [plan(i, order) for i, order in enumerate(orders) if order or lead]
+
+
+def fit_pages(hits: Sequence[Sequence[Hit]], *, room: int, layout: Layout) -> tuple[list[list[Hit]], list[Hit]]:
+    """Each sub-question's hits cut to the ``room`` best-scored distinct pages one prompt has left beside the
+    question's own images, and the hits cut. A per-page prompt shows one page: any room fits them all."""
+    if room < 0:
+        raise ValueError(f"{-room} more question images than a prompt holds (MMRAG_MAX_IMAGES_PER_PROMPT)")
+    if layout is Layout.PER_PAGE and room > 0:
+        return [list(hs) for hs in hits], []
+    shown: list[list[Hit]] = []
+    cut: list[Hit] = []
+    for hs in hits:
+        best = {h.image_key for h in sorted(_distinct_pages(hs), key=lambda h: -h.score)[:room]}
+        shown.append([h for h in hs if h.image_key in best])
+        cut += [h for h in hs if h.image_key not in best]
+    return shown, cut
 
 
 def _distinct_pages(hits: Sequence[Hit]) -> list[Hit]:
@@ -119,7 +151,12 @@ def synthesis_plan(question: str, planned: Sequence[PlannedPrompt], answers: Seq
 
 
 def _source(page: Hit | None) -> str:
-    return f" from [{page.doc}, page {page.page}]" if page is not None else ""
+    return f" from {_label(page)}" if page is not None else ""
+
+
+def _label(page: Hit | Citation) -> str:
+    """A page as answers cite it: ``[doc.pdf, page 3]``."""
+    return f"[{page.doc}, page {page.page}]"
 
 
 class Pipeline:
@@ -141,23 +178,28 @@ class Pipeline:
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
 
-    async def ask(self, question: str, *, docs: list[str] | None = None) -> Answer:
+    async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = ()
+                  ) -> Answer:
+        """``images``: the question's own images, already in the feature store, their token counts recorded
+        in ``token_counts``; retrieval still runs on the text alone."""
         clock = _Stages()
         decomposition = await self.decomposer.decompose(question)
         clock.lap("decompose_s")
         subs = decomposition.sub_questions
-        hits = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
+        retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
         clock.lap("retrieve_s")
         usage = Usage()
-        if not any(hits):
+        if not any(retrieved) and not images:
             return clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], usage))
+        hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
+                              layout=self.config.layout)
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
         if self.popularity is not None:
             for hs in hits:
                 self.popularity.observe(h.image_key for h in hs)
         planned = plan_prompts(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout,
-                               popularity=self.popularity)
+                               popularity=self.popularity, images=images)
         completions = await _all(self.submit(p.plan) for p in planned)
         clock.lap("sub_answers_s")
         for c in completions:
@@ -170,12 +212,16 @@ class Pipeline:
             usage.add(final.usage)
             text = final.text
             clock.lap("synthesis_s")
-        answer = self._answer(text, decomposition, cite(hits), usage)
+        citations = cite(hits)
+        answer = self._answer(text, decomposition, citations, usage)
         answer.extra["sub_answers"] = [
             {"sub_question": p.plan.text, "answer": c.text,
-             **({"page": f"[{p.page.doc}, page {p.page.page}]"} if p.page is not None else {})}
+             **({"page": _label(p.page)} if p.page is not None else {})}
             for p, c in zip(planned, completions)
         ]
+        shown = {(c.doc, c.page) for c in citations}
+        if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
+            answer.extra["pages_left_out"] = [_label(c) for c in left_out]
         return clock.stamp(answer)
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:

@@ -197,3 +197,47 @@ async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_facto
     app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
     async with serving(app) as url:
         yield {"url": url, "app": app, "root": root, "settings": settings}
+
+
+# --- vision_server: one `mmrag vision serve` process per session (tests/test_vision_service.py) -----------
+
+VISION_ENV = dict(
+    MMRAG_VISION_MAX_WAIT_MS="200",  # wide enough that concurrent test callers surely meet in one batch
+    MMRAG_MAX_IMAGE_BYTES=str(4 * 1024 * 1024),  # an oversize upload is cheap to send
+)
+
+
+@pytest.fixture(scope="session")
+def vision_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Base URL and data dir (its disk feature store) of a real vision service process of the tiny model."""
+    import sys
+
+    import httpx
+
+    data_dir = tmp_path_factory.mktemp("vision-data")
+    port = free_port()
+    env = {**os.environ, **VISION_ENV, "MMRAG_MODEL": str(tiny_model), "MMRAG_DATA_DIR": str(data_dir),
+           "MMRAG_VISION_DEVICE": "cpu", "MMRAG_VISION_DTYPE": "float32"}
+    env.pop("MMRAG_VISION_URL", None)
+    env.pop("MMRAG_REDIS_URL", None)
+    log = (data_dir / "server.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mmrag", "vision", "serve", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"the vision service did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    try:
+        yield {"url": url, "data_dir": data_dir, "max_image_bytes": int(VISION_ENV["MMRAG_MAX_IMAGE_BYTES"])}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

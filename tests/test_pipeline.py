@@ -12,7 +12,7 @@ from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.pipeline import build_plans, cite, plan_prompts, synthesis_plan
+from rag.pipeline import build_plans, cite, fit_pages, plan_prompts, synthesis_plan
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
@@ -141,6 +141,33 @@ def test_the_synthesis_of_one_plan_per_sub_question_is_as_before():
                            max_tokens=4)
     assert synthesis_plan("Q?", planned, ["x", "y"], max_tokens=6).text == (
         "Question: Q?\nSub-question 1: q1\nAnswer 1: x\nSub-question 2: q3\nAnswer 2: y")
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_the_questions_images_lead_every_plan_in_every_layout(layout):
+    image, a1, a2 = page_hit("question.png", 1).image_key, page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8)
+    also_the_image = Hit("id-q", "d", "q.pdf", 1, 0.7, "", image, 10, "/p")  # the same picture, ingested
+    popularity = PagePopularity() if layout is Layout.GLOBAL else None
+    planned = plan_prompts(["q1", "q2"], [[a1, a2, also_the_image], []], max_tokens=4, layout=layout,
+                           popularity=popularity, images=(image,))
+    assert all(p.plan.images[0] == image and p.plan.images.count(image) == 1 for p in planned)
+    # A sub-question without pages is still asked, about the question's images alone.
+    assert (planned[-1].sub_question, planned[-1].plan.images) == (1, (image,))
+    shown = [p.plan.images for p in planned[:-1]]
+    if layout is Layout.PER_PAGE:
+        assert shown == [(image, a1.image_key), (image, a2.image_key), (image,)]
+    else:
+        assert len(shown) == 1 and set(shown[0]) == {image, a1.image_key, a2.image_key}
+
+
+def test_pages_make_room_for_the_questions_images_lowest_score_first():
+    a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.5), page_hit("b.pdf", 1, 0.7)
+    shown, cut = fit_pages([[a1, a2, b1], [a2]], room=2, layout=Layout.CANONICAL)
+    assert shown == [[a1, b1], [a2]] and cut == [a2]  # per sub-question: a2 is the second one's best page
+    assert fit_pages([[a1, a2, b1]], room=1, layout=Layout.PER_PAGE) == ([[a1, a2, b1]], [])  # one page a prompt
+    assert fit_pages([[a1, a2, b1]], room=0, layout=Layout.PER_PAGE) == ([[]], [a1, a2, b1])
+    with pytest.raises(ValueError, match="MMRAG_MAX_IMAGES_PER_PROMPT"):
+        fit_pages([[a1]], room=-1, layout=Layout.CANONICAL)
 
 
 async def test_every_layout_but_naive_renders_the_images_before_the_text(pipeline):

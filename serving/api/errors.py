@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from adapters.qdrant import IndexConfigError
 from adapters.store import FeatureStoreError, StaleFeaturesError
+from adapters.vision_client import VisionServiceError
 from core.payload import PayloadError
 from core.settings import Settings
 from rag.decompose import BadQuestionError
@@ -90,6 +91,7 @@ _MAPPED: list[tuple[type[Exception], int, str]] = [
     (RetrievalError, 503, "retrieval_unavailable"),
     (EngineUnavailableError, 503, "engine_unavailable"),
     (EngineRequestError, 502, "engine_rejected"),
+    (VisionServiceError, 503, "vision_unavailable"),  # a FeatureStoreError: listed first so it is named
     (FeatureStoreError, 503, "feature_store_unavailable"),
     (IndexConfigError, 503, "index_unavailable"),
     (PayloadError, 503, "index_incompatible"),  # points written by another mmrag version; says to reset

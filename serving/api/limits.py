@@ -1,5 +1,5 @@
-"""Request limits: refuse large bodies before reading them (413, with the limit in the message), and text that
-is not Unicode (a lone surrogate from a JSON ``\\ud800`` escape: valid JSON, but no UTF-8 encodes it)."""
+"""Request limits: refuse large bodies before reading them (413, with the limit in the message; a question's
+images may add to it), and text that is not Unicode (a lone surrogate from a JSON ``\\ud800`` escape: valid JSON, but no UTF-8 encodes it)."""
 
 from __future__ import annotations
 
@@ -8,40 +8,76 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from core.settings import Settings
 from serving.api.errors import ApiError, error_body
 
 
+# The routes a question with images comes in on (serving/api/routers/ask.py declares them from here).
+IMAGE_ROUTES = ("/v1/ask", "/v1/ask/upload")
+_IMAGES_FIELD = b'"images"'  # the JSON key, and in multipart the field's `name="images"`
+
+
+def base64_length(nbytes: int) -> int:
+    """Characters of ``nbytes`` bytes in padded base64."""
+    return 4 * -(-nbytes // 3)
+
+
+def question_image_bytes(settings: Settings) -> int:
+    """What a question's images may add to a body on IMAGE_ROUTES: its most images at their largest, in base64
+    (4/3 of the bytes; a multipart upload's part headers fit in the difference)."""
+    return settings.max_question_images * base64_length(settings.max_image_bytes)
+
+
 class BodySizeLimit:
-    def __init__(self, app, *, max_bytes: int) -> None:
+    """413 for a body over ``max_bytes``, from its Content-Length before reading, or counted as a chunked body
+    arrives. On IMAGE_ROUTES it may be ``image_bytes`` longer, but only once it has begun its images: until
+    the `"images"` field appears the plain limit holds, so a question without images (or a huge text before
+    them) is refused as early as anywhere else."""
+
+    def __init__(self, app, *, max_bytes: int, image_bytes: int = 0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.image_bytes = image_bytes
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, "request_too_large", f"request body over {self.max_bytes} bytes",
-                        "send a shorter request (or raise MMRAG_MAX_REQUEST_BYTES)")
+    def _too_large(self, limit: int) -> ApiError:
+        if limit == self.max_bytes:
+            return ApiError(413, "request_too_large", f"request body over {limit} bytes",
+                            "send a shorter request (or raise MMRAG_MAX_REQUEST_BYTES)")
+        return ApiError(413, "request_too_large", f"request body over {limit} bytes, the most a question with "
+                        "images takes: MMRAG_MAX_QUESTION_IMAGES images of MMRAG_MAX_IMAGE_BYTES each (in base64: "
+                        "4/3 of that) plus MMRAG_MAX_REQUEST_BYTES", "send fewer or smaller images")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        image_limit = self.max_bytes + (self.image_bytes if scope["path"] in IMAGE_ROUTES else 0)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.max_bytes:
+        if declared is not None and int(declared) > image_limit:
             # Outside the app's exception handlers (nothing is read yet), so the response is written here.
-            err = self._too_large()
+            err = self._too_large(image_limit)
             response = JSONResponse(error_body(err.kind, err.message, err.fix), status_code=err.status)
             return await response(scope, receive, send)
-        seen = 0
+        seen, tail, limit = 0, b"", self.max_bytes
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, tail, limit
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if limit != image_limit:
+                if _IMAGES_FIELD in tail + chunk:
+                    limit = image_limit
+                tail = (tail + chunk)[-len(_IMAGES_FIELD):]  # the field's name may straddle two chunks
+            if seen > limit:
                 # Chunked bodies have no Content-Length: count as they arrive. Raised inside FastAPI's body
                 # read, this ApiError (an HTTPException) reaches the app's error handlers as is.
-                raise self._too_large()
+                raise self._too_large(limit)
             return message
 
         await self.app(scope, counted, send)
+
+
+_FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
 async def reject_invalid_text(request: Request) -> None:
@@ -51,6 +87,8 @@ async def reject_invalid_text(request: Request) -> None:
     otherwise reach the tokenizer, the file system or the response encoder and fail there as a 500.
     On a route with a body FastAPI has already parsed it, and ``request.json()`` returns that result.
     """
+    if request.headers.get("content-type", "").startswith(_FORMS):
+        return  # a form's fields are decoded from bytes, which yields no lone surrogate; its parser took the body
     if not await request.body():
         return
     try:

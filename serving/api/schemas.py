@@ -66,9 +66,28 @@ class Readiness(_Response):
 # --- ask -------------------------------------------------------------------------------------------------
 
 
+CONVERSATION_ID = r"^[A-Za-z0-9_-]{1,64}$"
+CONVERSATION_ID_DESCRIPTION = (
+    "Names the images of this conversation. With images: they are kept under it (a new id is made when absent) "
+    "and replace what it held. Without images: the images it holds are shown again, none resent; an unknown or "
+    "expired id is a 404 (`unknown_conversation`)."
+)
+
+
+class QuestionImageData(BaseModel):
+    data: str = Field(description="The image file's bytes in base64 (standard alphabet, padded), or a data URL "
+                                  "(`data:image/png;base64,...`). PNG, JPEG, WebP or TIFF, read from the bytes; "
+                                  "at most MMRAG_MAX_IMAGE_BYTES decoded, MMRAG_MAX_IMAGE_PIXELS pixels.")
+
+
 class AskRequest(BaseModel):
     question: str = Field(description="The question; it is split into sub-questions.")
     docs: list[str] | None = Field(default=None, description="Only search these documents (file names or ids).")
+    images: list[QuestionImageData] = Field(
+        default_factory=list, description="Images the question is about (at most MMRAG_MAX_QUESTION_IMAGES): shown "
+        "first in every prompt of the question, before the retrieved pages. Retrieval uses the text only. "
+        "POST /v1/ask/upload takes them as files instead.")
+    conversation_id: str | None = Field(default=None, pattern=CONVERSATION_ID, description=CONVERSATION_ID_DESCRIPTION)
 
 
 class Citation(_Response):
@@ -82,10 +101,10 @@ class Citation(_Response):
 class Usage(_Response):
     prompt_tokens: int = Field(description="Prompt tokens over all completions of this answer, images included.")
     cached_tokens: int = Field(description="Of those, tokens whose KV came from the engine's prefix cache.")
-    image_tokens: int = Field(description="Prompt tokens that are page-image tokens.")
+    image_tokens: int = Field(description="Prompt tokens that are image tokens: the pages' and the question's.")
     cached_image_tokens: int = Field(description="Of those, image tokens served from the prefix cache.")
-    vision_encodes: int = Field(description="Vision-encoder forwards done for this request "
-                                            "(0 when every page's image tokens were stored at ingest).")
+    vision_encodes: int = Field(description="Vision-encoder forwards done for this request: one per question image "
+                                            "whose tokens were not stored yet (pages are encoded at ingest).")
     completion_tokens: int = Field(description="Generated tokens over all completions.")
     ttft_s: float = Field(description="Time to first token in seconds, summed over the completions.")
     latency_s: float = Field(description="Completion latency in seconds, summed over the completions.")
@@ -115,6 +134,11 @@ class Timings(_Response):
     synthesis_s: float | None = Field(default=None, description="The final prompt over the sub-answers.")
 
 
+class QuestionImageInfo(_Response):
+    image_key: str = Field(description="Key of the image's tokens (content hash, encoder, policy), as for pages.")
+    image_tokens: int = Field(description="Image tokens it takes in each prompt.")
+
+
 class AskResponse(_Response):
     answer: str = Field(description="The answer (synthesised from the sub-answers when there are several).")
     sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
@@ -128,6 +152,14 @@ class AskResponse(_Response):
         default=None, description="Each sub-question's own answer; absent when no page was found."
     )
     timings: Timings | None = Field(default=None, description="Seconds per stage of this answer.")
+    conversation_id: str | None = Field(default=None, description="The conversation holding this question's images: "
+                                        "send it with a follow-up to ask about them again without resending them. "
+                                        "Absent when the question had no images.")
+    question_images: list[QuestionImageInfo] | None = Field(
+        default=None, description="The question's images, as shown first in its prompts; absent when it had none.")
+    pages_left_out: list[str] | None = Field(
+        default=None, description="Retrieved pages no prompt showed, as `[document, page N]`, best first: the "
+        "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images). Not cited.")
 
 
 # --- documents and pages ---------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The vision feature service (`mmrag vision serve`): app.py routes, batcher.py batches, metrics.py exports."""

@@ -1,0 +1,215 @@
+"""Questions with images (POST /v1/ask, /v1/ask/upload) on the session's real server and engine: each image is
+encoded once, leads every prompt of its question, and a follow-up in the same conversation gets its KV from the
+prefix cache without a vision forward; bad images and a vision service that is down get a 4xx / 503 that says
+what to do, while questions without images keep working."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import random
+
+import httpx
+import pytest
+from PIL import Image, ImageDraw
+
+from core.engine import PromptPlan
+from core.keys import ImageKey
+from serving.api.conversations import Conversations, QuestionImage, UnknownConversationError
+from serving.api.services import QuestionImages
+from tests.conftest import API_KEY, free_port
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TWO_PART = "What does this figure show and what is the retry limit of the ingest service?"
+
+
+@pytest.fixture
+async def http(api_server):
+    async with httpx.AsyncClient(base_url=api_server["url"], timeout=300, headers=AUTH) as client:
+        yield client
+
+
+def new_figure(size: tuple[int, int] = (280, 280)) -> bytes:
+    """A PNG no earlier run has encoded (random boxes), small enough for the plain body limit."""
+    rng = random.Random()
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    for _ in range(6):
+        x, y = rng.randrange(size[0] - 40), rng.randrange(size[1] - 40)
+        draw.rectangle((x, y, x + 40, y + 30), fill=tuple(rng.randrange(256) for _ in range(3)))
+    return _png(image)
+
+
+def b64(data: bytes) -> dict:
+    return {"data": base64.b64encode(data).decode()}
+
+
+def image_prefix_bound(services, key: ImageKey, tokens: int) -> int:
+    """Image tokens of ``key`` a prompt that starts with it must get from the prefix cache when an earlier one
+    did: the full KV blocks up to its end, less what comes before it (the system prompt)."""
+    engine = services.engine.inner
+    layout = engine.renderer.tokens(engine.renderer.render(PromptPlan((key,), "any question")), [tokens])
+    (start, n), = layout.image_spans
+    block = engine.llm.vllm_config.cache_config.block_size
+    return (start + n) // block * block - start
+
+
+async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_vision_forward(http, api_server):
+    services = api_server["app"].state.services
+    await services.engine.reset_prefix_cache()
+    first = await http.post("/v1/ask", json={"question": TWO_PART, "images": [b64(new_figure())]})
+    assert first.status_code == 200, first.text
+    one = first.json()
+    assert one["usage"]["vision_encodes"] == 1 and one["conversation_id"]
+    (image,) = one["question_images"]
+    key, tokens = ImageKey.parse(image["image_key"]), image["image_tokens"]
+    assert tokens == 100  # 280 x 280 px: 20 x 20 patches of 14, merged 2 x 2
+    bound = image_prefix_bound(services, key, tokens)
+    assert bound >= 64
+    # Every prompt of the question starts with its image: the sub-questions' second prompt hits the first's KV.
+    plans = len(one["sub_answers"])
+    assert plans == 2 and one["usage"]["cached_image_tokens"] >= bound
+
+    follow = await http.post("/v1/ask", json={"question": "What is the input of its third module?",
+                                              "conversation_id": one["conversation_id"]})
+    assert follow.status_code == 200, follow.text
+    two = follow.json()
+    assert two["usage"]["vision_encodes"] == 0
+    assert two["conversation_id"] == one["conversation_id"] and two["question_images"] == one["question_images"]
+    assert two["usage"]["cached_image_tokens"] >= len(two["sub_answers"]) * bound
+    print(f"\nquestion image: {tokens} tokens, {bound} in full KV blocks after the system prompt; cold question: "
+          f"{one['usage']['cached_image_tokens']}/{one['usage']['image_tokens']} image tokens cached, "
+          f"{one['usage']['vision_encodes']} forward; follow-up: {two['usage']['cached_image_tokens']}/"
+          f"{two['usage']['image_tokens']} cached over {len(two['sub_answers'])} prompt(s), 0 forwards")
+
+
+async def test_the_same_image_uploaded_as_a_file_has_the_same_key_and_is_not_encoded_again(http):
+    figure = new_figure()
+    sent = (await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(figure)]})).json()
+    r = await http.post("/v1/ask/upload", data={"question": "What does it show?"},
+                        files=[("images", ("fig.png", figure, "image/png")), ("images", ("same.png", figure, "image/png"))])
+    assert r.status_code == 200, r.text
+    up = r.json()
+    assert sent["usage"]["vision_encodes"] == 1 and up["usage"]["vision_encodes"] == 0
+    assert up["question_images"] == sent["question_images"]  # the same picture twice is one image
+    assert up["conversation_id"] != sent["conversation_id"]  # each question with images starts its own
+
+
+async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http, api_server):
+    r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?",
+                                         "images": [b64(new_figure()), b64(new_figure((196, 196)))]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    limit = api_server["settings"].max_images_per_prompt
+    room = limit - 2
+    assert len(body["citations"]) == room and body["pages_left_out"]  # top_k = 3 pages, room for 2
+    cited = {f"[{c['doc']}, page {c['page']}]" for c in body["citations"]}
+    assert not cited & set(body["pages_left_out"])
+    assert body["usage"]["image_tokens"] == sum(i["image_tokens"] for i in body["question_images"]) + 247 * room
+
+
+async def test_a_question_without_images_has_no_conversation(http):
+    body = (await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"})).json()
+    assert not {"conversation_id", "question_images", "pages_left_out"} & body.keys()
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("images, status, kind, names", [
+    ([{"data": "not base64!"}], 400, "invalid_image", "base64"),
+    ([{"data": "data:image/png,abc"}], 400, "invalid_image", ";base64"),
+    ([b64(b"GIF89a not an image we read")], 400, "invalid_image", "PNG, JPEG, WebP or TIFF"),
+    ([b64(b"\x89PNG\r\n\x1a\n truncated")], 400, "invalid_image", "damaged or truncated"),
+    ([b64(b"%PDF-1.7 a pdf")], 400, "invalid_image", "PDF"),
+    ([b64(b"x")] * 5, 400, "too_many_images", "MMRAG_MAX_QUESTION_IMAGES"),
+])
+async def test_bad_images_get_a_4xx_that_names_the_fix(http, images, status, kind, names):
+    r = await http.post("/v1/ask", json={"question": "What does it show?", "images": images})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == kind and names in err["message"] + err["fix"], err
+
+
+@contextlib.contextmanager
+def question_images(services, images: QuestionImages):
+    """The running server's question images replaced (another encoder or limits) for one test."""
+    saved, services.question_images = services.question_images, images
+    try:
+        yield
+    finally:
+        services.question_images = saved
+
+
+async def test_an_image_over_the_pixel_or_byte_limit_is_a_413_naming_it(http, api_server):
+    services = api_server["app"].state.services
+    small = services.settings.model_copy(update={"max_image_pixels": 100 * 100, "max_image_bytes": 2_000})
+    with question_images(services, QuestionImages(small, services.store, lambda: pytest.fail("no encoder needed"))):
+        noise = Image.frombytes("RGB", (60, 30), random.randbytes(60 * 30 * 3))  # ~5 kB: it does not compress
+        for data, limit in [(_png(Image.new("RGB", (120, 100), "white")), "MMRAG_MAX_IMAGE_PIXELS"),
+                            (_png(noise), "MMRAG_MAX_IMAGE_BYTES")]:
+            r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(data)]})
+            assert r.status_code == 413 and r.json()["error"]["type"] == "image_too_large", r.text
+            assert limit in r.json()["error"]["message"]
+
+
+async def test_an_unknown_conversation_is_a_404_that_says_to_send_the_images_again(http):
+    r = await http.post("/v1/ask", json={"question": "And its third module?", "conversation_id": "never-started"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "unknown_conversation", r.text
+    assert "send the images again" in r.json()["error"]["message"]
+
+
+async def test_the_vision_service_down_fails_questions_with_images_only(http, api_server):
+    # The real client of the vision service, pointed at a port nothing listens on.
+    from adapters.vision_client import RemoteVisionEncoder
+
+    services = api_server["app"].state.services
+    down = f"http://127.0.0.1:{free_port()}"
+    with question_images(services, QuestionImages(services.settings, services.store,
+                                                  lambda: RemoteVisionEncoder(down, timeout_s=5))):
+        r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(new_figure())]})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "vision_unavailable", r.text
+        assert down in r.json()["error"]["message"] and "MMRAG_VISION_URL" in r.json()["error"]["message"]
+        plain = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"})
+        assert plain.status_code == 200, plain.text
+
+
+async def test_the_body_limit_grows_by_the_images_on_the_ask_routes_only(http, api_server):
+    settings = api_server["settings"]
+    big = new_figure((448, 448)) + b"\0" * settings.max_request_bytes  # PNG readers ignore bytes after IEND
+    r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(big)]})
+    assert r.status_code == 200, r.text
+    up = await http.post("/v1/ask/upload", data={"question": "What does it show?"},
+                         files=[("images", ("big.png", big, "image/png"))])
+    assert up.status_code == 200, up.text
+    elsewhere = await http.post("/v1/ingest", json={"paths": ["x" * len(big)]})
+    assert elsewhere.status_code == 413 and "MMRAG_MAX_REQUEST_BYTES" in elsewhere.json()["error"]["fix"]
+
+
+# --- the conversation store --------------------------------------------------------------------------------
+
+
+def _image(n: int) -> QuestionImage:
+    return QuestionImage(ImageKey.parse(f"img1-{n:064x}-{'ab' * 8}-px1-2"), n)
+
+
+def test_conversations_expire_after_their_last_use_and_the_least_recently_used_go_first():
+    now = [0.0]
+    store = Conversations(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    a, b = store.remember([_image(1)]), store.remember([_image(2)])
+    now[0] = 8
+    assert store.recall(a) == (_image(1),)  # used: alive until 18
+    c = store.remember([_image(3)], "chosen-id")  # full: b, the least recently used, goes
+    assert c == "chosen-id" and len(store) == 2
+    with pytest.raises(UnknownConversationError, match="send the images again"):
+        store.recall(b)
+    now[0] = 17.9
+    assert store.recall(a) == (_image(1),)
+    now[0] = 27
+    with pytest.raises(UnknownConversationError):
+        store.recall(c)  # last used at 8
+    assert store.recall(a) == (_image(1),) and len(store) == 1  # last used at 17.9
