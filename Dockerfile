@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# The mmrag API image (service `api` in docker-compose.yml): `mmrag serve`, plus the CLI for ingestion
-# (`docker compose exec api mmrag ingest /data/corpus`).
+# The mmrag image: the API (service `api` in docker-compose.yml: `mmrag serve`, plus the CLI for ingestion,
+# `docker compose exec api mmrag ingest /data/corpus`) and the vision service (`vision`: `mmrag vision serve`).
 #
 # It installs the CUDA build of vLLM (`.[gpu]`), never constraints.txt: that file pins the CPU torch of the
 # development machines. In the compose stack the engine runs in the vLLM image and this process only talks
@@ -18,11 +18,14 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# Every package pyproject.toml installs but devkit (tests only); tests/test_deploy.py checks the list.
 COPY core/ core/
+COPY adapters/ adapters/
 COPY ingestion/ ingestion/
 COPY retrieval/ retrieval/
-COPY serving/ serving/
 COPY rag/ rag/
+COPY serving/ serving/
+COPY bench/ bench/
 COPY mmrag/ mmrag/
 RUN --mount=type=cache,target=/root/.cache/pip pip install ".[gpu]"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -50,11 +51,11 @@ def test_promtool_accepts_the_prometheus_config():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_prometheus_scrapes_the_api_and_the_vllm_replica_every_5s_at_their_compose_addresses():
+def test_prometheus_scrapes_the_api_the_vllm_replica_and_the_vision_service_every_5s_at_their_compose_addresses():
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     assert config["global"]["scrape_interval"] == "5s"
     targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
-    assert targets == {"mmrag-api": ["api:8080"], "vllm": ["vllm:8000"]}
+    assert targets == {"mmrag-api": ["api:8080"], "vllm": ["vllm:8000"], "vision": ["vision:8200"]}
     services = load_yaml(COMPOSE)["services"]
     assert "8080:8080" in services["api"]["ports"] and "8000" in services["vllm"]["command"]
 
@@ -123,13 +124,13 @@ def test_docker_compose_parses_the_file():
 
 def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies():
     services = load_yaml(COMPOSE)["services"]
-    assert set(services) == {"api", "vllm", "qdrant", "redis", "prometheus", "grafana"}
+    assert set(services) == {"api", "vllm", "vision", "qdrant", "redis", "prometheus", "grafana"}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
         for dep, condition in service.get("depends_on", {}).items():
             assert condition == {"condition": "service_healthy"}, f"{name} -> {dep}"
             assert dep in services
-    assert set(services["api"]["depends_on"]) == {"vllm", "qdrant", "redis"}
+    assert set(services["api"]["depends_on"]) == {"vllm", "vision", "qdrant", "redis"}
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
 
@@ -139,10 +140,33 @@ def test_the_api_talks_to_the_compose_services_and_requires_mmrag_model():
     assert env["MMRAG_ENGINE_URLS"] == "http://vllm:8000"
     assert env["MMRAG_QDRANT_URL"] == "http://qdrant:6333"
     assert env["MMRAG_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["MMRAG_VISION_URL"] == "http://vision:8200"
     assert env["MMRAG_MODEL"] == "${MMRAG_MODEL:?Variable not set}"
     assert api["command"][:2] == ["mmrag", "serve"]
     assert api["build"] == "."
     assert 'pip install ".[gpu]"' in (REPO / "Dockerfile").read_text()
+
+
+def test_the_vision_service_gets_its_own_gpu_and_shares_the_apis_store_and_model():
+    services = load_yaml(COMPOSE)["services"]
+    vision, api = services["vision"], services["api"]
+    assert vision["command"][:3] == ["mmrag", "vision", "serve"] and "8200" in vision["command"]
+    assert vision["image"] == api["image"]
+    env = vision["environment"]
+    assert env["MMRAG_REDIS_URL"] == api["environment"]["MMRAG_REDIS_URL"]  # the API reads what it writes
+    assert env["MMRAG_MODEL"] == api["environment"]["MMRAG_MODEL"] and env["MMRAG_VISION_DEVICE"] == "cuda"
+    devices = vision["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert "/readyz" in " ".join(vision["healthcheck"]["test"])
+
+
+def test_the_image_holds_every_installed_package_but_the_test_kit():
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include} - {"devkit"}
+    copied = set(re.findall(r"^COPY (\w+)/ \1/$", (REPO / "Dockerfile").read_text(), flags=re.M))
+    assert copied == packages
 
 
 def test_the_vllm_replica_gets_a_gpu_and_the_serve_flags_of_the_default_engine_config(monkeypatch):
