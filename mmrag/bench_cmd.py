@@ -50,6 +50,9 @@ def bench(
     configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
     e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions through `mmrag serve` (HTTP) "
                                       "and through a llama-index pipeline on `vllm serve` (bench/e2e.py).")] = False,
+    transfer: Annotated[bool, typer.Option("--transfer", help="Instead: per page, the time and bytes of moving "
+                                           "image tokens from the vision service to the engine (feature store, "
+                                           "binary HTTP, base64 JSON to a replica; bench/transfer.py).")] = False,
 ) -> None:
     """Benchmark mmrag against what users run instead, on one model and one workload.
 
@@ -85,6 +88,9 @@ def bench(
     n_pages = pages or preset["pages"]
     n_questions = questions or preset["questions"]
     settings = Settings()
+    if transfer:
+        _bench_transfer(settings, tiny=tiny, pages=n_pages, seed=seed, json_out=json_out)
+        return
     if e2e:
         _bench_e2e(settings, tiny=tiny, quick=quick, pages=n_pages, questions=n_questions, concurrency=concurrency,
                    max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
@@ -201,6 +207,31 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
         err.print(f"wrote {json_out}")
     typer.echo(_e2e_table(result))
     err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
+
+
+def _bench_transfer(settings, *, tiny: bool, pages: int, seed: int, json_out: Path | None) -> None:
+    """`mmrag bench --transfer`: the vision-service-to-engine paths, per page of the bench corpus."""
+    import socket
+
+    from bench import model as bench_model
+    from bench.corpus import CorpusSpec, build_corpus
+    from bench.transfer import run_transfer, transfer_table
+
+    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = run_transfer(model.path, [corpus.image(p) for p in corpus.pages], redis_url=settings.redis_url,
+                          port=port, log=lambda m: err.print(escape(m)))
+    data = {"transfer": result, "model": bench_model.describe(spec),
+            "meta": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()}}
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        err.print(f"wrote {json_out}")
+    typer.echo(transfer_table(result))
 
 
 def _e2e_table(e2e: dict) -> str:
