@@ -188,8 +188,8 @@ async def test_two_requests_for_the_same_new_image_run_one_forward(vision_server
     assert described[0] == described[1]  # the same key, tokens and grid
 
 
-def test_malformed_bytes_are_refused_with_400_that_says_what_to_send(vision_server):
-    pdf = (REPO / "demo-data" / "corpus" / "q3_quarterly_report.pdf").read_bytes()[:2000]
+def test_malformed_bytes_are_refused_with_400_that_says_what_to_send(vision_server, sample_corpus):
+    pdf = (sample_corpus / "design_review_ingest_v2.pdf").read_bytes()[:2000]
     for data in (b"not an image at all", png_bytes(new_images([(50, 50)])[0])[:200], pdf):
         answer = httpx.post(f"{vision_server['url']}/v1/encode", files=[("images", ("x.png", data, "image/png"))])
         assert answer.status_code == 400, answer.text
