@@ -45,7 +45,7 @@ def local_checkpoint(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"MMRAG_MODEL={model} has no config.json; point it at a Qwen2-VL checkpoint folder")
+            raise ModelNotFoundError(f"MMRAG_MODEL={model} has no config.json; point it at a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint folder")
         return path.resolve()
     if path.is_absolute() or str(model).startswith((".", "~")):  # meant as a folder, not a hub id
         raise ModelNotFoundError(

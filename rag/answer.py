@@ -9,7 +9,8 @@ from core.engine import Engine, PromptPlan, SamplingSpec, Usage
 from core.payload import PagePayload
 
 RANDOM_MODEL_NOTE = (
-    "random-weight test model: its text is not meaningful; set MMRAG_MODEL to a Qwen2-VL checkpoint for real answers"
+    "random-weight test model: its text is not meaningful; set MMRAG_MODEL to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "
+    "checkpoint for real answers"
 )
 
 
