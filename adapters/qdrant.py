@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
+from core.keys import ImageKey
 from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PageField, PagePayload, encoder_fields_of
 
 # Payload fields that readers filter on get an index (keyword or integer) on a Qdrant server.
@@ -140,6 +141,19 @@ class PageIndex:
             must_not=[models.HasIdCondition(has_id=keep)] if keep else [],
         )
         self.client.delete(self.collection, points_selector=models.FilterSelector(filter=stale), wait=True)
+
+    def delete_document(self, doc_id: str) -> list[PagePayload]:
+        """Remove every page of the document; returns the pages removed (none: no such document)."""
+        removed = self.doc_pages(doc_id)
+        if removed:
+            self.client.delete(self.collection, points_selector=models.FilterSelector(
+                filter=models.Filter(must=[_match(PageField.DOC_ID, doc_id)])), wait=True)
+        return removed
+
+    def referenced_keys(self) -> set[ImageKey]:
+        """The feature-store keys indexed pages reference: any other entry is garbage (`mmrag store gc`,
+        DELETE /v1/documents)."""
+        return {p.image_key for p in self.pages()}
 
     def find_page(self, doc: str, page: int) -> PagePayload | None:
         """Page ``page`` of the document named ``doc`` (file name or doc id), if indexed."""

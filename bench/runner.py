@@ -42,7 +42,7 @@ from adapters.store import FeatureStore
 from rag.order import PagePopularity
 from rag.pipeline import build_plans
 from retrieval.search import Hit
-from core.engine import Completion, KVCapacity, Layout, PromptPlan, SamplingSpec, Usage
+from core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
 from serving.engine.config import EngineConfig, resolve_dtype
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
@@ -301,7 +301,8 @@ class PixelEngine:
         self.model_name = inner.model_name
         self.random_weights = inner.random_weights
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
         started = time.perf_counter()
         request: dict[str, Any] = {"prompt": self.prompts.render(plan),
                                    "multi_modal_data": {"image": [self.images[k] for k in plan.images]}}
@@ -310,7 +311,7 @@ class PixelEngine:
         counts = [self.tokens[k] for k in plan.images]
         completion = await self.inner.run_request(
             plan, request, counts, started=started, vision_encodes=len(plan.images) if self.fresh_uuids else 0,
-            on_first_token=on_first_token)
+            on_first_token=on_first_token, on_text=on_text)
         if not self.fresh_uuids:
             usage = completion.usage
             spans = self.inner.renderer.tokens(request["prompt"], counts).image_spans
@@ -333,13 +334,14 @@ class _FirstTokens:
         self.random_weights = inner.random_weights
         self.first: dict[PromptPlan, float] = {}
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
         def stamp() -> None:
             self.first.setdefault(plan, time.perf_counter())
             if on_first_token is not None:
                 on_first_token()
 
-        return await self.inner.generate(plan, on_first_token=stamp)
+        return await self.inner.generate(plan, on_first_token=stamp, on_text=on_text)
 
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()

@@ -85,12 +85,18 @@ class KVCapacity:
         return self.blocks * self.block_size
 
 
+# Told each piece of generated text as the engine streams it; the pieces concatenate to ``Completion.text``.
+OnText = Callable[[str], None]
+
+
 class Engine(Protocol):
     model_name: str
     random_weights: bool
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
-        """Run one plan. ``on_first_token`` fires once prefill is done (its KV is then reusable)."""
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
+        """Run one plan. ``on_first_token`` fires once prefill is done (its KV is then reusable); ``on_text``
+        gets the answer's text as it is generated (what a streamed answer shows before the completion)."""
         ...
 
     async def kv_capacity(self) -> KVCapacity:
@@ -104,8 +110,10 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
-# Where plans go: straight to ``engine.generate``, or through the prefix-aware scheduler (serving/scheduler).
-Submit = Callable[[PromptPlan], Awaitable[Completion]]
+class Submit(Protocol):
+    """Where plans go: straight to ``engine.generate``, or through the prefix-aware scheduler (serving/scheduler)."""
+
+    def __call__(self, plan: PromptPlan, *, on_text: OnText | None = None) -> Awaitable[Completion]: ...
 
 
 class ImageTokenCounts:

@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     api_key: str = ""  # when set, required on everything but /healthz, /readyz and /metrics
     ingest_root: Path | None = None  # POST /v1/ingest takes server-side paths under this folder only
     max_request_bytes: int = 65_536
+    # POST /v1/documents: an uploaded file's most bytes (stored under data_dir/uploads, then ingested as a job).
+    max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none
     # Load shedding: questions answered at once. One more gets 429 with Retry-After at once, instead of
     # queueing until every client has timed out. Each question holds up to max_sub_questions + 1 plans.

@@ -50,7 +50,7 @@ def gc(settings: Settings, *, dry_run: bool) -> GcReport:
                 "MMRAG_DATA_DIR (an emptied index is fine: `mmrag index reset` keeps the collection)"
             )
         exists = index.client.collection_exists(settings.qdrant_collection)
-        referenced = {p.image_key for p in index.pages()} if exists else set()
+        referenced = index.referenced_keys() if exists else set()
     finally:
         index.client.close()
     report = GcReport(store.backend, dry_run)

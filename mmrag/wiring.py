@@ -337,16 +337,20 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
 
-    def make_ingestor() -> Ingestor:
+    def make_index() -> PageIndex:
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
-        index = page_index(settings, pipe.searcher.text_embedder.dim, client=LoopBridge(client, loop))
-        return ingestor(settings, model=model, store=store, index=index, text=pipe.searcher.text_embedder,
+        return page_index(settings, pipe.searcher.text_embedder.dim, client=LoopBridge(client, loop))
+
+    def make_ingestor() -> Ingestor:
+        return ingestor(settings, model=model, store=store, index=make_index(), text=pipe.searcher.text_embedder,
                         image=pipe.searcher.image_embedder)
 
     return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics,
-                    jobs=IngestJobs(settings.ingest_root, make_ingestor), owns_engine=engine_ is None,
+                    jobs=IngestJobs(settings.ingest_root, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
+                                   uploads=settings.data_dir / "uploads", make_index=make_index, store=store),
+                    owns_engine=engine_ is None,
                     admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
                     question_images=QuestionImages(settings, store, lambda: vision_encoder(settings, model)),
                     conversations=Conversations(max_entries=settings.max_conversations,

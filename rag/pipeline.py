@@ -16,17 +16,24 @@ every prompt of that question in every layout, before its pages, so all its sub-
 pages make room for them, lowest score first, within ``max_images_per_prompt``.
 
 A final text-only prompt synthesises the sub-answers. Every step is async; nothing here blocks the event loop.
+
+Streaming (``Pipeline.ask_events``, what `POST /v1/ask` with `"stream": true` sends as server-sent events): the
+same ``ask``, telling each step as it happens, as JSON-ready dicts —
+``{"event": "sub_questions", "sub_questions", "sub_question_source"}``, ``{"event": "citations", "citations"}``,
+``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as each plan finishes, ``{"event": "token",
+"text"}`` per piece of the final answer as it is generated (the synthesis, or the one plan's answer when there is
+one), and last ``{"event": "done", "answer": <Answer.to_json()>}``; the tokens concatenate to its ``answer``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
-from core.engine import Engine, ImageTokenCounts, Layout, PromptPlan, SamplingSpec, Submit, Usage
+from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, SamplingSpec, Submit, Usage
 from core.keys import ImageKey
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
@@ -34,6 +41,9 @@ from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
+
+# Told each event of an answer as it happens (see the module docstring); returns at once.
+Emit = Callable[[dict], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -178,18 +188,35 @@ class Pipeline:
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
 
-    async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = ()
-                  ) -> Answer:
+    def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = ()
+                   ) -> AsyncIterator[dict]:
+        """:meth:`ask`'s steps as events, then its answer (module docstring); closing the iterator early (its
+        client left) cancels the question, its plans and their engine requests with it."""
+        return stream_events(lambda emit: self.ask(question, docs=docs, images=images, on_event=emit))
+
+    async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
+                  on_event: Emit | None = None) -> Answer:
         """``images``: the question's own images, already in the feature store, their token counts recorded
-        in ``token_counts``; retrieval still runs on the text alone."""
+        in ``token_counts``; retrieval still runs on the text alone. ``on_event`` is told each step as it
+        happens, all but the final ``done`` (:meth:`ask_events`)."""
+        streamed = on_event is not None
+        on_event = on_event or (lambda event: None)
         clock = _Stages()
         decomposition = await self.decomposer.decompose(question)
         clock.lap("decompose_s")
         subs = decomposition.sub_questions
+        on_event({"event": "sub_questions", "sub_questions": subs,
+                  "sub_question_source": decomposition.source})
         retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
         clock.lap("retrieve_s")
         usage = Usage()
+
+        def on_text(delta: str) -> None:
+            on_event({"event": "token", "text": delta})
+
         if not any(retrieved) and not images:
+            on_event({"event": "citations", "citations": []})
+            on_text(NO_PAGES_ANSWER)
             return clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], usage))
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
@@ -200,25 +227,35 @@ class Pipeline:
                 self.popularity.observe(h.image_key for h in hs)
         planned = plan_prompts(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout,
                                popularity=self.popularity, images=images)
-        completions = await _all(self.submit(p.plan) for p in planned)
-        clock.lap("sub_answers_s")
-        for c in completions:
+        citations = cite(hits)
+        on_event({"event": "citations",
+                  "citations": self._answer("", decomposition, citations, usage).to_json()["citations"]})
+        only = len(planned) == 1  # its answer is the answer: stream its tokens
+
+        def submit(plan: PromptPlan, tokens: bool) -> Awaitable[Completion]:
+            # on_text only when streaming: a submit that never streams (a test's recorder) need not take it.
+            return self.submit(plan, on_text=on_text) if tokens and streamed else self.submit(plan)
+
+        async def sub_answer(p: PlannedPrompt) -> dict:
+            c = await submit(p.plan, only)
             usage.add(c.usage)
-        if len(completions) == 1:
-            text = completions[0].text
+            row = {"sub_question": p.plan.text, "answer": c.text,
+                   **({"page": _label(p.page)} if p.page is not None else {})}
+            on_event({"event": "sub_answer", **row})
+            return row
+
+        sub_answers = await _all(sub_answer(p) for p in planned)
+        clock.lap("sub_answers_s")
+        if only:
+            text = sub_answers[0]["answer"]
         else:
-            final = await self.submit(synthesis_plan(question, planned, [c.text for c in completions],
-                                                     self.config.max_tokens))
+            final = await submit(synthesis_plan(question, planned, [a["answer"] for a in sub_answers],
+                                                self.config.max_tokens), True)
             usage.add(final.usage)
             text = final.text
             clock.lap("synthesis_s")
-        citations = cite(hits)
         answer = self._answer(text, decomposition, citations, usage)
-        answer.extra["sub_answers"] = [
-            {"sub_question": p.plan.text, "answer": c.text,
-             **({"page": _label(p.page)} if p.page is not None else {})}
-            for p, c in zip(planned, completions)
-        ]
+        answer.extra["sub_answers"] = sub_answers
         shown = {(c.doc, c.page) for c in citations}
         if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
             answer.extra["pages_left_out"] = [_label(c) for c in left_out]
@@ -252,6 +289,23 @@ class _Stages:
     def stamp(self, answer: Answer) -> Answer:
         answer.extra["timings"] = self.seconds
         return answer
+
+
+async def stream_events(run: Callable[[Emit], Awaitable[Answer]], *,
+                        stop: Callable[[asyncio.Task], object] = asyncio.Task.cancel) -> AsyncIterator[dict]:
+    """The events ``run(emit)`` emits, as they come, then ``{"event": "done", "answer": ...}`` with its
+    answer; its error, raised. Closing the iterator before the end stops the run: ``stop(task)``, by default
+    its cancellation (a caller that accounts for cancellations itself passes its own)."""
+    events: asyncio.Queue[dict | None] = asyncio.Queue()
+    task = asyncio.ensure_future(run(events.put_nowait))
+    task.add_done_callback(lambda _: events.put_nowait(None))  # after every event it emitted
+    try:
+        while (event := await events.get()) is not None:
+            yield event
+    finally:
+        if not task.done():
+            stop(task)  # nothing awaited here: a cancelled consumer may not await again
+    yield {"event": "done", "answer": task.result().to_json()}
 
 
 async def _all(awaitables) -> list:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from core.engine import Completion, Engine, PromptPlan
+from core.engine import Completion, Engine, OnText, PromptPlan
 
 T = TypeVar("T")
 Key = Hashable
@@ -118,6 +118,7 @@ class _Waiting:
     image_tokens: int
     future: asyncio.Future = field(repr=False)
     task: asyncio.Task | None = field(default=None, repr=False)  # the engine request, once dispatched
+    on_text: OnText | None = field(default=None, repr=False)  # the caller's, forwarded to the engine
 
 
 class Scheduler:
@@ -146,7 +147,7 @@ class Scheduler:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def submit(self, plan: PromptPlan) -> Completion:
+    async def submit(self, plan: PromptPlan, *, on_text: OnText | None = None) -> Completion:
         loop = asyncio.get_running_loop()
         tokens = self._image_tokens(plan)
         if tokens > self.config.max_image_tokens_in_flight:
@@ -154,7 +155,7 @@ class Scheduler:
                 f"a plan with {tokens} image tokens can never fit the {self.config.max_image_tokens_in_flight}-token "
                 "in-flight budget: lower top-k or max_pixels, or raise the budget"
             )
-        item = _Waiting(plan, next(self._seq), self._clock(), tokens, loop.create_future())
+        item = _Waiting(plan, next(self._seq), self._clock(), tokens, loop.create_future(), on_text=on_text)
         self._queue.append(item)
         self.stats.submitted += 1
         self._dispatch()
@@ -247,7 +248,9 @@ class Scheduler:
                 self._end_prefill(lead, w.plan)
 
         try:
-            completion = await self.engine.generate(w.plan, on_first_token=on_first_token)
+            # on_text only when asked for: an engine that never streams text need not take it.
+            streamed = {"on_text": w.on_text} if w.on_text is not None else {}
+            completion = await self.engine.generate(w.plan, on_first_token=on_first_token, **streamed)
         except BaseException as exc:  # the caller gets the engine's own error; the scheduler moves on
             if not w.future.done():
                 w.future.set_exception(exc)

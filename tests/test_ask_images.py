@@ -178,7 +178,7 @@ async def test_the_vision_service_down_fails_questions_with_images_only(http, ap
         assert plain.status_code == 200, plain.text
 
 
-async def test_the_body_limit_grows_by_the_images_on_the_ask_routes_only(http, api_server):
+async def test_the_body_limit_grows_by_the_images_on_the_question_routes_only(http, api_server):
     settings = api_server["settings"]
     big = new_figure((448, 448)) + b"\0" * settings.max_request_bytes  # PNG readers ignore bytes after IEND
     r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(big)]})
@@ -186,6 +186,10 @@ async def test_the_body_limit_grows_by_the_images_on_the_ask_routes_only(http, a
     up = await http.post("/v1/ask/upload", data={"question": "What does it show?"},
                          files=[("images", ("big.png", big, "image/png"))])
     assert up.status_code == 200, up.text
+    url = "data:image/png;base64," + b64(big)["data"]
+    chat = await http.post("/v1/chat/completions", json={"model": "mmrag", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What does it show?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+    assert chat.status_code == 200, chat.text
     elsewhere = await http.post("/v1/ingest", json={"paths": ["x" * len(big)]})
     assert elsewhere.status_code == 413 and "MMRAG_MAX_REQUEST_BYTES" in elsewhere.json()["error"]["fix"]
 

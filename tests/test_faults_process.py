@@ -223,12 +223,23 @@ def _ready(client: httpx.Client) -> bool:
         return False
 
 
+def reference_ingest(data: Path, corpus: Path, tiny_model: Path):
+    """An uninterrupted CLI ingest of ``corpus`` into ``data``: the snapshot an interrupted one must end as."""
+    assert run_cli("ingest", str(corpus), env=cli_env(data, tiny_model, MMRAG_VISION_BATCH_SIZE="1")).returncode == 0
+    return snapshot(data)
+
+
+def wait_for_half_the_features(features: Path, expected) -> None:
+    """Until an ingest in flight has written half the reference's feature entries: the moment to kill it."""
+    deadline = time.monotonic() + 600
+    while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
+        assert time.monotonic() < deadline, "the ingest job wrote too few features"
+        time.sleep(0.02)
+
+
 def test_kill_9_of_mmrag_serve_mid_ingest_leaves_no_engine_process_and_a_rerun_ends_with_the_uninterrupted_corpus(
         tmp_path, sample_corpus, tiny_model, reap):
-    reference = tmp_path / "reference"
-    assert run_cli("ingest", str(sample_corpus), env=cli_env(reference, tiny_model, MMRAG_VISION_BATCH_SIZE="1")
-                   ).returncode == 0
-    expected = snapshot(reference)
+    expected = reference_ingest(tmp_path / "reference", sample_corpus, tiny_model)
 
     data = tmp_path / "data"
     env = serve_env(data, tiny_model, sample_corpus)
@@ -238,10 +249,7 @@ def test_kill_9_of_mmrag_serve_mid_ingest_leaves_no_engine_process_and_a_rerun_e
         tree = engine_processes(proc, reap)
         rss = sum(p.memory_info().rss for p in tree)
         assert client.post("/v1/ingest", json={"paths": [str(sample_corpus)]}).status_code == 202
-        deadline = time.monotonic() + 600
-        while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
-            assert time.monotonic() < deadline, "the ingest job wrote too few features"
-            time.sleep(0.02)
+        wait_for_half_the_features(features, expected)
         proc.kill()
         seconds, left = gone_after(tree)
     assert left == [], f"engine processes outlived `mmrag serve`: {left}"

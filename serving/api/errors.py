@@ -107,6 +107,20 @@ _HTTP_KINDS: dict[int, tuple[str, str]] = {
 }
 
 
+def api_error_of(exc: Exception) -> ApiError | None:
+    """The ApiError an exception is answered with (itself, or by its class's entry in the mapping, the most
+    specific class first, as the app's handlers pick it); None for one no handler maps. A streamed answer that
+    fails after its status line uses it for its last event, so the error reads as it would as JSON."""
+    if isinstance(exc, ApiError):
+        return exc
+    mapped = {exc_type: (status, kind) for exc_type, status, kind in _MAPPED}
+    for cls in type(exc).__mro__:
+        if cls in mapped:
+            status, kind = mapped[cls]
+            return ApiError(status, kind, str(exc))
+    return None
+
+
 def _http_error(request: Request, exc: HTTPException) -> ApiError:
     # FastAPI reports any failure to decode a JSON body as a 400 "error parsing the body", the cause chained.
     if isinstance(exc.__cause__, RecursionError):

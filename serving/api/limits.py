@@ -3,6 +3,8 @@ images may add to it), and text that is not Unicode (a lone surrogate from a JSO
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -12,9 +14,12 @@ from core.settings import Settings
 from serving.api.errors import ApiError, error_body
 
 
-# The routes a question with images comes in on (serving/api/routers/ask.py declares them from here).
+# The routes a question with images comes in on (serving/api/routers/ask.py and openai.py declare them from here).
 IMAGE_ROUTES = ("/v1/ask", "/v1/ask/upload")
-_IMAGES_FIELD = b'"images"'  # the JSON key, and in multipart the field's `name="images"`
+CHAT_ROUTE = "/v1/chat/completions"
+# The document upload route (serving/api/routers/documents.py): its body may be a whole file, which the route
+# itself bounds by MMRAG_MAX_UPLOAD_BYTES as it streams the file to disk.
+UPLOAD_ROUTES = ("/v1/documents",)
 
 
 def base64_length(nbytes: int) -> int:
@@ -23,55 +28,78 @@ def base64_length(nbytes: int) -> int:
 
 
 def question_image_bytes(settings: Settings) -> int:
-    """What a question's images may add to a body on IMAGE_ROUTES: its most images at their largest, in base64
-    (4/3 of the bytes; a multipart upload's part headers fit in the difference)."""
+    """What a question's images may add to a body: its most images at their largest, in base64 (4/3 of the
+    bytes; a multipart upload's part headers fit in the difference)."""
     return settings.max_question_images * base64_length(settings.max_image_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """What a route's body may add to MMRAG_MAX_REQUEST_BYTES: ``extra`` bytes, counted once ``marker`` has
+    appeared in the body (None: from the first byte), and what the 413 then says."""
+
+    extra: int
+    marker: bytes | None
+    what: str
+    fix: str
+
+
+def body_allowances(settings: Settings) -> dict[str, Allowance]:
+    images = Allowance(question_image_bytes(settings), b'"images"',  # the JSON key; multipart `name="images"`
+                       "the most a question with images takes: MMRAG_MAX_QUESTION_IMAGES images of "
+                       "MMRAG_MAX_IMAGE_BYTES each (in base64: 4/3 of that) plus MMRAG_MAX_REQUEST_BYTES",
+                       "send fewer or smaller images")
+    chat = Allowance(images.extra, b'"image_url"', images.what, images.fix)  # a data-URL image part
+    upload = Allowance(settings.max_upload_bytes, None,
+                       "the most an upload takes: MMRAG_MAX_UPLOAD_BYTES plus MMRAG_MAX_REQUEST_BYTES",
+                       "upload a smaller file")
+    return {**dict.fromkeys(IMAGE_ROUTES, images), CHAT_ROUTE: chat, **dict.fromkeys(UPLOAD_ROUTES, upload)}
 
 
 class BodySizeLimit:
     """413 for a body over ``max_bytes``, from its Content-Length before reading, or counted as a chunked body
-    arrives. On IMAGE_ROUTES it may be ``image_bytes`` longer, but only once it has begun its images: until
-    the `"images"` field appears the plain limit holds, so a question without images (or a huge text before
-    them) is refused as early as anywhere else."""
+    arrives. A route with an :class:`Allowance` may be longer, but only once its marker has appeared: until a
+    question's `"images"` field begins the plain limit holds, so a question without images (or a huge text
+    before them) is refused as early as anywhere else; an upload's allowance holds from the first byte."""
 
-    def __init__(self, app, *, max_bytes: int, image_bytes: int = 0) -> None:
+    def __init__(self, app, *, max_bytes: int, allowances: Mapping[str, Allowance] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.image_bytes = image_bytes
+        self.allowances = dict(allowances or {})
 
-    def _too_large(self, limit: int) -> ApiError:
-        if limit == self.max_bytes:
+    def _too_large(self, limit: int, allowance: Allowance | None) -> ApiError:
+        if allowance is None or limit == self.max_bytes:
             return ApiError(413, "request_too_large", f"request body over {limit} bytes",
                             "send a shorter request (or raise MMRAG_MAX_REQUEST_BYTES)")
-        return ApiError(413, "request_too_large", f"request body over {limit} bytes, the most a question with "
-                        "images takes: MMRAG_MAX_QUESTION_IMAGES images of MMRAG_MAX_IMAGE_BYTES each (in base64: "
-                        "4/3 of that) plus MMRAG_MAX_REQUEST_BYTES", "send fewer or smaller images")
+        return ApiError(413, "request_too_large", f"request body over {limit} bytes, {allowance.what}", allowance.fix)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        image_limit = self.max_bytes + (self.image_bytes if scope["path"] in IMAGE_ROUTES else 0)
+        allowance = self.allowances.get(scope["path"])
+        full = self.max_bytes + (allowance.extra if allowance else 0)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > image_limit:
+        if declared is not None and int(declared) > full:
             # Outside the app's exception handlers (nothing is read yet), so the response is written here.
-            err = self._too_large(image_limit)
+            err = self._too_large(full, allowance)
             response = JSONResponse(error_body(err.kind, err.message, err.fix), status_code=err.status)
             return await response(scope, receive, send)
-        seen, tail, limit = 0, b"", self.max_bytes
+        marker = allowance.marker if allowance else None
+        seen, tail, limit = 0, b"", full if allowance and marker is None else self.max_bytes
 
         async def counted():
             nonlocal seen, tail, limit
             message = await receive()
             chunk = message.get("body", b"")
             seen += len(chunk)
-            if limit != image_limit:
-                if _IMAGES_FIELD in tail + chunk:
-                    limit = image_limit
-                tail = (tail + chunk)[-len(_IMAGES_FIELD):]  # the field's name may straddle two chunks
+            if marker is not None and limit != full:
+                if marker in tail + chunk:
+                    limit = full
+                tail = (tail + chunk)[-len(marker):]  # the marker may straddle two chunks
             if seen > limit:
                 # Chunked bodies have no Content-Length: count as they arrive. Raised inside FastAPI's body
                 # read, this ApiError (an HTTPException) reaches the app's error handlers as is.
-                raise self._too_large(limit)
+                raise self._too_large(limit, allowance)
             return message
 
         await self.app(scope, counted, send)

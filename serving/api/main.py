@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from core.settings import Settings
 from serving.api import errors
-from serving.api.limits import BodySizeLimit, question_image_bytes, reject_invalid_text
-from serving.api.routers import ask, documents, health, ingest
+from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
+from serving.api.routers import ask, documents, health, ingest, openai
 from serving.api.services import Services
 from serving.api.startup import warm_at_startup
 from serving.metrics import Metrics, VllmFromGlobalRegistry
@@ -37,9 +37,9 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
 
     app = FastAPI(title="mmrag", version="0.1.0", lifespan=lifespan, dependencies=[Depends(reject_invalid_text)],
                   description="Questions over figure-heavy documents, answered by a VLM with page citations.")
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, image_bytes=question_image_bytes(settings))
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, allowances=body_allowances(settings))
     errors.install(app, errors.ServerPaths.of(settings))
     metrics.instrument_app(app)
-    for module in (health, ask, documents, ingest):
+    for module in (health, ask, documents, ingest, openai):
         app.include_router(module.router)
     return app

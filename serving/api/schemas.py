@@ -80,6 +80,12 @@ class QuestionImageData(BaseModel):
                                   "at most MMRAG_MAX_IMAGE_BYTES decoded, MMRAG_MAX_IMAGE_PIXELS pixels.")
 
 
+STREAM_DESCRIPTION = (
+    "Answer with server-sent events (`text/event-stream`) instead of one JSON body: the sub-questions, the "
+    "citations, each sub-answer as it finishes, the answer's tokens as they are generated, then `done` with the "
+    "whole answer (the non-streamed body). Errors found before the stream starts are the usual JSON error.")
+
+
 class AskRequest(BaseModel):
     question: str = Field(description="The question; it is split into sub-questions.")
     docs: list[str] | None = Field(default=None, description="Only search these documents (file names or ids).")
@@ -88,6 +94,7 @@ class AskRequest(BaseModel):
         "first in every prompt of the question, before the retrieved pages. Retrieval uses the text only. "
         "POST /v1/ask/upload takes them as files instead.")
     conversation_id: str | None = Field(default=None, pattern=CONVERSATION_ID, description=CONVERSATION_ID_DESCRIPTION)
+    stream: bool = Field(default=False, description=STREAM_DESCRIPTION)
 
 
 class Citation(_Response):
@@ -246,3 +253,24 @@ class IngestJob(_Response):
     error: str | None = Field(description="Why the job failed when `failed`, else null.")
     submitted_at: float = Field(description="Unix time the job was submitted.")
     finished_at: float | None = Field(description="Unix time it finished, null until then.")
+
+
+class AskEvent(_Response):
+    """One server-sent event of a streamed answer (`"stream": true`): `event: <event>` and `data: <this, as
+    JSON>`. Which fields an event carries depends on its `event`."""
+
+    event: Literal["sub_questions", "citations", "sub_answer", "token", "done", "error"] = Field(
+        description="`sub_questions` (after decomposition), `citations` (after retrieval), `sub_answer` (one per "
+        "prompt, as each finishes), `token` (a piece of the final answer, as generated; the pieces concatenate "
+        "to `done.answer.answer`), `done` (last: the whole answer), or `error` (last: the answer failed after "
+        "the stream had started).")
+    sub_questions: list[str] | None = Field(default=None, description="`sub_questions`: the sub-questions.")
+    sub_question_source: str | None = Field(default=None, description="`sub_questions`: who split the question.")
+    citations: list[Citation] | None = Field(default=None, description="`citations`: every retrieved page.")
+    sub_question: str | None = Field(default=None, description="`sub_answer`: the sub-question answered.")
+    page: str | None = Field(default=None, description="`sub_answer`, per-page layout: the page it is about.")
+    text: str | None = Field(default=None, description="`token`: the next piece of the answer's text.")
+    answer: AskResponse | str | None = Field(
+        default=None, description="`done`: the whole answer, as `stream: false` returns it; `sub_answer`: the "
+        "sub-answer's text.")
+    error: ErrorDetail | None = Field(default=None, description="`error`: what failed, as in an error body.")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from adapters.checkpoint import ModelSource
 from adapters.qdrant import AsyncPageReader
 from adapters.store import FeatureStore
-from core.engine import Completion, Engine, KVCapacity, PromptPlan
+from core.engine import Completion, Engine, KVCapacity, OnText, PromptPlan
 from core.keys import ContentHash, ImageKey
 from core.pages import EncodedImage
 from core.settings import Settings
@@ -39,8 +39,9 @@ class MeteredEngine:
         self.model_name = engine.model_name
         self.random_weights = engine.random_weights
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
-        completion = await self.inner.generate(plan, on_first_token=on_first_token)
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
+        completion = await self.inner.generate(plan, on_first_token=on_first_token, on_text=on_text)
         self.metrics.record_completion(completion.usage)
         return completion
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from adapters.checkpoint import ModelSource
 from adapters.families import checkpoint_family
-from core.engine import Completion, KVCapacity, PromptPlan, Usage
+from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
 from core.pages import EncodedImage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
@@ -71,12 +71,13 @@ class InProcessEngine:
                  cache.block_size, cache.num_gpu_blocks)
         return engine
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
         started = time.perf_counter()
         feats = await self.features.load(plan.images)
         request = self.build_request(plan, feats)
         return await self.run_request(plan, request, [f.num_tokens for f in feats], started=started,
-                                      vision_encodes=0, on_first_token=on_first_token)
+                                      vision_encodes=0, on_first_token=on_first_token, on_text=on_text)
 
     async def run_request(
         self,
@@ -87,13 +88,15 @@ class InProcessEngine:
         started: float,
         vision_encodes: int,
         on_first_token: Callable[[], None] | None = None,
+        on_text: OnText | None = None,
     ) -> Completion:
         """Stream one vLLM request to its end and account for it: the one request loop over this AsyncLLM.
 
         ``request`` is vLLM's prompt dict (``prompt`` rendered from ``plan``, plus its images in any form vLLM
         takes: precomputed image tokens from :meth:`build_request`, or pixels); ``image_tokens`` the tokens each
         image expands to, for the cached-image count; ``started`` the ``perf_counter`` time TTFT and latency
-        count from; ``vision_encodes`` the vision forwards the request cost, reported in its usage.
+        count from; ``vision_encodes`` the vision forwards the request cost, reported in its usage;
+        ``on_text`` is told each delta's text as vLLM detokenizes it.
         """
         layout = self.renderer.tokens(request["prompt"], image_tokens)
         token_ids: list[int] = []
@@ -108,6 +111,8 @@ class InProcessEngine:
             piece = out.outputs[0]
             token_ids.extend(piece.token_ids)
             text.append(piece.text)
+            if on_text is not None and piece.text:
+                on_text(piece.text)
             finish = piece.finish_reason or finish
         usage = Usage(
             prompt_tokens=prompt_len,

@@ -34,7 +34,7 @@ import torch
 from core.pages import EncodedImage
 from adapters.checkpoint import ModelSource
 from adapters.families import checkpoint_family
-from core.engine import Completion, KVCapacity, PromptPlan, Usage
+from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
 
@@ -132,9 +132,11 @@ def counter_total(samples: dict[str, list[tuple[dict[str, str], float]]], family
 class _Stream:
     """Accumulates one streamed chat completion."""
 
-    def __init__(self, started: float, on_first_token: Callable[[], None] | None = None) -> None:
+    def __init__(self, started: float, on_first_token: Callable[[], None] | None = None,
+                 on_text: OnText | None = None) -> None:
         self.started = started
         self.on_first_token = on_first_token
+        self.on_text = on_text
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.ttft = 0.0
@@ -153,6 +155,8 @@ class _Stream:
                 if self.on_first_token is not None:
                     self.on_first_token()
             self.text.append(content)
+            if content and self.on_text is not None:
+                self.on_text(content)
             self.token_ids.extend(ids)
             self.finish = choice.get("finish_reason") or self.finish
         if chunk.get("usage"):
@@ -202,7 +206,8 @@ class RemoteEngine:
 
     # -- generation --
 
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None) -> Completion:
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
         started = time.perf_counter()
         feats = await self.features.load(plan.images)
         # torch.save + base64 of ~100 KB-1 MB per image: blocking work, kept off the event loop.
@@ -216,7 +221,7 @@ class RemoteEngine:
             "stream_options": {"include_usage": True},  # the last chunk carries usage (and cached tokens)
             "return_token_ids": True,  # generated ids, comparable with the in-process engine's
         }
-        url, out = await self._send(route_key(plan), body, started, on_first_token)
+        url, out = await self._send(route_key(plan), body, started, on_first_token, on_text)
         prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, self.model)
         return Completion(
             "".join(out.text),
@@ -237,18 +242,21 @@ class RemoteEngine:
         )
 
     async def _send(self, key: str, body: dict[str, Any], started: float,
-                    on_first_token: Callable[[], None] | None = None) -> tuple[str, _Stream]:
+                    on_first_token: Callable[[], None] | None = None,
+                    on_text: OnText | None = None) -> tuple[str, _Stream]:
         # Re-sending to the next replica is safe: the answer is a pure function of the prompt (the same weights
         # on every replica; greedy decoding gives the same tokens, sampling another draw from the same
         # distribution; the prefix cache changes speed, never tokens), nothing of a failed attempt reaches the
-        # caller (its partial stream is dropped), and a replica that may still hold the request has lost our
+        # caller (its partial stream is dropped; of the text already streamed to ``on_text``, the next attempt
+        # tells only what goes beyond it), and a replica that may still hold the request has lost our
         # connection and aborts it. Each replica is tried once: attempts <= len(self.urls).
         first_token = _once(on_first_token)
+        told = _Told(on_text)
         failures: list[str] = []
         for url in rendezvous_order(key, self.urls):
             try:
                 body["model"] = await self._served_name(url)
-                return url, await self._stream(url, body, _Stream(started, first_token))
+                return url, await self._stream(url, body, _Stream(started, first_token, told.attempt()))
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # refused, or no answer to connect
                 self.connect_failures[url] += 1
                 cause = f"could not connect: {_cause(exc)}"
@@ -409,3 +417,27 @@ def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
             fn()
 
     return call
+
+
+class _Told:
+    """The text told to ``on_text`` over the attempts of one request. A re-sent request streams again the
+    text a failed attempt already told (greedy decoding: the same tokens), so only what goes beyond it is
+    told; with sampling the re-sent text may differ, and the completion's text is the answer."""
+
+    def __init__(self, on_text: OnText | None) -> None:
+        self.on_text = on_text
+        self.chars = 0
+
+    def attempt(self) -> OnText | None:
+        if self.on_text is None:
+            return None
+        on_text, seen = self.on_text, 0
+
+        def tell(delta: str) -> None:
+            nonlocal seen
+            start, seen = seen, seen + len(delta)
+            if seen > self.chars:
+                on_text(delta[max(0, self.chars - start):])
+                self.chars = seen
+
+        return tell

@@ -1,30 +1,39 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import io
+import os
+import re
+import tempfile
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
-from fastapi import APIRouter
+from fastapi import APIRouter, File, Query, Request, UploadFile
 from fastapi.responses import Response
 
+from core.keys import doc_id_for
 from core.payload import PagePayload
-from ingestion.loaders import IngestError, open_document
+from ingestion.loaders import SUPPORTED_FORMATS, IngestError, open_document, sniff_format
 from serving.api.deps import AuthDep, ServicesDep
+from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
 from serving.api.errors import ApiError
+from serving.api.routers.ingest import SharedPathRoute, public_job
 from serving.api.schemas import (
     INVALID_REQUEST,
     PNG_RESPONSE,
     UNAUTHORIZED,
     Document,
-    DocumentList,
     DocumentPage,
     Page,
     error_responses,
 )
 
-router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
+router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED),
+                   route_class=SharedPathRoute)
 
 PAGE_IDS_FIX = "page ids come from GET /v1/documents (each document's `pages`) and from answers' `citations`"
 UNKNOWN_PAGE = {404: "No indexed page has this id (`unknown_page`)."}
@@ -33,11 +42,90 @@ SOURCE_GONE = {410: "The page's source file is gone or changed (`source_gone`): 
 PAGE_ERRORS = {**UNKNOWN_PAGE, **INDEX_DOWN, **INVALID_REQUEST}
 
 
-@router.get("/documents", summary="Ingested documents with their pages and page ids",
-            response_model=DocumentList, responses=error_responses(INDEX_DOWN))
-async def documents(services: ServicesDep) -> DocumentList:
-    pages = await services.pages.pages()
-    return DocumentList(documents=sorted(_by_document(pages), key=lambda d: (d.doc, d.doc_id)))
+UPLOAD_ERRORS = {
+    400: "The body is not valid multipart/form-data (`bad_request`).",
+    413: "The file is over MMRAG_MAX_UPLOAD_BYTES, or the body over that plus MMRAG_MAX_REQUEST_BYTES "
+         "(`request_too_large`).",
+    415: "The file's bytes are not a PDF, PNG, JPEG, WebP or TIFF (`unsupported_type`).",
+    **INVALID_REQUEST,
+}
+UNKNOWN_DOCUMENT = {404: "No indexed page belongs to a document with this id (`unknown_document`)."}
+_COPY_CHUNK = 1 << 20
+
+
+@router.get("/documents", summary="Ingested documents with their pages and page ids (paginated: limit/offset, "
+            "then next_offset)", response_model=DocumentsPage, responses=error_responses({**INDEX_DOWN,
+                                                                                          **INVALID_REQUEST}))
+async def documents(services: ServicesDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
+                    offset: int = Query(0, ge=0)) -> DocumentsPage:
+    docs = sorted(_by_document(await services.pages.pages()), key=lambda d: (d.doc, d.doc_id))
+    page = docs[offset:offset + limit]
+    return DocumentsPage(documents=page, total=len(docs), limit=limit, offset=offset,
+                         next_offset=Paged.next_of(offset, len(page), len(docs)))
+
+
+@router.post("/documents", status_code=202, summary="Upload a document (multipart field `file`) and ingest it "
+             "as a job", response_model=Upload, responses=error_responses(UPLOAD_ERRORS))
+async def upload(request: Request, services: ServicesDep,
+                 file: UploadFile = File(description="A PDF, PNG, JPEG, WebP or TIFF file.")) -> dict:
+    path, size, sha = await asyncio.to_thread(_store_upload, file.file, file.filename or "", services.jobs.uploads,
+                                              services.settings.max_upload_bytes)
+    job = services.jobs.submit_upload(path)
+    return {"doc_id": doc_id_for(str(path)), "doc": path.name, "bytes": size, "sha256": sha,
+            "job": public_job(request, job)}
+
+
+@router.delete("/documents/{doc_id}", summary="Delete a document: its pages, and the feature entries no other "
+               "indexed page references (it waits for a running ingest job to finish)",
+               response_model=DeletedDocument, responses=error_responses({**UNKNOWN_DOCUMENT, **INDEX_DOWN, **INVALID_REQUEST}))
+async def delete(doc_id: str, services: ServicesDep) -> DeletedDocument:
+    deleted = await asyncio.wrap_future(services.jobs.delete_document(doc_id))
+    if deleted is None:
+        raise ApiError(404, "unknown_document", f"no indexed document with id {doc_id}",
+                       "document ids are the `doc_id` of GET /v1/documents and POST /v1/documents")
+    return DeletedDocument(**dataclasses.asdict(deleted))
+
+
+def _store_upload(src: BinaryIO, client_name: str, uploads: Path, max_bytes: int) -> tuple[Path, int, str]:
+    """Copy the upload to ``uploads/<sha256 prefix>/<safe name>``: at most ``max_bytes``, of a format ingestion
+    reads (sniffed from its bytes, not its name). The client's name only names the file, never a folder."""
+    uploads.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with tempfile.NamedTemporaryFile(dir=uploads, prefix=".upload-", delete=False) as tmp:
+        try:
+            head = src.read(1024)
+            fmt = sniff_format(head)
+            if fmt is None:
+                raise ApiError(415, "unsupported_type", "the file is not a PDF, PNG, JPEG, WebP or TIFF (by its "
+                               "first bytes)", "convert it to PDF or an image of one of these formats")
+            chunk = head
+            while chunk:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, "request_too_large", f"the file is over {max_bytes} bytes",
+                                   "upload a smaller file (or raise MMRAG_MAX_UPLOAD_BYTES)")
+                digest.update(chunk)
+                tmp.write(chunk)
+                chunk = src.read(_COPY_CHUNK)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    sha = digest.hexdigest()
+    folder = uploads / sha[:16]
+    folder.mkdir(exist_ok=True)
+    path = folder / _safe_name(client_name, fmt)
+    os.replace(tmp.name, path)  # the same bytes under the same name: the same file, so the same document
+    return path, size, sha
+
+
+def _safe_name(client_name: str, fmt: str) -> str:
+    """A file name from the client's (its last part only, in letters, digits, ``._-``), with a suffix that
+    matches the sniffed format, so that ingestion's name-vs-content check holds."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(client_name.replace("\\", "/")).stem).strip("._")[:100]
+    suffix = Path(client_name).suffix.lower()
+    if SUPPORTED_FORMATS.get(suffix) != fmt:
+        suffix = next(s for s, f in SUPPORTED_FORMATS.items() if f == fmt)
+    return f"{stem or 'upload'}{suffix}"
 
 
 def _by_document(pages: Iterable[PagePayload]) -> list[Document]:

@@ -1,13 +1,31 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from serving.api.deps import AuthDep, ServicesDep
+from serving.api.documents_schemas import MAX_PAGE, Job as IngestJob, JobsPage, Paged
 from serving.api.errors import ApiError, hide_paths
-from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestJob, IngestRequest, error_responses
+from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestRequest, error_responses
 from serving.ingest_jobs import InvalidPathError, Job, PathOutsideRootError
 
-router = APIRouter(prefix="/v1", tags=["ingest"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
+
+
+class SharedPathRoute(APIRoute):
+    """Starlette answers a 405 from the first route whose path matches, so its ``Allow`` names only that route's
+    methods; on a path several routes share (GET and POST /v1/documents) this one names all of them."""
+
+    async def handle(self, scope, receive, send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            methods = {m for r in scope["app"].routes if isinstance(r, APIRoute) and r.path == self.path
+                       for m in r.methods}
+            raise HTTPException(405, headers={"Allow": ", ".join(sorted(methods))})
+        await super().handle(scope, receive, send)
+
+
+router = APIRouter(prefix="/v1", tags=["ingest"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED),
+                   route_class=SharedPathRoute)
 
 START_ERRORS = error_responses({
     400: "A path holds a NUL byte or is a symbolic link loop (`invalid_path`), or text that is not Unicode "
@@ -29,19 +47,39 @@ async def start(body: IngestRequest, request: Request, services: ServicesDep) ->
     except InvalidPathError as exc:
         raise ApiError(400, "invalid_path", str(exc), "send the path of a file or folder under MMRAG_INGEST_ROOT"
                        ) from exc
-    return _public(request, job)
+    return public_job(request, job)
+
+
+@router.get("/ingest", summary="Ingest jobs, newest first (paginated: limit/offset, then next_offset)",
+            response_model=JobsPage, responses=error_responses(INVALID_REQUEST))
+async def jobs(request: Request, services: ServicesDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
+               offset: int = Query(0, ge=0)) -> dict:
+    page, total = services.jobs.list(limit=limit, offset=offset)
+    return {"jobs": [public_job(request, j) for j in page], "total": total, "limit": limit, "offset": offset,
+            "next_offset": Paged.next_of(offset, len(page), total)}
 
 
 @router.get("/ingest/{job_id}", summary="An ingest job's status and report", response_model=IngestJob,
             responses=STATUS_ERRORS)
 async def status(job_id: str, request: Request, services: ServicesDep) -> dict:
-    job = services.jobs.get(job_id)
+    return public_job(request, _job(services.jobs.get(job_id), job_id))
+
+
+@router.post("/ingest/{job_id}/cancel", summary="Cancel an ingest job: a queued one never runs, a running one "
+             "stops before its next page batch (`cancelling` until then); a finished one is returned as it is",
+             response_model=IngestJob, responses=STATUS_ERRORS)
+async def cancel(job_id: str, request: Request, services: ServicesDep) -> dict:
+    return public_job(request, _job(services.jobs.cancel(job_id), job_id))
+
+
+def _job(job: Job | None, job_id: str) -> Job:
     if job is None:
-        raise ApiError(404, "unknown_job", f"no ingest job {job_id}", "use the id POST /v1/ingest returned")
-    return _public(request, job)
+        raise ApiError(404, "unknown_job", f"no ingest job {job_id}", "use an id POST /v1/ingest, POST "
+                       "/v1/documents or GET /v1/ingest returned")
+    return job
 
 
-def _public(request: Request, job: Job) -> dict:
+def public_job(request: Request, job: Job) -> dict:
     # A failed job's cause comes from a dependency (Qdrant, the feature store) and may name server folders.
     out = job.to_json()
     if out["error"]:

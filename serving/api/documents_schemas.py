@@ -1,0 +1,58 @@
+"""Models of the document upload/delete and ingest-job routes (serving/api/routers/documents.py, ingest.py).
+
+Listings paginate by ``limit``/``offset``: a response carries ``total`` and ``next_offset`` (null on the last
+page), so a client pages with ``?offset=<next_offset>`` until it is null.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from serving.api.schemas import Document, IngestJob, _Response
+
+MAX_PAGE = 1000  # the most items one listing page returns
+
+
+class Paged(_Response):
+    total: int = Field(description="Items in all pages together.")
+    limit: int = Field(description="The most items this page holds (the request's `limit`).")
+    offset: int = Field(description="Items before this page (the request's `offset`).")
+    next_offset: int | None = Field(description="`offset` of the next page; null on the last one.")
+
+    @staticmethod
+    def next_of(offset: int, shown: int, total: int) -> int | None:
+        return offset + shown if offset + shown < total else None
+
+
+class DocumentsPage(Paged):
+    documents: list[Document] = Field(description="Ingested documents, by file name then id.")
+
+
+class Job(IngestJob):
+    status: Literal["queued", "running", "cancelling", "done", "failed", "cancelled"] = Field(
+        description="Where the job is: `cancelling` is a running job asked to stop (it does before its next "
+        "page batch); a job a restarted server took up again is `queued` or `running` with `resumed` > 0.")
+    resumed: int = Field(description="How many restarts of the server the job was resumed after.")
+
+
+class JobsPage(Paged):
+    jobs: list[Job] = Field(description="Ingest jobs, newest first.")
+
+
+class Upload(_Response):
+    doc_id: str = Field(description="The document's id once ingested: DELETE /v1/documents/{doc_id}.")
+    doc: str = Field(description="Its file name on the server (sanitised from the upload's), as citations name it.")
+    bytes: int = Field(description="Size of the stored file.")
+    sha256: str = Field(description="SHA-256 of the file's bytes.")
+    job: Job = Field(description="The ingest job: poll GET /v1/ingest/{job.id}.")
+
+
+class DeletedDocument(_Response):
+    doc_id: str = Field(description="Id of the deleted document.")
+    doc: str = Field(description="Its file name.")
+    pages: int = Field(description="Pages removed from the index.")
+    entries_removed: int = Field(description="Feature-store entries removed: no other indexed page referenced them.")
+    entries_kept: int = Field(description="Its entries kept because another indexed page references them (a "
+                              "figure another document shares).")

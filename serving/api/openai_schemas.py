@@ -1,0 +1,147 @@
+"""Bodies of the OpenAI-compatible routes (POST /v1/chat/completions, GET /v1/models), in the shapes the `openai`
+SDK and llama-index's `OpenAILike` parse, plus documented extra fields (`citations`, mmrag's own usage counts):
+the SDK keeps unknown fields in ``model_extra``.
+
+Requests ignore fields they do not name (`n`, `top_p`, `user`, ...), as clients send them by default; responses
+forbid unknown keys, as in schemas.py, so a field added to an answer without a description here fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.api.schemas import Citation
+
+MODEL_ID = "mmrag"
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- request ---------------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    type: Literal["text"] = Field(description="A text part.")
+    text: str = Field(description="The text.")
+
+
+class ImageUrl(BaseModel):
+    url: str = Field(description="A data URL, `data:image/png;base64,...` (PNG, JPEG, WebP or TIFF; at most "
+                                 "MMRAG_MAX_IMAGE_BYTES decoded). Remote URLs are not fetched.")
+    detail: str | None = Field(default=None, description="Accepted and ignored: images are sized by the "
+                                                         "encoder's resolution policy.")
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"] = Field(description="An image part.")
+    image_url: ImageUrl = Field(description="The image, as a data URL.")
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who wrote it. The last `user` message is the question; images of every `user` message lead "
+                    "its prompts; other text (earlier turns, system prompts) is not used.")
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="Text, or a list of `text` and `image_url` parts.")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(default=False, strict=True,
+                                description="Send a last chunk with `usage` (and empty `choices`).")
+
+
+class ChatCompletionRequest(BaseModel):
+    model: Literal["mmrag"] = Field(description="The one model served: `mmrag` (GET /v1/models).")
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first; it must "
+                                                                  "hold a `user` message.")
+    stream: bool = Field(default=False, strict=True, description="Answer as server-sent "
+                         "`chat.completion.chunk` events, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = Field(default=None, description="Options of a streamed answer.")
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens each completion of the answer "
+                                   "generates; at most MMRAG_ANSWER_MAX_TOKENS, which is the default.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="Accepted and ignored: answers "
+                                      "are greedy (temperature 0), so that an answer over documents does not "
+                                      "vary run to run.")
+
+
+# --- responses -------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the engine's prefix cache.")
+
+
+class ChatUsage(_Response):
+    prompt_tokens: int = Field(description="Prompt tokens over every completion of the answer, images included.")
+    completion_tokens: int = Field(description="Generated tokens over every completion.")
+    total_tokens: int = Field(description="The two together.")
+    prompt_tokens_details: PromptTokensDetails = Field(description="What of the prompt was cached.")
+    image_tokens: int = Field(description="Prompt tokens that are image tokens: the pages' and the messages'.")
+    cached_image_tokens: int = Field(description="Of those, image tokens served from the prefix cache.")
+    vision_encodes: int = Field(description="Vision-encoder forwards done for this request: one per message "
+                                            "image whose tokens were not stored yet.")
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = Field(description="Always `assistant`.")
+    content: str = Field(description="The answer, its citations appended as footnotes (`[1] doc.pdf, page 3`).")
+
+
+class Choice(_Response):
+    index: int = Field(description="Always 0: one choice.")
+    message: AssistantMessage = Field(description="The answer.")
+    finish_reason: Literal["stop"] = Field(description="Always `stop`.")
+    logprobs: None = Field(default=None, description="Always null: not computed.")
+
+
+class ChatCompletion(_Response):
+    id: str = Field(description="Id of this completion.")
+    object: Literal["chat.completion"] = Field(description="Always `chat.completion`.")
+    created: int = Field(description="Unix time it was answered.")
+    model: Literal["mmrag"] = Field(description="The model that answered.")
+    choices: list[Choice] = Field(description="One choice.")
+    usage: ChatUsage = Field(description="Token and cache accounting over every completion of the answer.")
+    citations: list[Citation] = Field(description="The pages the footnotes cite, in footnote order.")
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = Field(default=None, description="`assistant`, in the first chunk only.")
+    content: str | None = Field(default=None, description="The next piece of the answer.")
+
+
+class ChunkChoice(_Response):
+    index: int = Field(description="Always 0: one choice.")
+    delta: Delta = Field(description="What this chunk adds.")
+    finish_reason: Literal["stop"] | None = Field(default=None, description="`stop` in the last content chunk.")
+
+
+class ChatCompletionChunk(_Response):
+    id: str = Field(description="Id of the completion; the same in every chunk.")
+    object: Literal["chat.completion.chunk"] = Field(description="Always `chat.completion.chunk`.")
+    created: int = Field(description="Unix time the answer began.")
+    model: Literal["mmrag"] = Field(description="The model that answers.")
+    choices: list[ChunkChoice] = Field(description="One choice; empty in the usage chunk.")
+    usage: ChatUsage | None = Field(default=None, description="In the last chunk when "
+                                    "`stream_options.include_usage` is set, else null.")
+    citations: list[Citation] | None = Field(default=None, description="In the chunk with the footnotes.")
+
+
+class ModelCard(_Response):
+    id: Literal["mmrag"] = Field(description="The model id to send as `model`.")
+    object: Literal["model"] = Field(description="Always `model`.")
+    created: int = Field(description="Unix time; 0: not tracked.")
+    owned_by: str = Field(description="Always `mmrag`.")
+    served_model: str = Field(description="The VLM that answers behind the RAG pipeline.")
+    random_weights: bool = Field(description="True for the random-weight test model: its text is not meaningful.")
+
+
+class ModelList(_Response):
+    object: Literal["list"] = Field(description="Always `list`.")
+    data: list[ModelCard] = Field(description="The models served: `mmrag`.")

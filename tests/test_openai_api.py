@@ -1,0 +1,181 @@
+"""The OpenAI-compatible routes on the session's real server, spoken to by the clients people use: the `openai`
+SDK and llama-index's `OpenAILike`. The model `mmrag` answers from the corpus with footnoted citations (also in
+`citations`), `max_tokens` bounds it, an image resent in a later turn is neither encoded again nor prefilled
+again (its KV comes from the prefix cache), and bad input gets the project's error shape with the fix.
+
+The server runs on the test's event loop: the async `openai` client is used, and llama-index's sync calls run
+in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+
+import httpx
+import openai
+import pytest
+from llama_index.core.llms import ChatMessage
+from llama_index.llms.openai_like import OpenAILike
+
+from ingestion.loaders import decode_image, image_content_hash
+from tests.conftest import API_KEY
+from tests.test_ask_images import image_prefix_bound, new_figure
+from tests.test_cancel import MAX_TOKENS as LONG  # answer tokens where a client leaves: finishing would show
+from tests.test_cancel import generated_tokens, long_answers, wait_for  # noqa: F401 - long_answers is a fixture
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+RETRY = "What is the retry limit of the ingest service?"
+FOOTNOTE = re.compile(r"^\[(\d+)\] (.+), page (\d+)$")
+
+
+@pytest.fixture
+def client(api_server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=api_server["url"] + "/v1", api_key=API_KEY, timeout=300, max_retries=0)
+
+
+@pytest.fixture
+async def http(api_server):
+    async with httpx.AsyncClient(base_url=api_server["url"], timeout=300, headers=AUTH) as c:
+        yield c
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def cited_footnotes(content: str) -> list[tuple[str, int]]:
+    """The footnotes that end an answer's text, as (doc, page)."""
+    lines = content.rsplit("\n\n", 1)[-1].splitlines()
+    matches = [FOOTNOTE.match(line) for line in lines]
+    assert all(matches), content
+    assert [int(m[1]) for m in matches] == list(range(1, len(matches) + 1)), content
+    return [(m[2], int(m[3])) for m in matches]
+
+
+async def test_models_lists_mmrag_in_the_openai_shape(client):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["mmrag"] and models.data[0].object == "model"
+    assert models.data[0].model_extra["random_weights"] is True  # the session's tiny random-weight model
+
+
+async def test_the_openai_client_gets_an_answer_with_footnoted_citations_and_usage(client):
+    done = await client.chat.completions.create(
+        model="mmrag", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": RETRY}])
+    (choice,) = done.choices
+    assert done.object == "chat.completion" and choice.message.role == "assistant" and choice.finish_reason == "stop"
+    citations = done.model_extra["citations"]
+    assert citations and cited_footnotes(choice.message.content) == [(c["doc"], c["page"]) for c in citations]
+    usage = done.usage
+    assert usage.prompt_tokens > usage.model_extra["image_tokens"] > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+async def test_the_openai_client_streams_the_answer_then_its_footnotes_then_the_usage(client):
+    stream = await client.chat.completions.create(model="mmrag", messages=[{"role": "user", "content": RETRY}],
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens > 0 and last.usage.prompt_tokens_details is not None
+    deltas = [c.choices[0].delta.content or "" for c in content]
+    assert content[0].choices[0].delta.role == "assistant" and len([d for d in deltas if d]) >= 3  # tokens, notes
+    assert [c.choices[0].finish_reason for c in content][-1] == "stop"
+    citations = content[-1].model_extra["citations"]
+    assert citations and cited_footnotes("".join(deltas)) == [(c["doc"], c["page"]) for c in citations]
+    print(f"\nchat stream: {len(chunks)} chunks ({len([d for d in deltas if d])} with content), usage "
+          f"{last.usage.prompt_tokens} prompt / {last.usage.prompt_tokens_details.cached_tokens} cached / "
+          f"{last.usage.completion_tokens} completion tokens")
+
+
+async def test_a_client_that_closes_the_stream_stops_its_engine_work(long_answers, inprocess_engine):
+    url, services = long_answers
+    llm = inprocess_engine.llm
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    disconnected_before, before = services.admission.stats.disconnected, generated_tokens()
+    stream = await client.chat.completions.create(model="mmrag", messages=[{"role": "user", "content": RETRY}],
+                                                  stream=True)
+    pieces = 0
+    async for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].delta.content)
+        if pieces >= 3:
+            break
+    await stream.close()  # leave while the answer is being generated
+    await wait_for(lambda: services.admission.in_flight == 0, "question cancelled")
+    await wait_for(lambda: llm.output_processor.get_num_unfinished_requests() == 0, "vLLM request aborted")
+    assert services.admission.stats.disconnected == disconnected_before + 1
+    spent = generated_tokens() - before
+    assert 0 < spent < LONG / 2, spent  # finishing would have generated LONG tokens per plan
+    settled = generated_tokens()
+    await asyncio.sleep(1.0)  # nothing goes on decoding for it (a check of a counter, not of a time)
+    assert generated_tokens() == settled
+    print(f"\nchat stream closed after 3 content chunks: vLLM generated {spent:.0f} of up to {LONG} tokens per plan")
+
+
+async def test_max_tokens_bounds_every_completion_of_the_answer(client, http):
+    full = (await http.post("/v1/ask", json={"question": RETRY})).json()
+    completions = len(full["sub_answers"]) + (len(full["sub_answers"]) > 1)  # a synthesis over several
+    short = await client.chat.completions.create(model="mmrag", max_tokens=1, temperature=0.7,
+                                                 messages=[{"role": "user", "content": RETRY}])
+    assert short.usage.completion_tokens <= completions < full["usage"]["completion_tokens"]
+
+
+async def test_an_image_resent_in_a_later_turn_is_not_encoded_again_and_its_kv_is_reused(client, api_server):
+    services = api_server["app"].state.services
+    await services.engine.reset_prefix_cache()
+    png = new_figure()
+    first_turn = {"role": "user", "content": [{"type": "text", "text": "What does this figure show?"},
+                                               {"type": "image_url", "image_url": {"url": data_url(png)}}]}
+    one = await client.chat.completions.create(model="mmrag", messages=[first_turn])
+    assert one.usage.model_extra["vision_encodes"] == 1
+
+    history = [first_turn, {"role": "assistant", "content": one.choices[0].message.content},
+               {"role": "user", "content": "What is the input of its third module?"}]
+    two = await client.chat.completions.create(model="mmrag", messages=history)
+    encoder = services.question_images._encoder
+    key = encoder.key_for(image_content_hash(decode_image(png, services.settings)))
+    bound = image_prefix_bound(services, key, encoder.num_tokens_for(decode_image(png, services.settings)))
+    assert bound >= 64
+    assert two.usage.model_extra["vision_encodes"] == 0
+    assert two.usage.prompt_tokens_details.cached_tokens >= two.usage.model_extra["cached_image_tokens"] >= bound
+    print(f"\nchat image resent in turn 2: 0 vision forwards, {two.usage.prompt_tokens_details.cached_tokens}/"
+          f"{two.usage.prompt_tokens} prompt tokens cached ({two.usage.model_extra['cached_image_tokens']} image "
+          f"tokens; bound {bound})")
+
+
+async def test_llama_index_openai_like_chats(api_server):
+    llm = OpenAILike(model="mmrag", api_base=api_server["url"] + "/v1", api_key=API_KEY, is_chat_model=True,
+                     max_tokens=4, timeout=300, max_retries=0)
+    reply = await asyncio.to_thread(llm.chat, [ChatMessage(role="user", content=RETRY)])
+    assert reply.message.role == "assistant" and cited_footnotes(reply.message.content)
+    assert reply.raw.model_extra["citations"]
+    pieces = await asyncio.to_thread(lambda: [r.delta for r in llm.stream_chat([ChatMessage(role="user",
+                                                                                            content=RETRY)])])
+    assert len(pieces) >= 2 and cited_footnotes("".join(pieces))
+
+
+@pytest.mark.parametrize("body, status, kind, names", [
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": RETRY}]}, 422, "invalid_request", "mmrag"),
+    ({"model": "mmrag", "messages": [{"role": "system", "content": "hi"}]}, 400, "no_question", "user"),
+    ({"model": "mmrag", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "invalid_image",
+     "data:image/png;base64"),
+    ({"model": "mmrag", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]},
+     400, "invalid_image", "base64"),
+    ({"model": "mmrag", "messages": [{"role": "user", "content": ""}]}, 400, "bad_question", ""),
+    # streamed too: what fails before the answer begins is the JSON error with its status, not an event
+    ({"model": "mmrag", "stream": True, "messages": [{"role": "user", "content": ""}]}, 400, "bad_question", ""),
+])
+async def test_bad_input_gets_the_error_shape_with_the_fix(http, body, status, kind, names):
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"type", "message", "fix"} and err["type"] == kind and names in err["message"] + err["fix"]
+
+
+async def test_a_wrong_key_is_refused_as_on_v1_ask(api_server):
+    wrong = openai.AsyncOpenAI(base_url=api_server["url"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="MMRAG_API_KEY"):
+        await wrong.chat.completions.create(model="mmrag", messages=[{"role": "user", "content": RETRY}])
