@@ -209,8 +209,13 @@ def echo_tool(name: str) -> QueryEngineTool:
     return QueryEngineTool(EchoQueryEngine(), ToolMetadata(name=name, description=f"pages of {name}"))
 
 
+def _openai_modules() -> set[str]:
+    return {m for m in sys.modules if m.startswith(("llama_index.llms.openai", "llama_index.question_gen.openai"))}
+
+
 async def test_sub_question_query_engine_runs_on_our_generator_without_openai(inprocess_engine):
     llm_before = Settings._llm
+    loaded_before = _openai_modules()  # other tests (the OpenAI-compatible route's) load llama-index's OpenAILike
     decomposer = Decomposer(inprocess_engine)
     engine = SubQuestionQueryEngine(
         question_gen=MMRAGQuestionGenerator(decomposer),
@@ -225,9 +230,10 @@ async def test_sub_question_query_engine_runs_on_our_generator_without_openai(in
     answered = [n.node.get_content() for n in response.source_nodes]
     assert answered == [f"Sub question: {q}\nResponse: echo: {q}" for q in expected]
     # llama-index reaches for OpenAI through its default LLM (Settings.llm) and its OpenAI question generator;
-    # neither was touched. (The `openai` SDK itself is loaded anyway: vLLM imports it.)
+    # neither was touched: the query loaded none of their modules. (The `openai` SDK itself is loaded anyway: vLLM
+    # imports it.)
     assert Settings._llm is llm_before
-    assert not [m for m in sys.modules if m.startswith(("llama_index.llms.openai", "llama_index.question_gen.openai"))]
+    assert _openai_modules() == loaded_before
 
 
 async def test_each_sub_question_goes_to_every_tool():

@@ -1,5 +1,7 @@
 """Fuzzing: schemathesis sends requests generated from /openapi.json, valid and invalid, to every operation of the
-real server (the session's `api_server`) with the API key: no 5xx, and every response one the schema documents.
+real server with the API key: no 5xx, and every response one the schema documents. The server is `mmrag serve`'s
+app over its own copy of the session corpus (index AND feature store): the fuzzer deletes and uploads documents,
+which must not reach what other tests read.
 
 What it found is replayed below as plain requests, so each finding stays a named test once fixed.
 """
@@ -23,7 +25,8 @@ MAX_EXAMPLES = 25  # per operation: the whole run takes ~30 s on the 2-core mach
 # schema, invalid data refused, auth not ignored, links between operations) but one: positive_data_acceptance
 # wants a 2xx for every schema-valid request, and this API refuses some on purpose with a 4xx the schema documents
 # (an empty question is 400 bad_question, a NUL byte in a path 400, a path outside the ingest root 403).
-# No operation is excluded: none deletes anything, and POST /v1/ingest only reaches the api_server's ingest root.
+# No operation is excluded: deletions and uploads act on the fuzzed app's own copy, and POST /v1/ingest only
+# reaches its ingest root.
 SCHEMATHESIS = [
     "run", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
     "--max-examples", str(MAX_EXAMPLES),
@@ -33,7 +36,26 @@ SCHEMATHESIS = [
 ]
 
 
-async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(api_server, tmp_path):
+@pytest.fixture(scope="module")
+async def fuzzed_server(engine_settings, ingested, inprocess_engine, tmp_path_factory):
+    """The api_server's app on a copy of the session corpus whose feature store is the copy's too (the session
+    engine still reads the session store, which holds every page the copy's index can name)."""
+    from mmrag import wiring
+    from tests.conftest import copy_corpus, serving
+
+    data = tmp_path_factory.mktemp("fuzz-data")
+    copy_corpus(engine_settings, data)
+    settings = engine_settings.model_copy(update={
+        "data_dir": data, "api_key": API_KEY, "ingest_root": tmp_path_factory.mktemp("fuzz-ingest-root"),
+        "answer_max_tokens": 8, "warm_top": 0,
+    })
+    app = wiring.create_app(settings, engine=inprocess_engine, store=wiring.feature_store(settings))
+    async with serving(app) as url:
+        yield {"url": url, "app": app}
+
+
+async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(fuzzed_server, tmp_path):
+    api_server = fuzzed_server
     report = tmp_path / "report.json"
     # A separate process: the server runs on this test's event loop, which a blocking client here would stall.
     proc = await asyncio.create_subprocess_exec(
