@@ -14,6 +14,8 @@ QUESTIONS = [
     "What was the Q3 revenue of the Nordic division, and how did the operating margin develop?",
     "Which components appear in the system architecture, and how long are backups retained?",
 ]
+# Asked through the OpenAI-compatible route with the `openai` client, streamed, as any OpenAI client would.
+CHAT_QUESTION = "How long are backups retained?"
 out = Console()
 
 
@@ -45,6 +47,7 @@ def main(url: str) -> None:
         u = a["usage"]
         out.print(f"cache: {u['cached_image_tokens']}/{u['image_tokens']} image tokens and {u['cached_tokens']}/"
                   f"{u['prompt_tokens']} prompt tokens from the prefix cache; vision encodes {u['vision_encodes']}")
+    chat(url)
     m = totals(url)
     out.rule("hit rates since the server started (warm-up included)")
     out.print(f"image-prefix hit rate (image tokens served from KV): "
@@ -56,6 +59,22 @@ def main(url: str) -> None:
     out.print(f"vLLM's own prefix-cache hit rate: "
               f"{rate(m.get('vllm:prefix_cache_hits_total', 0), m.get('vllm:prefix_cache_queries_total', 0))}")
     out.print(f"vision forwards while answering: {m.get('mmrag_vision_forwards_total', 0):.0f}")
+
+
+def chat(url: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="demo")  # any key: the demo server has none set
+    out.rule(escape(f"{CHAT_QUESTION}  (POST /v1/chat/completions, openai client, stream=True)"))
+    text, usage = [], None
+    for chunk in client.chat.completions.create(model="mmrag", stream=True, stream_options={"include_usage": True},
+                                                messages=[{"role": "user", "content": CHAT_QUESTION}]):
+        text += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    out.print(f"[bold]answer (with footnotes):[/] {escape(''.join(text).strip())}")
+    if usage is not None:
+        out.print(f"cache: {usage.prompt_tokens_details.cached_tokens}/{usage.prompt_tokens} prompt tokens from the "
+                  "prefix cache")
 
 
 if __name__ == "__main__":
