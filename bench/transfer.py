@@ -20,10 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +35,7 @@ from adapters.store import DiskFeatureStore, FeatureStore, RedisFeatureStore, en
 from adapters.vision_client import TOKENS_MEDIA_TYPE, png_bytes, unpack_tokens
 from core.keys import ImageKey
 from serving.engine.remote import image_part
+from serving.vision.launch import start_vision_service
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -48,27 +46,6 @@ def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = run()
     return time.perf_counter() - t0, out
-
-
-def start_vision_service(model_path: Path, data_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "MMRAG_MODEL": str(model_path), "MMRAG_DATA_DIR": str(data_dir),
-           "MMRAG_VISION_DEVICE": "cpu"}
-    for name in ("MMRAG_VISION_URL", "MMRAG_REDIS_URL"):
-        env.pop(name, None)
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mmrag", "vision", "serve", "--port", str(port)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the vision service did not start; log {log_path}:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
 
 
 def _store_path(store: FeatureStore, keys: list[ImageKey]) -> dict[str, Any]:

@@ -210,34 +210,15 @@ VISION_ENV = dict(
 @pytest.fixture(scope="session")
 def vision_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Base URL and data dir (its disk feature store) of a real vision service process of the tiny model."""
-    import sys
-
-    import httpx
+    from serving.vision.launch import start_vision_service
 
     data_dir = tmp_path_factory.mktemp("vision-data")
     port = free_port()
-    env = {**os.environ, **VISION_ENV, "MMRAG_MODEL": str(tiny_model), "MMRAG_DATA_DIR": str(data_dir),
-           "MMRAG_VISION_DEVICE": "cpu", "MMRAG_VISION_DTYPE": "float32"}
-    env.pop("MMRAG_VISION_URL", None)
-    env.pop("MMRAG_REDIS_URL", None)
-    log = (data_dir / "server.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mmrag", "vision", "serve", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = start_vision_service(tiny_model, data_dir, port, data_dir / "server.log", timeout_s=120, **VISION_ENV,
+                                MMRAG_VISION_DTYPE="float32")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"the vision service did not start: {(data_dir / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.1)
     try:
         yield {"url": url, "data_dir": data_dir, "max_image_bytes": int(VISION_ENV["MMRAG_MAX_IMAGE_BYTES"])}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        log.close()

@@ -1,0 +1,37 @@
+"""`mmrag vision serve` as a child process, ready when its /readyz answers (the transfer benchmark and the tests
+start one this way)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def start_vision_service(model_path: Path, data_dir: Path, port: int, log_path: Path, *, timeout_s: float = 300,
+                         **env: str) -> subprocess.Popen:
+    """The service of ``model_path`` on 127.0.0.1:``port``, its disk feature store under ``data_dir``, on the CPU
+    (``env`` adds or overrides MMRAG_* variables). A service that exits or is not ready in ``timeout_s`` is
+    killed and raised with its log's tail."""
+    child_env = {**os.environ, "MMRAG_MODEL": str(model_path), "MMRAG_DATA_DIR": str(data_dir),
+                 "MMRAG_VISION_DEVICE": "cpu", **env}
+    for name in ("MMRAG_VISION_URL", "MMRAG_REDIS_URL"):  # it encodes here, into its own store
+        child_env.pop(name, None)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mmrag", "vision", "serve", "--port", str(port)],
+                                env=child_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass  # not listening yet
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the vision service did not start; log {log_path}:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
