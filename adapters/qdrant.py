@@ -150,10 +150,13 @@ class PageIndex:
                 filter=models.Filter(must=[_match(PageField.DOC_ID, doc_id)])), wait=True)
         return removed
 
-    def referenced_keys(self) -> set[ImageKey]:
+    def referenced_keys(self, base: str | None = None) -> set[ImageKey]:
         """The feature-store keys indexed pages reference: any other entry is garbage (`mmrag store gc`,
-        DELETE /v1/documents)."""
-        return {p.image_key for p in self.pages()}
+        DELETE /v1/documents). With ``base`` (MMRAG_QDRANT_COLLECTION): the pages of every tenant's
+        collection, which all share the one feature store."""
+        names = [self.collection] if base is None else tenant_collections(self.client, base)
+        return {PagePayload.from_qdrant(p.payload).image_key for name in names
+                for p in self._scroll(None, with_vectors=False, collection=name)}
 
     def find_page(self, doc: str, page: int) -> PagePayload | None:
         """Page ``page`` of the document named ``doc`` (file name or doc id), if indexed."""
@@ -183,18 +186,24 @@ class PageIndex:
         return self._scroll(None, with_vectors=with_vectors)
 
     def _scroll(self, condition: models.Condition | models.Filter | None, *, with_vectors: bool,
-                limit: int | None = None) -> list[models.Record]:
+                limit: int | None = None, collection: str | None = None) -> list[models.Record]:
         flt = _as_filter(condition)
         out: list[models.Record] = []
         offset = None
         while True:
             batch, offset = self.client.scroll(
-                self.collection, scroll_filter=flt, limit=limit or SCROLL_BATCH, offset=offset,
+                collection or self.collection, scroll_filter=flt, limit=limit or SCROLL_BATCH, offset=offset,
                 with_payload=True, with_vectors=with_vectors,
             )
             out.extend(batch)
             if offset is None or (limit is not None and len(out) >= limit):
                 return out
+
+
+def tenant_collections(client: QdrantClient | LoopBridge, base: str) -> list[str]:
+    """The collections of every tenant (core.settings.Settings.tenant_collection): ``base``, ``base--<tenant>``."""
+    names = [c.name for c in client.get_collections().collections]
+    return sorted(n for n in names if n == base or n.startswith(f"{base}--"))
 
 
 class LoopBridge:
@@ -222,6 +231,9 @@ class LoopBridge:
 
     def get_collection(self, *a: Any, **kw: Any) -> models.CollectionInfo:
         return self._run(self._client.get_collection(*a, **kw))
+
+    def get_collections(self) -> models.CollectionsResponse:
+        return self._run(self._client.get_collections())
 
     def delete_collection(self, *a: Any, **kw: Any) -> bool:
         return self._run(self._client.delete_collection(*a, **kw))

@@ -6,10 +6,17 @@ on machines that could not hold the LLM. Its output is exactly what the VLM's ow
 takes it as ``image_embeds`` + ``image_grid_thw`` and skips its encoder. The :class:`EncoderVersion` names the
 weights, the processor config and the salt that produced the tokens, so cached tokens are never reused across
 encoders.
+
+A pooled policy (``ResolutionPolicy.pool`` 2) averages each 2x2 square of merged tokens after the projector
+(:func:`pool_grid`): a quarter of the tokens, still a grid, whose ``image_grid_thw`` (t, h/2, w/2) gives vLLM
+the token count (t*h*w / merge²) and the M-RoPE positions of that grid. The page is resized to a multiple of
+patch * merge * pool so the merged grid divides evenly. Merging arbitrary tokens (ToMe) is left out: its
+merged tokens form no grid, and M-RoPE can only position the rows and columns of one.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -24,6 +31,7 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import AutoConfig, AutoImageProcessor
 from transformers.initialization import no_init_weights
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from adapters.checkpoint import local_checkpoint
 from adapters.families import VisionFamily, family_for
@@ -56,7 +64,7 @@ class VisionEncoder:
         self.device = torch.device(device)
         self.forwards = 0  # images run through the tower; the metrics layer reads it
 
-        vision_config = checkpoint.config.vision_config
+        self._vision_config = vision_config = checkpoint.config.vision_config
         self.hidden_size: int = checkpoint.config.text_config.hidden_size
         self._merge: int = vision_config.spatial_merge_size
         self.version = checkpoint.version(salt=salt, dtype=dtype, device_kind=self.device.type)
@@ -70,15 +78,35 @@ class VisionEncoder:
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
 
+    def with_policy(self, policy: ResolutionPolicy) -> VisionEncoder:
+        """This encoder under another policy (a resolution tier): the same tower and version, no weights loaded
+        again; its own processor and forward count."""
+        if policy == self.policy:
+            return self
+        other = copy.copy(self)
+        other.policy = policy
+        other._processor = _build_processor(self.model_dir, policy, self._vision_config)
+        other.forwards = 0
+        return other
+
     def num_tokens_for(self, image: Image.Image) -> int:
         """Image tokens ``image`` will take under this policy, from the resize rule alone (no forward)."""
         width, height = image.size
-        return self.family.num_tokens(self._processor, self._merge, width, height)
+        if not self.policy.pooled:
+            return self.family.num_tokens(self._processor, self._merge, width, height)
+        h, w = self._pooled_size(height, width)
+        return (h // self._patch) * (w // self._patch) // (self._merge * self.policy.pool) ** 2
 
     def encode(self, images: list[Image.Image]) -> list[EncodedImage]:
-        """One batched forward over all ``images``; the output is split back per image."""
+        """One batched forward over all ``images``; the output is split back per image (and pooled, when the
+        policy says so)."""
         if not images:
             return []
+        if self.policy.pooled:
+            # Sides in multiples of patch * merge * pool: the processor keeps them (they are multiples of its own
+            # factor, within its bounds), and every merged-token row and column has a pooling partner.
+            images = [im.resize(self._pooled_size(im.height, im.width)[::-1], Image.Resampling.BICUBIC)
+                      for im in images]
         with torch.inference_mode():
             batch = self._processor(images=images, return_tensors="pt")
             grid = batch["image_grid_thw"]
@@ -89,10 +117,35 @@ class VisionEncoder:
         sizes = (grid.prod(-1) // self._merge**2).tolist()
         # clone(): a split is a view into the whole batch (saving it would write every image), and cloning
         # outside inference mode gives ordinary tensors that callers may modify.
-        return [
+        out = [
             EncodedImage(tokens.clone(), thw.reshape(1, 3).clone())
             for tokens, thw in zip(torch.split(merged, sizes), grid, strict=True)
         ]
+        return [pool_grid(e, self._merge, self.policy.pool) for e in out] if self.policy.pooled else out
+
+    @property
+    def _patch(self) -> int:
+        return int(self._processor.patch_size)
+
+    def _pooled_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) a page is resized to under a pooled policy."""
+        return smart_resize(height, width, factor=self._patch * self._merge * self.policy.pool,
+                            min_pixels=self.policy.min_pixels, max_pixels=self.policy.max_pixels)
+
+
+def pool_grid(image: EncodedImage, merge: int, pool: int) -> EncodedImage:
+    """Average each ``pool`` x ``pool`` square of the merged-token grid into one token, in the grid's row-major
+    order (the order the merger emits and vLLM's M-RoPE positions): the grid_thw becomes (t, h/pool, w/pool)
+    patches, so vLLM's count t*h*w / merge² is the pooled token count. The mean is taken in fp32."""
+    t, h, w = (int(v) for v in image.grid_thw.reshape(3))
+    rows, cols = h // merge, w // merge
+    if rows % pool or cols % pool:
+        raise ValueError(f"a {rows}x{cols} merged-token grid does not pool {pool}x{pool}: resize the page to a "
+                         f"multiple of patch * merge * {pool} first")
+    tokens = image.image_tokens
+    squares = tokens.float().reshape(t, rows // pool, pool, cols // pool, pool, tokens.shape[-1])
+    pooled = squares.mean(dim=(2, 4)).reshape(-1, tokens.shape[-1]).to(tokens.dtype).contiguous()
+    return EncodedImage(pooled, torch.tensor([[t, h // pool, w // pool]], dtype=image.grid_thw.dtype))
 
 
 @dataclass(frozen=True, slots=True)

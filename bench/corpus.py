@@ -1,7 +1,10 @@
 """The benchmark corpus: synthetic figure pages that recur across documents, encoded once into a feature store.
 
 Page ``i`` (0-based) is a 448x448 slide — a title, a chart drawn from its own seeded stream, a caption — so
-every page is a distinct image. Page popularity falls with ``i`` (the workload samples it from a Zipf law),
+every page is a distinct image. A mixed corpus (``CorpusSpec.mixed``) draws each page's size instead, as
+figure-heavy documents have them: a small figure (224x224, 64 image tokens under the default 28-pixel merge),
+a slide (448x448, 256) or a scanned A4 page (756x1064, 1026: a 16x spread); its resolution policy's max_pixels
+must admit the A4 page (``MIXED_MAX_PIXELS``). Page popularity falls with ``i`` (the workload samples it from a Zipf law),
 and so does its recurrence: page 0 is the standard slide that sits in most decks, the tail pages appear in
 one document each. Two extra probe pages, never asked about, measure the machine's speed between configs.
 
@@ -25,6 +28,9 @@ from core.keys import ImageKey, ResolutionPolicy, content_hash_of
 from adapters.store import FeatureStore
 
 PAGE_PX = 448  # 448x448 = 200704 pixels: 1024 patches, 256 image tokens under the default policy
+# A mixed corpus's page sizes (width, height) and their shares: sides are multiples of 28 (a merged token).
+MIXED_SIZES = {"figure": ((224, 224), 0.4), "slide": ((PAGE_PX, PAGE_PX), 0.3), "a4": ((756, 1064), 0.3)}
+MIXED_MAX_PIXELS = 1024 * 1024  # admits the A4 page (804,384 pixels) unscaled
 PROBES = 2
 _KINDS = ("bars", "line", "pie", "scatter")
 _TOPICS = ("revenue", "latency", "headcount", "storage", "churn", "adoption", "margin", "backlog")
@@ -36,6 +42,7 @@ class CorpusSpec:
     seed: int = 0
     docs: int = 0  # 0: pages // 3, at least 3
     max_recurrence: int = 6  # documents holding page 0; page i is in about max_recurrence / (i + 1) of them
+    mixed: bool = False  # page sizes drawn from MIXED_SIZES (probes stay 448x448 slides)
 
     @property
     def n_docs(self) -> int:
@@ -43,7 +50,15 @@ class CorpusSpec:
 
     @property
     def folder_name(self) -> str:
-        return f"corpus-p{self.pages}-d{self.n_docs}-r{self.max_recurrence}-s{self.seed}"
+        return f"corpus-p{self.pages}-d{self.n_docs}-r{self.max_recurrence}-s{self.seed}" + ("-mixed" * self.mixed)
+
+    def page_size(self, index: int) -> tuple[int, int]:
+        """Page ``index``'s pixel size: every page a slide, or (mixed) a size drawn from its own seeded stream."""
+        if not self.mixed or index >= self.pages:
+            return PAGE_PX, PAGE_PX
+        sizes, shares = zip(*MIXED_SIZES.values())
+        rng = np.random.default_rng([self.seed, index, zlib.crc32(b"size")])
+        return sizes[int(rng.choice(len(sizes), p=shares))]
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,7 +96,8 @@ class BenchCorpus:
         docs = self.documents()
         return {
             **asdict(self.spec), "documents": len(docs), "page_slots": sum(len(d) for d in docs),
-            "distinct_pages": len(self.pages), "page_px": [PAGE_PX, PAGE_PX], "recurrence": self.recurrence(),
+            "distinct_pages": len(self.pages), "recurrence": self.recurrence(),
+            "page_px": sorted({self.spec.page_size(p.index) for p in self.pages}),
         }
 
 
@@ -99,7 +115,7 @@ def build_corpus(root: Path, spec: CorpusSpec) -> BenchCorpus:
     for i in range(spec.pages + PROBES):
         probe = i >= spec.pages
         title = f"Probe {i - spec.pages + 1}" if probe else f"Figure {i + 1}: {_TOPICS[i % len(_TOPICS)]} by quarter"
-        image = _render(title, i, spec.seed)
+        image = _render(title, i, spec.seed, spec.page_size(i))
         name = f"page-{i:03d}.png"
         image.save(folder / name, format="PNG")
         h = content_hash_of(image.mode, image.size, image.tobytes())
@@ -145,9 +161,9 @@ def _place(spec: CorpusSpec) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def _render(title: str, index: int, seed: int) -> Image.Image:
+def _render(title: str, index: int, seed: int, size: tuple[int, int]) -> Image.Image:
     rng = np.random.default_rng([seed, index])
-    fig = Figure(figsize=(PAGE_PX / 100, PAGE_PX / 100), dpi=100)
+    fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100)
     fig.text(0.05, 0.93, title, fontsize=12, fontweight="bold", color="#1f2a44")
     ax = fig.add_axes((0.12, 0.18, 0.82, 0.68))
     kind = _KINDS[index % len(_KINDS)]
@@ -167,8 +183,8 @@ def _render(title: str, index: int, seed: int) -> Image.Image:
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     image = Image.fromarray(np.asarray(canvas.buffer_rgba())).convert("RGB")
-    if image.size != (PAGE_PX, PAGE_PX):
-        raise RuntimeError(f"bench page rendered at {image.size}, expected {PAGE_PX}x{PAGE_PX}")
+    if image.size != size:
+        raise RuntimeError(f"bench page rendered at {image.size}, expected {size[0]}x{size[1]}")
     return image
 
 

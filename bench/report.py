@@ -10,7 +10,7 @@ import numpy as np
 
 from core.engine import Usage
 
-from bench.runner import BenchRun, ConfigResult
+from bench.runner import MIXED_SHORT_TOKENS, BenchRun, ConfigResult
 
 # The exact layouts (prefix-cache hits only, every page seen with its siblings or said otherwise) that compete
 # for "best exact layout": a config with a new pipeline layout joins here once it is in runner.CONFIGS.
@@ -38,7 +38,12 @@ REFERENCES = ("vllm_llamaindex", "vllm_images_first", "floor")
 COLORS = {"no_cache": "#9ca3af", "vision_cache": "#6b7280", "apc_naive": "#f28e2b", "vllm_llamaindex": "#e15759",
           "vllm_images_first": "#ff9d9a", "mmrag": "#2f6db5", "mmrag_warm": "#1f4e8c", "mmrag_budget": "#59a14f",
           "mmrag_global": "#76b7b2", "mmrag_per_page": "#b07aa1",
-          "floor": "#1f2a44"}
+          "floor": "#1f2a44", "mixed": "#edc948", "mixed_tiered": "#9c755f"}
+
+# On the mixed-resolution corpus and workload, each against ``mixed``: the scheduler's short queue, and the
+# pages under the standard tier's bounds and pooled 2x2.
+MIXED_BASE = "mixed"
+MIXED_VARIANTS = ("mixed_tiered", "mixed_standard", "mixed_pooled")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -83,6 +88,8 @@ def config_summary(r: ConfigResult, questions: int) -> dict[str, Any]:
         "vit_forwards_per_question": _r(r.vision_forwards / questions if questions else 0.0, 3),
         "image_prefill_share": _r((total.image_tokens - total.cached_image_tokens) / computed if computed else 0.0),
         "peak_kv_usage": _r(r.kv_usage_peak),
+        "peak_kv_image_share": _r(r.kv_image_share_peak),  # estimated: serving/scheduler.KVResidency
+        **_kv_estimate(r, total.image_tokens),
         "prompt_tokens": total.prompt_tokens,
         "cached_tokens": total.cached_tokens,
         "computed_prompt_tokens": computed,
@@ -98,7 +105,38 @@ def config_summary(r: ConfigResult, questions: int) -> dict[str, Any]:
         "warm_up": r.warm,
         "scheduler": {"policy": r.spec.policy.value, "layout": r.spec.layout.value, **r.scheduler},
         "input": {"images": r.spec.images.value, "prompt": r.spec.prompt.value, "prefix_caching": r.spec.caching},
+        **(_by_size(r) if r.spec.mixed else {}),
     }
+
+
+def _kv_estimate(r: ConfigResult, image_tokens: int) -> dict[str, float]:
+    """How well the KV estimate predicts residency: at each dispatch it says how many of the plan's image
+    tokens lead a cached prefix; the engine then counts its own (full blocks only). As shares of all image
+    tokens: the bias (predicted minus measured) and the absolute error, summed over requests."""
+    diffs = [x.predicted_cached_image_tokens - x.usage.cached_image_tokens for x in r.records]
+    total = image_tokens or 1  # no image tokens: no differences either
+    return {"kv_estimate_bias": _r(sum(diffs) / total), "kv_estimate_abs_error": _r(sum(map(abs, diffs)) / total)}
+
+
+def _by_size(r: ConfigResult) -> dict[str, Any]:
+    """TTFT (scheduler queue included) of the short requests (at most MIXED_SHORT_TOKENS image tokens) and of
+    the long ones, counted the same way with the short queue on or off."""
+    out: dict[str, Any] = {"short_image_tokens": MIXED_SHORT_TOKENS}
+    for size, records in (("short", [x for x in r.records if x.usage.image_tokens <= MIXED_SHORT_TOKENS]),
+                          ("long", [x for x in r.records if x.usage.image_tokens > MIXED_SHORT_TOKENS])):
+        ttft = [x.ttft_s for x in records]
+        out |= {f"{size}_requests": len(records), f"{size}_ttft_p50_s": _r(_pct(ttft, 50)),
+                f"{size}_ttft_p99_s": _r(_pct(ttft, 99))}
+    return out
+
+
+def mixed_resolution(configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each variant over ``mixed`` in one run, per figure (TTFT below 1: sooner; throughput above 1: faster)."""
+    base = configs.get(MIXED_BASE)
+    names = ("short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s", "long_ttft_p99_s", "ttft_p50_s", "ttft_p99_s",
+             "throughput_qps", "peak_kv_image_share", "image_tokens")
+    return {f"{v} / {MIXED_BASE}": {n: _r(configs[v][n] / base[n] if base[n] else 0.0, 3) for n in names}
+            for v in MIXED_VARIANTS if base is not None and v in configs}
 
 
 def targets(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -175,7 +213,7 @@ def build_json(run: BenchRun, *, model: dict, workload: dict, corpus: dict, engi
               "engine_start_s": run.engine_start_s}
     machine = {**run.machine, "dtype": run.dtype}
     return {"configs": configs, "comparisons": comparisons(configs), "layouts": layout_costs(configs),
-            "targets": targets(configs), "model": model,
+            "mixed_resolution": mixed_resolution(configs), "targets": targets(configs), "model": model,
             "machine": machine, "workload": workload, "corpus": corpus, "engine": engine, "run": meta}
 
 
@@ -198,6 +236,15 @@ def markdown_tables(data: dict) -> str:
     if data["comparisons"]:
         rows += ["", "| ratio | throughput (× faster) | TTFT p50 (× of theirs) |", "|---|---|---|"]
         rows += [f"| {name} | {c['throughput']:.2f} | {c['ttft_p50']:.2f} |" for name, c in data["comparisons"].items()]
+    mixed = [(n, c) for n, c in data["configs"].items() if "short_requests" in c]
+    if mixed:
+        rows += ["", "| mixed resolution | short requests | short TTFT p50 / p99 (s) | long requests "
+                 "| long TTFT p50 / p99 (s) | questions/s | peak KV image share (est.) | KV estimate bias / abs error |",
+                 "|---|---|---|---|---|---|---|---|"]
+        rows += [f"| {n} | {c['short_requests']} | {c['short_ttft_p50_s']:.2f} / {c['short_ttft_p99_s']:.2f} | "
+                 f"{c['long_requests']} | {c['long_ttft_p50_s']:.2f} / {c['long_ttft_p99_s']:.2f} | "
+                 f"{c['throughput_qps']:.3f} | {c['peak_kv_image_share']:.3f} | "
+                 f"{c['kv_estimate_bias']:+.3f} / {c['kv_estimate_abs_error']:.3f} |" for n, c in mixed]
     m = data["machine"]
     flags = ", ".join(f"{f} {'yes' if on else 'no'}" for f, on in m["cpu_flags"].items())
     rows += ["", f"{m['cpu_model']} (family/model/stepping {m['cpu_family_model_stepping']}), {m['cpus']} cores "

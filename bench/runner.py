@@ -13,6 +13,13 @@ The configurations a user would run instead of mmrag send page pixels with vLLM'
 - ``vllm_images_first``: the savvy vLLM user's prompt, images first in retrieval-score order, then the
   question (mmrag's renderer on score-ordered pages).
 
+``mixed`` and ``mixed_tiered`` run mmrag on the mixed-resolution corpus (bench/corpus.py: small figures, slides
+and scanned A4 pages, a 16x spread in image tokens), the second with the scheduler's short queue
+(``MIXED_SHORT_TOKENS``, one reserved slot): the TTFT of the short requests with and without it.
+``mixed_standard`` and ``mixed_pooled`` run ``mixed`` with the pages under the standard tier's bounds (max 448²:
+the A4 page scaled down) and pooled 2x2 (a quarter of the tokens): throughput, TTFT and KV share per
+resolution policy (``MIXED_POLICIES``). Full run only, unless named with --configs.
+
 ``floor`` is mmrag's prompts and scheduler with every image prefix already in the KV cache: the questions
 run in batches whose image prefixes fit in half the KV cache; before each batch every distinct image prefix
 of it is prefilled (untimed), then the batch runs timed. What is left is what no cache can remove: the text
@@ -35,7 +42,7 @@ from typing import Any
 from PIL import Image
 from prometheus_client import REGISTRY
 
-from core.keys import ImageKey
+from core.keys import ImageKey, ResolutionPolicy
 from adapters.checkpoint import ModelSource
 from adapters.hardware import cpu_flags, native_cpu_dtype
 from adapters.store import FeatureStore
@@ -47,14 +54,26 @@ from serving.engine.config import EngineConfig, resolve_dtype
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
 from serving.engine.prompt import PromptRenderer, PromptTokens
-from serving.scheduler import Policy, Scheduler, SchedulerConfig
+from serving.scheduler import KVResidency, Policy, Scheduler, SchedulerConfig
 from serving.warmup import rank_by_demand, warm, warm_plan
 
-from bench.corpus import BenchCorpus
+from bench.corpus import MIXED_MAX_PIXELS, BenchCorpus
 from bench.workload import (PromptImages, Question, Workload, cache_tokens, fits_in_kv, oracle_bound,
                             prefix_bound)
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# Mixed resolutions: a plan of at most this many image tokens is short (figures and slides, up to two of them);
+# one with a scanned A4 page (1026 tokens) is long. mixed_tiered gives the short ones their own queue and a slot.
+MIXED_SHORT_TOKENS = 512
+MIXED_SHORT_RESERVED = 1
+
+
+def mixed_policies(min_pixels: int, standard_max_pixels: int) -> dict[str, ResolutionPolicy]:
+    """The mixed corpus's resolution policies: every page unscaled; the standard tier's bounds; unscaled and
+    pooled 2x2."""
+    return {"full": ResolutionPolicy(min_pixels, MIXED_MAX_PIXELS),
+            "standard": ResolutionPolicy(min_pixels, standard_max_pixels),
+            "pooled": ResolutionPolicy(min_pixels, MIXED_MAX_PIXELS, pool=2)}
 
 
 class ImageInput(str, enum.Enum):
@@ -82,6 +101,9 @@ class ConfigSpec:
     warm: bool = False
     budget: bool = False  # the smaller resolution policy's keys
     prefilled: bool = False  # floor: every image prefix in the KV cache before its prompt runs
+    mixed: str = ""  # the mixed-resolution corpus, its keys under this policy of MIXED_POLICIES
+    tier_queues: bool = False  # the scheduler's short queue (MIXED_SHORT_TOKENS) with a reserved slot
+    full_only: bool = False  # left out of --quick unless named with --configs
 
     def __post_init__(self) -> None:
         if self.prompt is not PromptStyle.MMRAG and self.images is ImageInput.TOKENS:
@@ -106,6 +128,11 @@ CONFIGS = (
     ConfigSpec("mmrag_global", _T, caching=True, layout=Layout.GLOBAL, policy=_DFS, warm=True),
     ConfigSpec("mmrag_per_page", _T, caching=True, layout=Layout.PER_PAGE, policy=_DFS, warm=True),
     ConfigSpec("floor", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True),
+    ConfigSpec("mixed", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", full_only=True),
+    ConfigSpec("mixed_tiered", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", tier_queues=True,
+               full_only=True),
+    ConfigSpec("mixed_standard", _T, caching=True, layout=_CANON, policy=_DFS, mixed="standard", full_only=True),
+    ConfigSpec("mixed_pooled", _T, caching=True, layout=_CANON, policy=_DFS, mixed="pooled", full_only=True),
 )
 
 
@@ -194,9 +221,25 @@ class BenchInputs:
     full: Keys
     budget: Keys
     engine_config: EngineConfig  # caching on; engine A is the same with caching=False
+    mixed_corpus: BenchCorpus | None = None  # the mixed-resolution configurations' pages and keys
+    mixed: dict[str, Keys] = field(default_factory=dict)  # by policy name (mixed_policies)
     scheduler_concurrency: int = 4
     warm_share: float = 0.5
     log: Callable[[str], None] = print
+
+    def corpus_for(self, spec: ConfigSpec) -> BenchCorpus:
+        return self._mixed(spec)[0] if spec.mixed else self.corpus
+
+    def keys_for(self, spec: ConfigSpec) -> Keys:
+        if spec.mixed:
+            return self._mixed(spec)[1]
+        return self.budget if spec.budget else self.full
+
+    def _mixed(self, spec: ConfigSpec) -> tuple[BenchCorpus, Keys]:
+        if self.mixed_corpus is None or spec.mixed not in self.mixed:
+            raise ValueError(f"{spec.name} needs the mixed-resolution corpus and its keys under {spec.mixed!r} "
+                             "(bench/corpus.py, runner.mixed_policies)")
+        return self.mixed_corpus, self.mixed[spec.mixed]
 
 
 @dataclass(slots=True)
@@ -206,6 +249,7 @@ class PlanRecord:
     ttft_s: float  # submit to the scheduler -> first token (queue wait included)
     latency_s: float
     usage: Usage
+    predicted_cached_image_tokens: int = 0  # what the scheduler's KV estimate said at dispatch
 
 
 @dataclass(slots=True)
@@ -216,6 +260,7 @@ class ConfigResult:
     question_latencies_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     kv_usage_peak: float = 0.0
+    kv_image_share_peak: float = 0.0  # the scheduler's estimate (serving/scheduler.KVResidency)
     vision_forwards: int = 0
     position_oracle_hit_rate: float = 0.0  # any reuse of a page hits, wherever it sits
     prefix_bound_hit_rate: float = 0.0  # what a prefix cache can reach with this configuration's layout
@@ -239,6 +284,7 @@ class ConfigResult:
         self.records += part.records
         self.question_latencies_s += part.question_latencies_s
         self.kv_usage_peak = max(self.kv_usage_peak, part.kv_usage_peak)
+        self.kv_image_share_peak = max(self.kv_image_share_peak, part.kv_image_share_peak)
         self.vision_forwards += part.vision_forwards
         for k, v in part.scheduler.items():
             self.scheduler[k] = self.scheduler.get(k, 0) + v
@@ -333,9 +379,14 @@ class _FirstTokens:
         self.model_name = inner.model_name
         self.random_weights = inner.random_weights
         self.first: dict[PromptPlan, float] = {}
+        self.predict: Callable[[PromptPlan], int] | None = None  # asked as the scheduler dispatches a plan
+        self.predicted: dict[PromptPlan, int] = {}
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
                        on_text: OnText | None = None) -> Completion:
+        if self.predict is not None:
+            self.predicted[plan] = self.predict(plan)
+
         def stamp() -> None:
             self.first.setdefault(plan, time.perf_counter())
             if on_first_token is not None:
@@ -411,9 +462,11 @@ def kv_usage() -> float:
     return max(values, default=0.0)
 
 
-async def _sample_kv(peak: list[float], stop: asyncio.Event, period_s: float = 0.1) -> None:
+async def _sample_kv(peak: list[float], residency: KVResidency, stop: asyncio.Event, period_s: float = 0.1) -> None:
+    """Peaks of vLLM's KV usage and of the scheduler's estimate of the image share of the KV cache."""
     while not stop.is_set():
         peak[0] = max(peak[0], kv_usage())
+        peak[1] = max(peak[1], residency.share)
         try:
             await asyncio.wait_for(stop.wait(), period_s)
         except TimeoutError:
@@ -427,10 +480,15 @@ async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: K
     questions = wl.questions if questions is None else questions
     result = ConfigResult(spec)
     recorder = _FirstTokens(engine)
-    sched = Scheduler(recorder, SchedulerConfig(policy=spec.policy, max_concurrency=inputs.scheduler_concurrency),
+    short = {"short_image_tokens": MIXED_SHORT_TOKENS, "short_reserved": MIXED_SHORT_RESERVED} if spec.tier_queues else {}
+    sched = Scheduler(recorder, SchedulerConfig(policy=spec.policy, max_concurrency=inputs.scheduler_concurrency,
+                                                **short),
                       image_tokens=lambda p: sum(keys.tokens[k] for k in p.images))
+    residency = sched.track_kv((await engine.kv_capacity()).tokens)
+    recorder.predict = lambda p: residency.resident_prefix(p.images, [keys.tokens[k] for k in p.images])
     popularity = PagePopularity() if spec.layout is Layout.GLOBAL else None  # one per run, as per process
-    plans = {q.qid: question_plans(q, spec, keys, inputs.corpus, wl.spec.max_tokens, popularity) for q in questions}
+    corpus = inputs.corpus_for(spec)
+    plans = {q.qid: question_plans(q, spec, keys, corpus, wl.spec.max_tokens, popularity) for q in questions}
     result.plans = [p for q in questions for p in plans[q.qid]]
 
     async def ask(q: Question) -> None:
@@ -441,13 +499,14 @@ async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: K
             completion = await sched.submit(plan)
             done = time.perf_counter()
             first = recorder.first.get(plan, done)
-            result.records.append(PlanRecord(q.qid, plan, first - submitted, done - submitted, completion.usage))
+            result.records.append(PlanRecord(q.qid, plan, first - submitted, done - submitted, completion.usage,
+                                             recorder.predicted.get(plan, 0)))
 
         await asyncio.gather(*(one(p) for p in plans[q.qid]))
         result.question_latencies_s.append(time.perf_counter() - started)
 
-    peak, stop = [0.0], asyncio.Event()
-    sampler = asyncio.get_running_loop().create_task(_sample_kv(peak, stop))
+    peak, stop = [0.0, 0.0], asyncio.Event()
+    sampler = asyncio.get_running_loop().create_task(_sample_kv(peak, residency, stop))
     cpu_before = cpu_snapshot()
     started = time.perf_counter()
     if wl.spec.rate_qps:
@@ -472,11 +531,12 @@ async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: K
     result.own_cpu_cores = (own1 - own0) / result.wall_s
     stop.set()
     await sampler
-    result.kv_usage_peak = peak[0]
+    result.kv_usage_peak, result.kv_image_share_peak = peak
     result.vision_forwards = sum(r.usage.vision_encodes for r in result.records)
     s = sched.stats
     result.scheduler = {"dispatched": s.dispatched, "gated": s.gated, "fairness_overrides": s.fairness_overrides,
-                        "fcfs_fallbacks": s.fcfs_fallbacks}
+                        "fcfs_fallbacks": s.fcfs_fallbacks, "short_dispatched": s.short_dispatched,
+                        "long_held": s.long_held}
     return result
 
 
@@ -511,7 +571,8 @@ def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, base: Prompt
     spec, wl = result.spec, inputs.workload
 
     as_canonical = replace(spec, layout=Layout.CANONICAL)
-    plans = [p for q in wl.questions for p in question_plans(q, as_canonical, keys, inputs.corpus, wl.spec.max_tokens)]
+    corpus = inputs.corpus_for(spec)
+    plans = [p for q in wl.questions for p in question_plans(q, as_canonical, keys, corpus, wl.spec.max_tokens)]
     canonical = prompt_images(plans, keys, base)
     warm_set = None
     if spec.prefilled:
@@ -614,7 +675,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
                 vit_probe = await _vit_probe(engine, inputs, images)
             base = Prompts(engine.renderer)
             for spec in group:
-                keys = inputs.budget if spec.budget else inputs.full
+                keys = inputs.keys_for(spec)
                 own = Prompts(engine.renderer, spec.prompt, captions)
                 warm_info, warmed = None, None
                 probes = await probe(engine, inputs, reset=caching)

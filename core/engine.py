@@ -47,6 +47,9 @@ class PromptPlan:
     system_prompt_id: str = "default"
     sampling: SamplingSpec = SamplingSpec()
     layout: Layout = Layout.CANONICAL
+    # Scopes the engine's prefix cache (vLLM's cache_salt, folded into the first KV block's hash): plans with
+    # different salts never share KV. Each tenant's plans carry its own; "" shares with every unsalted plan.
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -108,6 +111,28 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class EngineWrapper:
+    """An engine around ``inner`` that changes only ``generate`` (metering, salting): the rest goes through."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.model_name = inner.model_name
+        self.random_weights = inner.random_weights
+
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
+        return await self.inner.generate(plan, on_first_token=on_first_token, on_text=on_text)
+
+    async def kv_capacity(self) -> KVCapacity:
+        return await self.inner.kv_capacity()
+
+    async def reset_prefix_cache(self) -> None:
+        await self.inner.reset_prefix_cache()
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 class Submit(Protocol):

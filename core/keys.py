@@ -3,15 +3,18 @@
 Every component that names cached image tokens or KV — ingestion, the feature store, the engine's
 ``multi_modal_uuids``, warm-up and metrics — uses :class:`ImageKey` and its ``str()`` form. vLLM uses the
 uuid *verbatim* as the cache key of the image (it replaces the content hash), so the string must carry
-everything that changes the tokens: the page content, the encoder and the resolution policy.
+everything that changes the tokens: the page content, the encoder and the resolution policy (pooling included).
+:class:`Tiers` names the configured policies (resolution tiers): one page has a key per tier it is stored in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import NewType
 
 ContentHash = NewType("ContentHash", str)  # sha256 hex of the rendered, normalised page image
@@ -19,25 +22,41 @@ EncoderVersion = NewType("EncoderVersion", str)  # hex digest of vision weights 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HEX = re.compile(r"^[0-9a-f]{8,64}$")
-_KEY_RE = re.compile(r"^img1-([0-9a-f]{64})-([0-9a-f]{8,64})-px(\d+)-(\d+)$")
+_KEY_RE = re.compile(r"^img1-([0-9a-f]{64})-([0-9a-f]{8,64})-px(\d+)-(\d+)(?:-pool(\d+))?$")
 
 
 @dataclass(slots=True, frozen=True, order=True)
 class ResolutionPolicy:
-    """How a page image is resized before the vision encoder: the processor's pixel bounds."""
+    """How a page image becomes tokens: the processor's pixel bounds, and ``pool``, the side of the square of
+    merged tokens averaged into one after the projector (1: none; 2: 2x2, a quarter of the tokens, the grid kept
+    so that M-RoPE positions stay consistent, adapters/vision.py ``pool_grid``)."""
 
     min_pixels: int
     max_pixels: int
+    pool: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(
                 f"resolution policy needs 0 < min_pixels <= max_pixels, got {self.min_pixels}, "
-                f"{self.max_pixels}; set MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS accordingly"
+                f"{self.max_pixels}; set MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS (or the tier in MMRAG_TIERS) accordingly"
             )
+        if self.pool not in (1, 2):
+            raise ValueError(f"pool must be 1 (none) or 2 (2x2 pooling), got {self.pool}; fix it in MMRAG_TIERS")
+
+    @property
+    def pooled(self) -> bool:
+        return self.pool > 1
+
+    @property
+    def token_budget(self) -> float:
+        """max_pixels over pool²: proportional to the most image tokens a page takes under this policy (what
+        :meth:`Tiers.nearest` compares)."""
+        return self.max_pixels / self.pool**2
 
     def __str__(self) -> str:
-        return f"px{self.min_pixels}-{self.max_pixels}"
+        # Unpooled keys keep the form they had before pooling existed, so stored keys stay valid.
+        return f"px{self.min_pixels}-{self.max_pixels}" + (f"-pool{self.pool}" if self.pooled else "")
 
 
 @dataclass(slots=True, frozen=True, order=True)
@@ -62,9 +81,65 @@ class ImageKey:
         """Inverse of ``str()``."""
         m = _KEY_RE.match(text)
         if m is None:
-            raise ValueError(f"not an image key: {text!r} (expected img1-<sha256>-<encoder>-px<min>-<max>)")
-        content, encoder, lo, hi = m.groups()
-        return cls(ContentHash(content), EncoderVersion(encoder), ResolutionPolicy(int(lo), int(hi)))
+            raise ValueError(
+                f"not an image key: {text!r} (expected img1-<sha256>-<encoder>-px<min>-<max>[-pool<n>])")
+        content, encoder, lo, hi, pool = m.groups()
+        policy = ResolutionPolicy(int(lo), int(hi), int(pool) if pool else 1)
+        if pool is not None and not policy.pooled:  # -pool1 is not a form str() writes: one key, one string
+            raise ValueError(f"not an image key: {text!r} (an unpooled key has no -pool part)")
+        return cls(ContentHash(content), EncoderVersion(encoder), policy)
+
+    def in_policy(self, policy: ResolutionPolicy) -> ImageKey:
+        """The same page from the same encoder under another policy (another tier)."""
+        return replace(self, policy=policy)
+
+
+STANDARD_TIER = "standard"  # MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS: the tier whose keys indexed pages carry
+OTHER_TIER = "other"  # the tier label of a policy no configured tier has
+
+
+class UnknownTierError(ValueError):
+    """A tier that is not configured; the message names the configured ones."""
+
+
+@dataclass(slots=True, frozen=True)
+class Tiers:
+    """The named resolution tiers (MMRAG_TIERS plus ``standard``): what a question or ingest asks for by name,
+    and what metrics label image tokens with."""
+
+    policies: Mapping[str, ResolutionPolicy]
+
+    def policy(self, name: str) -> ResolutionPolicy:
+        try:
+            return self.policies[name]
+        except KeyError:
+            raise UnknownTierError(
+                f"unknown resolution tier {name!r}; configured tiers: {', '.join(self.policies)} (MMRAG_TIERS)"
+            ) from None
+
+    def name_of(self, policy: ResolutionPolicy) -> str:
+        """The first tier with this policy, else ``other`` (tokens of a policy no longer configured)."""
+        return next((n for n, p in self.policies.items() if p == policy), OTHER_TIER)
+
+    def labels(self, key: ImageKey) -> dict[str, str]:
+        """Metric labels of a key's image tokens: its tier and whether they are pooled."""
+        return {"tier": self.name_of(key.policy), "pooled": str(key.policy.pooled).lower()}
+
+    def in_use(self, indexed: Iterable[ImageKey]) -> Callable[[ImageKey], bool]:
+        """Whether a stored key is in use, given the keys indexed pages carry: one of them, or the same page
+        and encoder in a configured tier (tier entries live in the store only; a garbage collector keeps them)."""
+        exact = set(indexed)
+        pages = {(k.content_hash, k.encoder_version) for k in exact}
+        policies = set(self.policies.values())
+        return lambda key: key in exact or (
+            (key.content_hash, key.encoder_version) in pages and key.policy in policies)
+
+    @staticmethod
+    def nearest(asked: ResolutionPolicy, have: list[ResolutionPolicy]) -> ResolutionPolicy:
+        """Of ``have``, the policy closest to ``asked`` in tokens per page (log ratio: 2x more is as far as 2x
+        fewer); on a tie, the larger one (a fallback should not lose detail it need not lose)."""
+        return min(have, key=lambda p: (abs(math.log(p.token_budget / asked.token_budget)),
+                                        -p.token_budget))
 
 
 def content_hash_of(mode: str, size: tuple[int, int], pixels: bytes) -> ContentHash:

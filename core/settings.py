@@ -12,7 +12,19 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from core.keys import ResolutionPolicy
+from core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
+
+
+DEFAULT_TENANT = "default"
+_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def check_tenant(name: str) -> str:
+    """A tenant name names a collection and a cache salt: 1-32 of a-z, 0-9, ``_``, ``-``, not leading ``_``/``-``."""
+    if not _TENANT.fullmatch(name):
+        raise ValueError(f"tenant name {name!r}: use 1-32 lowercase letters, digits, '_' or '-', starting with a "
+                         "letter or digit")
+    return name
 
 
 class Settings(BaseSettings):
@@ -98,6 +110,46 @@ class Settings(BaseSettings):
     conversation_ttl_s: float = Field(default=3600.0, gt=0)
     max_conversations: int = Field(default=1024, ge=1)
 
+    # Image-token budget (issue 16): resolution tiers, pooling, mixed-resolution scheduling.
+    # Resolution tiers a question (`tier`, `mmrag ask --tier`) or an ingest (`mmrag ingest --tier`) asks for by
+    # name. `standard` is always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS, the keys indexed pages carry; MMRAG_TIERS
+    # (JSON) names the others: {"name": {"min_pixels": N, "max_pixels": N, "pool": 1 or 2}}. pool 2 averages
+    # 2x2 merged tokens after the projector: a quarter of the tokens. Default: low = standard's bounds pooled,
+    # high = 4x standard's pixels. MMRAG_INGEST_TIERS: the tiers ingestion encodes (comma-separated; standard
+    # always, each more costs one vision forward per page); a page asked for in another is encoded on demand.
+    tiers: dict[str, ResolutionPolicy] = Field(default_factory=lambda: {
+        "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)})
+    ingest_tiers: str = "standard"
+    # Mixed resolutions (serving/scheduler.py): plans of at most scheduler_short_image_tokens image tokens form a
+    # queue of their own, served first, with scheduler_short_reserved of the max_concurrency slots that long plans
+    # never take, so a small figure's question does not wait behind scanned pages' prefills. 0: one queue.
+    scheduler_short_image_tokens: int = Field(default=0, ge=0)
+    scheduler_short_reserved: int = Field(default=1, ge=1)
+
+    # Ray Serve (issue 15, `mmrag serve --ray`): join the cluster at ray_address (auto, or <head>:6379, from a
+    # cluster node: Ray Client's ray:// cannot stream from Serve handles), or start a local one when empty;
+    # ray_replicas engine replicas, each a vLLM engine over the shared feature store; the router sends a plan
+    # to the replica holding its longest image prefix unless that replica has more than
+    # ray_affinity_queue_bound requests queued, then to the least loaded one.
+    ray_address: str = ""
+    ray_replicas: int = Field(default=2, ge=1)
+    ray_affinity_queue_bound: int = Field(default=8, ge=1)
+    # Ray CPUs each engine / vision replica reserves (scheduling only: vLLM picks its own threads); Serve's
+    # HTTP proxy (the vision service at /vision) listens on host:ray_http_port; the vision deployment
+    # autoscales on its queue between 1 and ray_vision_max_replicas replicas.
+    ray_replica_cpus: float = Field(default=1.0, ge=0)
+    ray_replica_gpus: float = Field(default=0.0, ge=0)  # per engine / vision replica: 1 on GPU workers
+    # false: the cluster already runs the applications (a KubeRay RayService deploys them from
+    # mmrag.wiring:ray_engine_application / ray_vision_application); `mmrag serve --ray` only takes their handles.
+    ray_deploy: bool = True
+    ray_http_port: int = 8200
+    ray_vision_max_replicas: int = Field(default=2, ge=1)
+
+    # Tenants: MMRAG_TENANTS_FILE, a JSON file {"tenant": ["sha256:<hex of an API key>", ...]} that
+    # `mmrag tenant add` writes (serving/api/tenants.py). Each tenant has its own Qdrant collection
+    # (tenant_collection) and prefix-cache salt; unset: one tenant, `default`, whose key is MMRAG_API_KEY.
+    tenants_file: Path | None = None
+
     # RAG
     top_k: int = 3  # pages per sub-question
     # Prompt layout (rag/pipeline.py): canonical (pages in the batch's shared order), global (pages in a
@@ -120,13 +172,44 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self.resolution_policy  # validates the bounds with a message that names the fix
+        if STANDARD_TIER in self.tiers:
+            raise ValueError("MMRAG_TIERS names `standard`: that tier is MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS; set "
+                             "those instead and leave it out of MMRAG_TIERS")
+        self.ingest_tier_policies  # every name configured, or UnknownTierError naming the tiers
+        if self.tenants_file is not None and self.api_key:
+            raise ValueError("MMRAG_TENANTS_FILE and MMRAG_API_KEY are both set: with tenants every key lives in "
+                             "the tenants file (`mmrag tenant add default` makes one for the default tenant); "
+                             "unset MMRAG_API_KEY")
         if self.clip_weights is not None and not self.clip_weights.exists():
             raise ValueError(f"MMRAG_CLIP_WEIGHTS={self.clip_weights} does not exist; point it at a local file")
         return self
 
+    def tenant_collection(self, tenant: str) -> str:
+        """The tenant's Qdrant collection: MMRAG_QDRANT_COLLECTION for the default tenant (so a single-tenant
+        index needs no migration), ``<that>--<tenant>`` for any other."""
+        check_tenant(tenant)
+        return self.qdrant_collection if tenant == DEFAULT_TENANT else f"{self.qdrant_collection}--{tenant}"
+
+    def for_tenant(self, tenant: str) -> Settings:
+        """These settings with the tenant's collection as MMRAG_QDRANT_COLLECTION: what the CLI's ``--tenant``
+        and each tenant's pipeline in the server use."""
+        return self.model_copy(update={"qdrant_collection": self.tenant_collection(tenant)})
+
     @property
     def resolution_policy(self) -> ResolutionPolicy:
         return ResolutionPolicy(self.min_pixels, self.max_pixels)
+
+    @property
+    def tier_table(self) -> Tiers:
+        return Tiers({STANDARD_TIER: self.resolution_policy, **self.tiers})
+
+    @property
+    def ingest_tier_policies(self) -> list[ResolutionPolicy]:
+        """The policies ingestion encodes besides standard's (MMRAG_INGEST_TIERS), each once."""
+        table = self.tier_table
+        names = [n.strip() for n in self.ingest_tiers.split(",") if n.strip()]
+        policies = dict.fromkeys(table.policy(n) for n in names)
+        return [p for p in policies if p != self.resolution_policy]
 
     @property
     def image_channel(self) -> bool:

@@ -7,6 +7,8 @@ uninterrupted run makes:
    (encoder version, resolution policy, DPI, OCR, embedders) and their image tokens are still stored;
 3. per batch of pages: encode the pages whose ImageKey the store lacks (one vision forward each) and write
    each entry atomically — entries are content-addressed, so an entry left by a killed run is whole and reused;
+   the same for each extra resolution tier (MMRAG_INGEST_TIERS: its keys in the store, not in the index, whose
+   points carry the standard tier's key; a file missing a tier's entries is not current);
 4. upsert all the file's points at once, then drop pages the file no longer has. A file that fails half-way
    writes no point, so no partial document is ever searchable.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +41,8 @@ STAGES = ("render", "text", "ocr", "encode", "embed", "index")
 class IngestReport:
     files: int = 0
     pages: int = 0
-    encoded: int = 0  # vision forwards: pages newly encoded
-    cached: int = 0  # pages whose image tokens were already stored
+    encoded: int = 0  # vision forwards: pages newly encoded (once per tier with MMRAG_INGEST_TIERS)
+    cached: int = 0  # pages whose image tokens were already stored (likewise per tier)
     failed: list[FileFailure] = field(default_factory=list)
     seconds: float = 0.0
     unchanged_files: int = 0
@@ -74,9 +76,12 @@ class Ingestor:
         index: PageIndex,
         text_embedder: TextEmbedder,
         image_embedder: ImageEmbedder | None = None,
+        tier_encoders: Sequence[VisionEncoder] = (),
     ) -> None:
+        """``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``)."""
         self.settings = settings
         self.encoder = encoder
+        self.tier_encoders = list(tier_encoders)
         self.store = store
         self.index = index
         self.text_embedder = text_embedder
@@ -138,11 +143,16 @@ class Ingestor:
             return False
         if any(p.file_sha256 != doc.file_sha256 or p.fingerprint != self.fingerprint for p in have):
             return False
-        return all(self.store.contains(p.image_key) for p in have)
+        return all(self.store.contains(k) for p in have for k in self._tier_keys(p.image_key))
+
+    def _tier_keys(self, key: ImageKey) -> list[ImageKey]:
+        return [key, *(key.in_policy(e.policy) for e in self.tier_encoders)]
 
     def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport) -> list:
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
-        self._encode_missing(pages, keys, report)
+        self._encode_missing(self.encoder, pages, keys, report)
+        for encoder in self.tier_encoders:
+            self._encode_missing(encoder, pages, [encoder.key_for(p.content_hash) for p in pages], report)
         vectors = self._embed(pages, report)
         for p in pages:
             report.pages += 1
@@ -154,13 +164,14 @@ class Ingestor:
             for p, key, vecs in zip(pages, keys, vectors)
         ]
 
-    def _encode_missing(self, pages: list[RenderedPage], keys: list[ImageKey], report: IngestReport) -> None:
+    def _encode_missing(self, encoder: VisionEncoder, pages: list[RenderedPage], keys: list[ImageKey],
+                        report: IngestReport) -> None:
         missing, cached = missing_keys(self.store, pages, keys)
         report.cached += cached
         if not missing:
             return
         t0 = time.perf_counter()
-        encoded = self.encoder.encode([p.image for p in missing.values()])
+        encoded = encoder.encode([p.image for p in missing.values()])
         for key, value in zip(missing, encoded):
             self.store.put(key, value)
         report.encoded += len(missing)

@@ -30,7 +30,7 @@ from typing import Any
 from adapters.qdrant import PageIndex
 from adapters.store import FeatureStore, FeatureStoreError
 from adapters.vision import VisionEncoder
-from core.keys import ImageKey
+from core.keys import ImageKey, Tiers
 from core.pages import RenderedPage
 from core.payload import EncoderScope, PagePayload
 from core.settings import Settings
@@ -87,14 +87,14 @@ class ReencodeReport:
         return out
 
 
-def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope) -> ReencodeReport:
+def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: Tiers) -> ReencodeReport:
     """What a run would do, from the index and the store alone (nothing is rendered or encoded): the stale
     pages per old encoder, and the vision forwards they need (a page's new key is its indexed content hash
     under ``scope``; a changed source file, found only by a run, needs none)."""
     report, stale = _plan(index, scope, dry_run=True)
     report.encoded = sum(not store.contains(k) for k in {ImageKey(p.content_hash, scope.version, scope.policy)
                                                           for p in stale})
-    report.unreferenced_entries = _unreferenced(index, store)
+    report.unreferenced_entries = _unreferenced(index, store, tiers)
     return report
 
 
@@ -142,7 +142,7 @@ class Reencoder:
             self._reencode_file(path, pages, report, lambda n: notify(done + n, len(stale)))
             done += len(pages)
             notify(done, len(stale))
-        report.unreferenced_entries = _unreferenced(self.index, self.store)
+        report.unreferenced_entries = _unreferenced(self.index, self.store, self.settings.tier_table)
         report.seconds = time.perf_counter() - started
         log.info("re-encoded %d pages for %s (%d vision forwards, %d reused, %d skipped) in %.2f s", report.reencoded,
                  self.scope, report.encoded, report.reused, len(report.skipped), report.seconds)
@@ -237,6 +237,7 @@ def _unchangeable(page: PagePayload, doc: Document, scope: EncoderScope) -> str:
     return ""
 
 
-def _unreferenced(index: PageIndex, store: FeatureStore) -> int:
-    referenced = {p.image_key for p in index.pages()}
-    return sum(k not in referenced for k in store.keys())
+def _unreferenced(index: PageIndex, store: FeatureStore, tiers: Tiers) -> int:
+    """Entries `mmrag store gc` would remove: neither an indexed page's key nor its page's entry in a tier."""
+    in_use = tiers.in_use(p.image_key for p in index.pages())
+    return sum(not in_use(k) for k in store.keys())

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from core.settings import Settings
+from core.keys import UnknownTierError
+from core.settings import DEFAULT_TENANT, Settings
 from mmrag import wiring
 from rag.answer import Answer, answer_over_pages
 from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
@@ -59,13 +60,27 @@ def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[PagePayl
     return pages
 
 
+def check_tier(settings: Settings, tier: str) -> str:
+    """``--tier``: a configured tier, or an ArgumentError naming them."""
+    try:
+        settings.tier_table.policy(tier)
+    except UnknownTierError as exc:
+        raise ArgumentError(f"--tier: {exc}") from None
+    return tier
+
+
 def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_tokens: int | None,
-        console: Console) -> Answer:
-    """Over given pages (``--pages``), or through the whole pipeline: sub-questions, retrieval, cited answer."""
+        console: Console, tier: str | None = None, tenant: str = DEFAULT_TENANT) -> Answer:
+    """Over given pages (``--pages``), or through the whole pipeline: sub-questions, retrieval, cited answer
+    (its pages in ``tier``; ``--pages`` shows them as indexed)."""
     if not question.strip():
         raise ArgumentError("the question is empty: ask something, e.g. mmrag ask \"What does the chart show?\"")
     refs = parse_page_refs(pages_spec) if pages_spec else None
-    settings = Settings()
+    settings = Settings().for_tenant(tenant)
+    if tier is not None:
+        if refs is not None:
+            raise ArgumentError("--tier applies to retrieved pages; leave it out with --pages")
+        check_tier(settings, tier)
     if max_tokens:
         settings = settings.model_copy(update={"answer_max_tokens": max_tokens})
     pages = None
@@ -77,17 +92,17 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
             index.client.close()
     model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
-    return asyncio.run(_ask(settings, model, question, pages, docs))
+    return asyncio.run(_ask(settings, model, question, pages, docs, tier))
 
 
-async def _ask(settings: Settings, model, question: str, pages, docs) -> Answer:
+async def _ask(settings: Settings, model, question: str, pages, docs, tier: str | None) -> Answer:
     engine = wiring.engine(settings, model)
     try:
         if pages is not None:
             return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens)
         pipeline, _ = wiring.pipeline(settings, engine)
         try:
-            return await pipeline.ask(question, docs=docs)
+            return await pipeline.ask(question, docs=docs, tier=tier)
         finally:
             await pipeline.searcher.client.close()
     finally:

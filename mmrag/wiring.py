@@ -10,13 +10,15 @@ Heavy libraries (torch, vLLM, transformers) are imported inside the builders, ne
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from adapters.checkpoint import ModelSource, configured_model
 from core.engine import Engine, ImageTokenCounts
 from core.payload import EncoderScope, pages_per_encoder
-from core.settings import Settings
+from core.settings import DEFAULT_TENANT, Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -26,13 +28,18 @@ if TYPE_CHECKING:
     from adapters.store import FeatureStore
     from adapters.vision import VisionEncoder
     from adapters.vision_client import RemoteVisionEncoder
+    from core.keys import ResolutionPolicy
     from ingestion.pipeline import Ingestor
     from rag.decompose import Decomposer
     from rag.pipeline import Pipeline, PipelineConfig
     from retrieval.search import PageSearcher
+    from serving.api.conversations import Conversations
     from serving.api.services import Services
     from serving.engine.config import EngineConfig
+    from serving.ingest_jobs import IngestJobs
     from serving.metrics import Metrics
+    from serving.ray.app import RayServeConfig
+    from serving.ray.engine import RayEngine
     from serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -183,21 +190,27 @@ def read_index(settings: Settings) -> PageIndex:
 
 def ingestor(settings: Settings, *, model: ModelSource | None = None, store: FeatureStore | None = None,
              index: PageIndex | None = None, text: TextEmbedder | None = None,
-             image: ImageEmbedder | None = None) -> Ingestor:
-    """The ingest pipeline; parts already built (the server's store, index and embedders) are reused."""
+             image: ImageEmbedder | None = None, encoder: VisionEncoder | RemoteVisionEncoder | None = None
+             ) -> Ingestor:
+    """The ingest pipeline; parts already built (the server's store, index, embedders, tower) are reused."""
     from ingestion.pipeline import Ingestor
 
     model = model or resolve_model(settings)
     text = text or text_embedder(settings)
     if image is None:
         image = image_embedder(settings)
+    encoder = encoder or vision_encoder(settings, model)
+    if settings.ingest_tier_policies and settings.vision_url:
+        raise ValueError("MMRAG_INGEST_TIERS beyond standard needs the vision tower in this process: the vision "
+                         "service (MMRAG_VISION_URL) encodes its one policy; unset one of them")
     return Ingestor(
         settings,
-        encoder=vision_encoder(settings, model),
+        encoder=encoder,
         store=store or feature_store(settings),
         index=index or page_index(settings, text.dim),
         text_embedder=text,
         image_embedder=image,
+        tier_encoders=[encoder.with_policy(p) for p in settings.ingest_tier_policies],
     )
 
 
@@ -242,15 +255,15 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
            allow_inprocess: bool = True, encoder: EncoderScope | None = None) -> Engine:
     """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process. It reads image
     tokens of ``encoder`` only (default: the configured model's), refusing stale ones whatever names them."""
-    from adapters.store import ScopedFeatureStore
     from serving.engine.features import FeatureProvider
 
     encoder = encoder or encoder_scope(settings, model)
-    features = FeatureProvider(ScopedFeatureStore(store or feature_store(settings), encoder))
+    features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.tier_table)
     if settings.engine_url_list:
         from serving.engine.remote import RemoteEngine
 
-        return RemoteEngine(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s)
+        return RemoteEngine(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
+                            queue_bound=settings.ray_affinity_queue_bound)
     if not allow_inprocess:
         require_engine_urls(settings)
     from serving.engine.inprocess import InProcessEngine
@@ -267,6 +280,8 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         max_image_tokens_in_flight=settings.max_image_tokens_in_flight,
         max_wait_ms=settings.max_wait_ms,
         queue_cap=settings.queue_cap,
+        short_image_tokens=settings.scheduler_short_image_tokens,
+        short_reserved=settings.scheduler_short_reserved,
     )
 
 
@@ -287,22 +302,35 @@ def decomposer(settings: Settings, engine: Engine) -> Decomposer:
                       max_question_chars=settings.max_question_chars)
 
 
-def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None
-             ) -> tuple[Pipeline, Scheduler]:
+def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None,
+             store: FeatureStore | None = None) -> tuple[Pipeline, Scheduler]:
     """The pipeline over the configured index, its plans going through one prefix-aware scheduler. It
     retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens are fed.
 
-    The caller owns the engine and closes ``pipeline.searcher.client``.
+    The caller owns the engine and closes ``pipeline.searcher.client``. ``store``: the one the engine reads, where
+    pages asked for in a tier they lack are stored once encoded (default: the configured one).
     """
     from rag.pipeline import Pipeline
+    from rag.tiers import PageTiers
     from serving.scheduler import Scheduler
 
-    encoder = encoder or encoder_scope(settings, resolve_model(settings))
+    model = resolve_model(settings)
+    encoder = encoder or encoder_scope(settings, model)
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
     pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client, encoder=encoder), engine,
-                    config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts)
+                    config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts,
+                    tiers=PageTiers(settings, store or feature_store(settings), tier_encoder(settings, model)))
     return pipe, scheduler
+
+
+def tier_encoder(settings: Settings, model: ModelSource) -> Callable[[ResolutionPolicy], VisionEncoder | None]:
+    """Pages asked for in a tier they are not stored in are encoded by the tower in this process, built on
+    first use; with MMRAG_VISION_URL, not at all (the service encodes its one policy): they fall back."""
+    if settings.vision_url:
+        return lambda policy: None
+    base = functools.cache(lambda: vision_encoder(settings, model))
+    return functools.cache(lambda policy: base().with_policy(policy))
 
 
 # --- the REST service ------------------------------------------------------------------------------------
@@ -319,6 +347,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     from serving.api.admission import Admission
     from serving.api.conversations import Conversations
     from serving.api.services import MeteredEngine, QuestionImages, Services
+    from serving.api.tenants import TenantKeys
+    from serving.engine.remote import RemoteEngine
     from serving.ingest_jobs import IngestJobs
 
     model = resolve_model(settings)
@@ -327,8 +357,11 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     encoder = encoder_scope(settings, model)
     raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
-    pipe, scheduler = pipeline(settings, metered, encoder=encoder)
+    pipe, scheduler = pipeline(settings, metered, encoder=encoder, store=store)
     metrics.register_store(store)
+    metrics.set_tiers(settings.tier_table)
+    if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
+        scheduler.track_kv((await raw.kv_capacity()).tokens)
     await pipe.searcher.stale_pages()  # warns at start-up when pages of another encoder are indexed
     reader = AsyncPageReader(pipe.searcher.client, settings.qdrant_collection)
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
@@ -336,25 +369,64 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         metrics.register_remote_replicas(settings.engine_url_list)
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
+    keys = TenantKeys.from_settings(settings)
 
-    def make_index() -> PageIndex:
+    def make_index(tenant: str) -> PageIndex:
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
-        return page_index(settings, pipe.searcher.text_embedder.dim, client=LoopBridge(client, loop))
+        return page_index(settings.for_tenant(tenant), pipe.searcher.text_embedder.dim,
+                          client=LoopBridge(client, loop))
 
-    def make_ingestor() -> Ingestor:
-        return ingestor(settings, model=model, store=store, index=make_index(), text=pipe.searcher.text_embedder,
-                        image=pipe.searcher.image_embedder)
+    towers: list[VisionEncoder | RemoteVisionEncoder] = []  # one, built by the first job, for every tenant
 
-    return Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
-                    store=store, pages=reader, metrics=metrics,
-                    jobs=IngestJobs(settings.ingest_root, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
-                                   uploads=settings.data_dir / "uploads", make_index=make_index, store=store),
-                    owns_engine=engine_ is None,
+    def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
+        job_settings = settings.for_tenant(tenant)
+        if tiers:  # a job's own tiers, beside MMRAG_INGEST_TIERS (checked by the route)
+            job_settings = job_settings.model_copy(update={"ingest_tiers": ",".join((settings.ingest_tiers, *tiers))})
+        if not towers:
+            towers.append(vision_encoder(settings, model))
+        return ingestor(job_settings, model=model, store=store, index=make_index(tenant), encoder=towers[0],
+                        text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder)
+
+    jobs = IngestJobs(settings.ingest_root, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
+                      uploads=settings.data_dir / "uploads", make_index=make_index, store=store,
+                      referenced=lambda index: index.referenced_keys(settings.qdrant_collection),
+                      tiers=settings.tier_table)
+    conversations = Conversations(max_entries=settings.max_conversations, ttl_s=settings.conversation_ttl_s)
+    root = Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
+                    store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
+                    owns_engine=engine_ is None, keys=keys,
                     admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
                     question_images=QuestionImages(settings, store, lambda: vision_encoder(settings, model)),
-                    conversations=Conversations(max_entries=settings.max_conversations,
-                                                ttl_s=settings.conversation_ttl_s))
+                    conversations=conversations.for_tenant(DEFAULT_TENANT))
+    root.tenants.update({t: tenant_view(root, t, jobs, conversations) for t in keys.tenants})
+    return root
+
+
+def tenant_view(root: Services, tenant: str, jobs: IngestJobs, conversations: Conversations) -> Services:
+    """The tenant's services: its collection searched and read, its jobs and conversations, its plans salted
+    (serving/api/tenants.py); engine, scheduler, store and embedders stay the process's one."""
+    import copy
+    import dataclasses
+
+    from adapters.qdrant import AsyncPageReader
+    from retrieval.search import PageSearcher
+    from serving.api.tenants import SaltedEngine, cache_salt, salted
+
+    if tenant == DEFAULT_TENANT:
+        return root
+    settings, base = root.settings, root.pipeline
+    collection = settings.tenant_collection(tenant)
+    pipe = copy.copy(base)
+    pipe.searcher = PageSearcher(base.searcher.client, collection, base.searcher.text_embedder,
+                                 base.searcher.image_embedder, top_k=settings.top_k, encoder=base.searcher.encoder)
+    salt = cache_salt(tenant)
+    pipe.submit = salted(base.submit, salt)
+    pipe.decomposer = decomposer(settings, SaltedEngine(root.engine, salt))
+    return dataclasses.replace(root, tenant=tenant, pipeline=pipe,
+                               pages=AsyncPageReader(base.searcher.client, collection),
+                               jobs=jobs.for_tenant(tenant), conversations=conversations.for_tenant(tenant),
+                               tenants={})
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None) -> FastAPI:
@@ -388,3 +460,77 @@ def vision_app(settings: Settings) -> FastAPI:
                             max_wait_ms=settings.vision_max_wait_ms, queue_cap=settings.vision_queue_cap,
                             observe=metrics)
     return create_vision_app(settings, VisionService(encoder, store, batcher, metrics, info))
+
+
+# --- Ray Serve (`mmrag serve --ray`) -----------------------------------------------------------------------
+
+
+def ray_config(settings: Settings) -> RayServeConfig:
+    from serving.ray.app import RayServeConfig
+
+    return RayServeConfig(address=settings.ray_address, replicas=settings.ray_replicas,
+                          queue_bound=settings.ray_affinity_queue_bound, replica_cpus=settings.ray_replica_cpus,
+                          replica_gpus=settings.ray_replica_gpus,
+                          max_ongoing_requests=settings.max_num_seqs + settings.ray_affinity_queue_bound,
+                          http_host=settings.host, http_port=settings.ray_http_port,
+                          vision_max_replicas=settings.ray_vision_max_replicas)
+
+
+def replica_engine(settings: Settings) -> Engine:
+    """What each Ray engine replica runs: vLLM in its process over the configured feature store."""
+    return engine(settings.model_copy(update={"engine_urls": ""}), resolve_model(settings))
+
+
+def ray_engine_application(args: dict | None = None):
+    """The engine application from MMRAG_* settings: Serve's builder (``import_path:
+    mmrag.wiring:ray_engine_application`` in a RayService), and what `mmrag serve --ray` deploys."""
+    from functools import partial
+
+    from serving.ray.app import engine_application
+
+    settings = Settings(**(args or {}))
+    return engine_application(ray_config(settings), partial(replica_engine, settings))
+
+
+def ray_vision_application(args: dict | None = None):
+    """The vision application from MMRAG_* settings (Serve's builder, like :func:`ray_engine_application`)."""
+    from functools import partial
+
+    from serving.ray.app import vision_application
+
+    settings = Settings(**(args or {}))
+    return vision_application(ray_config(settings), partial(vision_app, settings))
+
+
+def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
+    """Join (MMRAG_RAY_ADDRESS) or start a Ray cluster, deploy the engine replicas (unless MMRAG_RAY_DEPLOY is
+    false: the cluster runs them), and return the Engine over their handle. ``num_cpus``: the CPUs a local
+    cluster announces."""
+    from functools import partial
+
+    from serving.ray.app import connect, deploy_engine, engine_handle
+    from serving.ray.engine import RayEngine
+
+    config = ray_config(settings)
+    if config.address and not settings.redis_url:
+        log.warning("MMRAG_RAY_ADDRESS joins a cluster but MMRAG_REDIS_URL is empty: every replica reads the "
+                    "feature store on its own disk (%s); set MMRAG_REDIS_URL unless all run on this machine",
+                    settings.features_dir)
+    log.info("Ray cluster ready in %.1f s", connect(config, num_cpus=num_cpus))
+    handle = (deploy_engine(config, partial(replica_engine, settings)) if settings.ray_deploy
+              else engine_handle())
+    return RayEngine(handle, resolve_model(settings))
+
+
+def ray_app(settings: Settings) -> FastAPI:
+    """`mmrag serve --ray`: the REST app in this process, its engine the Ray replicas, its vision service the
+    Ray deployment at /vision on Serve's HTTP proxy (MMRAG_VISION_URL points there)."""
+    from functools import partial
+
+    from serving.ray.app import deploy_vision, vision_url
+
+    eng = ray_engine(settings)
+    config = ray_config(settings)
+    url = deploy_vision(config, partial(vision_app, settings)) if settings.ray_deploy else vision_url(config)
+    settings = settings.model_copy(update={"vision_url": url})
+    return create_app(settings, engine=eng, store=feature_store(settings))

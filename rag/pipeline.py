@@ -38,6 +38,7 @@ from core.keys import ImageKey
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
 from rag.order import PagePopularity, canonical_order
+from rag.tiers import TierSource
 from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
@@ -175,30 +176,38 @@ class Pipeline:
 
     With the global layout the pipeline holds the process's one :class:`PagePopularity` (the wiring builds
     one pipeline per process) and observes every sub-question's retrieved pages before planning.
+
+    ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
     """
 
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
                  config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
-                 token_counts: ImageTokenCounts | None = None) -> None:
+                 token_counts: ImageTokenCounts | None = None, tiers: TierSource | None = None) -> None:
         self.decomposer = decomposer
         self.searcher = searcher
         self.engine = engine
         self.config = config
         self.submit = submit or engine.generate
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
+        self.tiers = tiers
         self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
 
-    def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = ()
-                   ) -> AsyncIterator[dict]:
+    def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
+                   tier: str | None = None) -> AsyncIterator[dict]:
         """:meth:`ask`'s steps as events, then its answer (module docstring); closing the iterator early (its
         client left) cancels the question, its plans and their engine requests with it."""
-        return stream_events(lambda emit: self.ask(question, docs=docs, images=images, on_event=emit))
+        return stream_events(lambda emit: self.ask(question, docs=docs, images=images, tier=tier, on_event=emit))
 
     async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
-                  on_event: Emit | None = None) -> Answer:
+                  tier: str | None = None, on_event: Emit | None = None) -> Answer:
         """``images``: the question's own images, already in the feature store, their token counts recorded
-        in ``token_counts``; retrieval still runs on the text alone. ``on_event`` is told each step as it
-        happens, all but the final ``done`` (:meth:`ask_events`)."""
+        in ``token_counts``; retrieval still runs on the text alone. ``tier``: show the pages in that
+        resolution tier (None: as indexed, the standard tier); the question's images stay as they are.
+        ``on_event`` is told each step as it happens, all but the final ``done`` (:meth:`ask_events`)."""
+        if tier is not None:
+            if self.tiers is None:
+                raise ValueError("this pipeline was built without resolution tiers: build it with tiers=")
+            self.tiers.check(tier)  # before any work: an unknown tier fails at once
         streamed = on_event is not None
         on_event = on_event or (lambda event: None)
         clock = _Stages()
@@ -220,6 +229,10 @@ class Pipeline:
             return clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], usage))
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
+        tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None
+        if tiered is not None:
+            hits = tiered.hits
+            usage.vision_encodes += tiered.vision_encodes
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
         if self.popularity is not None:
@@ -259,6 +272,8 @@ class Pipeline:
         shown = {(c.doc, c.page) for c in citations}
         if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
             answer.extra["pages_left_out"] = [_label(c) for c in left_out]
+        if tiered is not None:
+            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
         return clock.stamp(answer)
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:

@@ -47,12 +47,15 @@ def _ratio(numerator: str, denominator: str) -> str:
     return f"{_rate(numerator)} / {_rate(denominator)}"
 
 
-def _quantile(q: float, histogram: str) -> str:
-    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket[{WINDOW}])))"
+def _quantile(q: float, histogram: str, by: str = "") -> str:
+    return f"histogram_quantile({q}, sum by (le{by and ', ' + by}) (rate({histogram}_bucket[{WINDOW}])))"
 
 
-def _quantiles(histogram: str) -> tuple[Query, ...]:
-    return (Query(_quantile(0.5, histogram), "p50", "A"), Query(_quantile(0.99, histogram), "p99", "B"))
+def _quantiles(histogram: str, by: str = "") -> tuple[Query, ...]:
+    """p50 and p99; ``by``: one line per value of that label."""
+    legend = f" {{{{{by}}}}}" if by else ""
+    return (Query(_quantile(0.5, histogram, by), f"p50{legend}", "A"),
+            Query(_quantile(0.99, histogram, by), f"p99{legend}", "B"))
 
 
 PANELS: tuple[PanelSpec, ...] = (
@@ -98,6 +101,27 @@ PANELS: tuple[PanelSpec, ...] = (
         # A usage fraction is not additive: sum() over two replicas would read 120%.
         (Query(f"avg({m.VLLM_KV_USAGE})", "mean", "A"), Query(f"max({m.VLLM_KV_USAGE})", "max", "B")),
         max=1,
+    ),
+    PanelSpec(
+        "Image tokens in the KV cache",
+        "Image tokens resident in the engine's KV cache as a share of its capacity: the scheduler's estimate (an "
+        "LRU model of the prefix cache over the prompts it sent, serving/scheduler.KVResidency, which states its "
+        "error; warm-up prefills are not in it).",
+        "percentunit",
+        (Query(f"sum({m.KV_IMAGE_TOKENS}) / sum({m.KV_CAPACITY_TOKENS})", "image share of KV capacity"),),
+        max=1,
+    ),
+    PanelSpec(
+        "Image tokens per request by tier",
+        "Image tokens of each plan the scheduler dispatched, by resolution tier (p50 and p99).",
+        "short",
+        _quantiles(m.TIER_IMAGE_TOKENS_PER_REQUEST, by="tier"),
+    ),
+    PanelSpec(
+        "Pooled vs unpooled image tokens",
+        "Image tokens per second in dispatched plans, 2x2-pooled or not.",
+        "short",
+        (Query(f"sum by (pooled) (rate({m.POOLING_IMAGE_TOKENS}_total[{WINDOW}]))", "pooled={{pooled}}"),),
     ),
     PanelSpec(
         "vLLM prefix-cache hit rate",

@@ -23,6 +23,8 @@ from typing import Any
 
 from adapters.qdrant import PageIndex
 from adapters.store import FeatureStore
+from core.keys import ImageKey, Tiers, doc_id_for
+from core.settings import DEFAULT_TENANT
 from ingestion.pipeline import Ingestor
 
 log = logging.getLogger(__name__)
@@ -48,11 +50,13 @@ class Job:
     finished_at: float | None = None
     resumed: int = 0  # times a restarted server took the job up again
     files: list[str] = field(default_factory=list)  # the resolved paths: what a resumed job ingests (server-only)
+    tenant: str = DEFAULT_TENANT  # whose collection it writes, who may see and cancel it (server-only)
+    tiers: list[str] = field(default_factory=list)  # resolution tiers encoded beside MMRAG_INGEST_TIERS
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "paths": self.paths, "recursive": self.recursive, "status": self.status,
                 "report": self.report, "error": self.error, "submitted_at": self.submitted_at,
-                "finished_at": self.finished_at, "resumed": self.resumed}
+                "finished_at": self.finished_at, "resumed": self.resumed, "tiers": self.tiers}
 
 
 UNFINISHED = ("queued", "running")
@@ -76,7 +80,7 @@ class JobStore:
                              "state TEXT NOT NULL)")
 
     def save(self, job: Job) -> None:
-        state = json.dumps({**job.to_json(), "files": job.files})
+        state = json.dumps({**job.to_json(), "files": job.files, "tenant": job.tenant})
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?)", (job.id, job.submitted_at, state))
 
@@ -106,16 +110,27 @@ class IngestJobs:
     Jobs a killed server left queued or running are queued again at start-up: ingestion is idempotent (an
     unchanged, fully indexed file is skipped; a half-done one is redone), so a resumed job ends with the index
     an uninterrupted one makes. Document deletion runs on the same thread, so it never interleaves with an
-    ingest that has stored a page's tokens but not yet indexed the page."""
+    ingest that has stored a page's tokens but not yet indexed the page — any tenant's, since tenants share the
+    feature store.
 
-    def __init__(self, root: Path | None, make_ingestor: Callable[[], Ingestor], *, state: Path, uploads: Path,
-                 make_index: Callable[[], PageIndex], store: FeatureStore) -> None:
+    Each job belongs to a tenant (``for_tenant`` gives a tenant's view): it writes the tenant's collection
+    (``make_index(tenant)``), reads server-side paths under ``root/<tenant>`` (the default tenant: ``root``)
+    and stores uploads under ``uploads/tenants/<tenant>`` (the default tenant: ``uploads``).
+    ``referenced``: the feature keys any tenant's pages reference (what a deletion must keep, with those pages'
+    entries in the other ``tiers``)."""
+
+    def __init__(self, root: Path | None, make_ingestor: Callable[[str, tuple[str, ...]], Ingestor], *,
+                 state: Path, uploads: Path,
+                 make_index: Callable[[str], PageIndex], store: FeatureStore,
+                 referenced: Callable[[PageIndex], set[ImageKey]], tiers: Tiers) -> None:
         self.root = root.resolve() if root else None
         self.uploads = uploads.resolve()
         self._make_ingestor = make_ingestor
         self._make_index = make_index
+        self._referenced = referenced
+        self._tiers = tiers
         self._store = store
-        self._ingestor: Ingestor | None = None
+        self._ingestors: dict[tuple[str, tuple[str, ...]], Ingestor] = {}  # by tenant and a job's own tiers
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmrag-ingest")
         self._db = JobStore(state)
         # A cancel (event loop) and the worker's own steps change a job's status from two threads: each
@@ -128,73 +143,94 @@ class IngestJobs:
             elif job.status in UNFINISHED:
                 self._resume(job)
 
-    def allowed(self, raw: list[str]) -> list[Path]:
-        if self.root is None:
+    def for_tenant(self, tenant: str) -> TenantJobs:
+        return TenantJobs(self, tenant)
+
+    def root_of(self, tenant: str) -> Path | None:
+        if self.root is None or tenant == DEFAULT_TENANT:
+            return self.root
+        return self.root / tenant
+
+    def uploads_of(self, tenant: str) -> Path:
+        return self.uploads if tenant == DEFAULT_TENANT else self.uploads / "tenants" / tenant
+
+    def allowed(self, raw: list[str], tenant: str = DEFAULT_TENANT) -> list[Path]:
+        root = self.root_of(tenant)
+        if root is None:
             raise PathOutsideRootError(
                 "server-side ingest is off: set MMRAG_INGEST_ROOT to the folder clients may ingest from"
             )
+        where = "MMRAG_INGEST_ROOT" if tenant == DEFAULT_TENANT else f"MMRAG_INGEST_ROOT/{tenant}"
         paths = []
         for p in raw:
             if "\0" in p:
                 raise InvalidPathError(f"{p!r} holds a NUL byte, which no file name can: send the path without it")
             try:
-                resolved = (self.root / p).resolve()  # an absolute p stays itself
+                resolved = (root / p).resolve()  # an absolute p stays itself
             except RuntimeError:  # what Python 3.11's resolve() raises for a link loop (ELOOP)
                 raise InvalidPathError(f"{p} is a symbolic link loop: fix the link, or ingest its target") from None
-            if not resolved.is_relative_to(self.root):
-                raise PathOutsideRootError(f"{p} is outside the ingest root: use a path under MMRAG_INGEST_ROOT")
+            if not resolved.is_relative_to(root):
+                raise PathOutsideRootError(f"{p} is outside the ingest root: use a path under {where}")
             paths.append(resolved)
         return paths
 
-    def shown(self, path: str | Path) -> str:
-        """``path`` as clients see it: relative to the ingest root (never the server's absolute folders)."""
-        path = Path(path)
-        if self.root is not None and path.is_relative_to(self.root):
-            return path.relative_to(self.root).as_posix()  # the root itself is "."
+    def shown(self, path: str | Path, tenant: str = DEFAULT_TENANT) -> str:
+        """``path`` as clients see it: relative to the tenant's ingest root (never the server's folders)."""
+        path, root = Path(path), self.root_of(tenant)
+        if root is not None and path.is_relative_to(root):
+            return path.relative_to(root).as_posix()  # the root itself is "."
         return path.name
 
-    def submit(self, raw: list[str], *, recursive: bool) -> Job:
-        return self._start(self.allowed(raw), recursive=recursive)
+    def submit(self, raw: list[str], *, recursive: bool, tenant: str = DEFAULT_TENANT,
+               tiers: list[str] | None = None) -> Job:
+        return self._start(self.allowed(raw, tenant), recursive=recursive, tenant=tenant, tiers=tiers or [])
 
-    def submit_upload(self, path: Path) -> Job:
+    def submit_upload(self, path: Path, tenant: str = DEFAULT_TENANT, tiers: list[str] | None = None) -> Job:
         """Ingest a file POST /v1/documents stored under the uploads folder (not under the ingest root)."""
-        return self._start([path.resolve()], recursive=False)
+        return self._start([path.resolve()], recursive=False, tenant=tenant, tiers=tiers or [])
 
-    def _start(self, paths: list[Path], *, recursive: bool) -> Job:
+    def _start(self, paths: list[Path], *, recursive: bool, tenant: str, tiers: list[str]) -> Job:
         # Random ids: a counter would restart at job-1 after a restart, and an old id would name a new job.
-        job = Job(id=f"job-{uuid.uuid4().hex[:16]}", paths=[self.shown(p) for p in paths], recursive=recursive,
-                  files=[str(p) for p in paths])
+        job = Job(id=f"job-{uuid.uuid4().hex[:16]}", paths=[self.shown(p, tenant) for p in paths],
+                  recursive=recursive, files=[str(p) for p in paths], tenant=tenant, tiers=tiers)
         self._jobs[job.id] = job
         self._db.save(job)
         self._pool.submit(self._run, job)
         return job
 
     def _resume(self, job: Job) -> None:
-        outside = [f for f in job.files if not self._may_read(Path(f))]
+        outside = [f for f in job.files if not self._may_read(Path(f), job.tenant)]
         if outside:  # the server restarted with another MMRAG_INGEST_ROOT: the job may no longer read them
-            self._finish(job, "failed", error=f"interrupted by a server restart, and {self.shown(outside[0])} is "
-                         "no longer under MMRAG_INGEST_ROOT: submit the job again")
+            self._finish(job, "failed", error=f"interrupted by a server restart, and "
+                         f"{self.shown(outside[0], job.tenant)} is no longer under MMRAG_INGEST_ROOT: submit the "
+                         "job again")
             return
         job.status, job.resumed = "queued", job.resumed + 1
         self._db.save(job)
         log.info("ingest %s resumed after a restart: %s", job.id, ", ".join(job.paths))
         self._pool.submit(self._run, job)
 
-    def _may_read(self, path: Path) -> bool:
-        return path.is_relative_to(self.uploads) or (self.root is not None and path.is_relative_to(self.root))
+    def _may_read(self, path: Path, tenant: str) -> bool:
+        uploads, root = self.uploads_of(tenant), self.root_of(tenant)
+        mine = path.is_relative_to(uploads) and (tenant != DEFAULT_TENANT
+                                                  or not path.is_relative_to(self.uploads / "tenants"))
+        return mine or (root is not None and path.is_relative_to(root))
 
-    def get(self, job_id: str) -> Job | None:
-        return self._jobs.get(job_id)
+    def get(self, job_id: str, tenant: str = DEFAULT_TENANT) -> Job | None:
+        """The tenant's job with this id: another tenant's is as unknown as one that never was."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and job.tenant == tenant else None
 
-    def list(self, *, limit: int, offset: int) -> tuple[list[Job], int]:
-        """A page of jobs, newest first, and how many there are."""
-        jobs = sorted(self._jobs.values(), key=lambda j: (j.submitted_at, j.id), reverse=True)
+    def list(self, *, limit: int, offset: int, tenant: str = DEFAULT_TENANT) -> tuple[list[Job], int]:
+        """A page of the tenant's jobs, newest first, and how many it has."""
+        jobs = sorted((j for j in self._jobs.values() if j.tenant == tenant), key=lambda j: (j.submitted_at, j.id),
+                      reverse=True)
         return jobs[offset:offset + limit], len(jobs)
 
-    def cancel(self, job_id: str) -> Job | None:
+    def cancel(self, job_id: str, tenant: str = DEFAULT_TENANT) -> Job | None:
         """Cancel a queued job (it never runs) or a running one (it stops before its next page batch; what it
         indexed stays, and re-submitting it finishes the rest). A finished job stays as it is."""
-        job = self._jobs.get(job_id)
+        job = self.get(job_id, tenant)
         with self._transition:
             if job is not None and job.status == "queued":
                 self._finish(job, "cancelled")
@@ -203,26 +239,25 @@ class IngestJobs:
                 self._db.save(job)
         return job
 
-    def delete_document(self, doc_id: str) -> Future[DeletedDocument | None]:
-        """Remove a document's pages, then the feature entries no other indexed page references (a figure
-        another document shares stays), then its uploaded file. None when no page has this doc id."""
-        return self._pool.submit(self._delete, doc_id)
+    def delete_document(self, doc_id: str, tenant: str = DEFAULT_TENANT) -> Future[DeletedDocument | None]:
+        """Remove a document's pages from the tenant's collection, then the feature entries no other indexed
+        page of any tenant references (a figure another document shares stays), then its uploaded file. None
+        when no page of the tenant has this doc id."""
+        return self._pool.submit(self._delete, doc_id, tenant)
 
-    def _delete(self, doc_id: str) -> DeletedDocument | None:
-        index = self._make_index()
+    def _delete(self, doc_id: str, tenant: str) -> DeletedDocument | None:
+        index = self._make_index(tenant)
         removed = index.delete_document(doc_id)
         if not removed:
             return None
         keys = {p.image_key for p in removed}
-        unreferenced = keys - index.referenced_keys()
-        for key in unreferenced:
-            self._store.delete(key)
+        in_use = self._tiers.in_use(self._referenced(index))
+        tiered = keys | {k.in_policy(p) for k in keys for p in self._tiers.policies.values()}
+        unreferenced = [k for k in tiered if not in_use(k) and self._store.delete(k)]
         source = Path(removed[0].path)
-        if source.is_relative_to(self.uploads):
-            source.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                source.parent.rmdir()  # the content-hash folder, once it holds no other name of these bytes
-        return DeletedDocument(doc_id, removed[0].doc, len(removed), len(unreferenced), len(keys - unreferenced))
+        if self._may_read(source, tenant) and source.is_relative_to(self.uploads_of(tenant)):
+            _remove_upload(source)
+        return DeletedDocument(doc_id, removed[0].doc, len(removed), len(unreferenced), sum(map(in_use, keys)))
 
     def _run(self, job: Job) -> None:
         with self._transition:
@@ -237,10 +272,12 @@ class IngestJobs:
                 raise JobCancelled
 
         try:
-            if self._ingestor is None:
-                self._ingestor = self._make_ingestor()
-            root = None if Path(job.files[0]).is_relative_to(self.uploads) else self.root
-            report = self._ingestor.run([Path(f) for f in job.files], recursive=job.recursive, root=root,
+            which = (job.tenant, tuple(job.tiers))
+            if which not in self._ingestors:
+                self._ingestors[which] = self._make_ingestor(*which)
+            uploaded = Path(job.files[0]).is_relative_to(self.uploads_of(job.tenant))
+            report = self._ingestors[which].run([Path(f) for f in job.files], recursive=job.recursive,
+                                                     root=None if uploaded else self.root_of(job.tenant),
                                         progress=progress)
         except JobCancelled:
             self._finish(job, "cancelled")
@@ -249,12 +286,22 @@ class IngestJobs:
             self._finish(job, "failed", error=f"{type(exc).__name__}: {exc}")
             log.warning("ingest %s failed: %s", job.id, job.error, exc_info=True)
         else:
+            if uploaded:
+                self._drop_failed_uploads(job.tenant, [Path(f.path) for f in report.failed])
             out = report.to_json()
             for failure in out["failed"]:
-                failure["path"] = self.shown(failure["path"])
+                failure["path"] = self.shown(failure["path"], job.tenant)
             self._finish(job, "done", report=out)  # a cancel asked after its last batch came too late
             log.info("ingest %s done: %d files (%d failed), %d pages, %d encoded, %d cached in %.1f s", job.id,
                      report.files, len(report.failed), report.pages, report.encoded, report.cached, report.seconds)
+
+    def _drop_failed_uploads(self, tenant: str, paths: list[Path]) -> None:
+        """An uploaded file ingestion refused (not a readable PDF, a bomb, ...) and no page of which is indexed
+        is of no use to anyone: it goes, so refused uploads do not pile up under the data dir."""
+        index = self._make_index(tenant) if paths else None
+        for path in paths:
+            if path.is_relative_to(self.uploads_of(tenant)) and not index.doc_pages(doc_id_for(str(path))):
+                _remove_upload(path)
 
     def _finish(self, job: Job, status: str, *, report: dict[str, Any] | None = None, error: str | None = None
                 ) -> None:
@@ -265,3 +312,42 @@ class IngestJobs:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._db.close()
+
+
+def _remove_upload(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # the content-hash folder, once it holds no other name of these bytes
+
+
+@dataclass(slots=True, frozen=True)
+class TenantJobs:
+    """One tenant's view of the jobs: what the REST routes use, so no route can name another tenant's."""
+
+    jobs: IngestJobs
+    tenant: str
+
+    @property
+    def uploads(self) -> Path:
+        return self.jobs.uploads_of(self.tenant)
+
+    def submit(self, raw: list[str], *, recursive: bool, tiers: list[str] | None = None) -> Job:
+        return self.jobs.submit(raw, recursive=recursive, tenant=self.tenant, tiers=tiers)
+
+    def submit_upload(self, path: Path, tiers: list[str] | None = None) -> Job:
+        return self.jobs.submit_upload(path, self.tenant, tiers)
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id, self.tenant)
+
+    def list(self, *, limit: int, offset: int) -> tuple[list[Job], int]:
+        return self.jobs.list(limit=limit, offset=offset, tenant=self.tenant)
+
+    def cancel(self, job_id: str) -> Job | None:
+        return self.jobs.cancel(job_id, self.tenant)
+
+    def delete_document(self, doc_id: str) -> Future[DeletedDocument | None]:
+        return self.jobs.delete_document(doc_id, self.tenant)
+
+    def shutdown(self) -> None:
+        self.jobs.shutdown()

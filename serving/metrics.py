@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from core.engine import Usage
+from core.keys import ResolutionPolicy, Tiers
 from core.payload import EncoderScope
 from serving.scheduler import SchedulerStats
 
@@ -53,6 +54,12 @@ COMPLETION_TOKENS = "mmrag_completion_tokens"
 VISION_FORWARDS = "mmrag_vision_forwards"
 TTFT = "mmrag_ttft_seconds"
 IMAGE_TOKENS_PER_REQUEST = "mmrag_image_tokens_per_request"
+# Issue 16, the image-token budget: per dispatched plan, by resolution tier and by pooling; and the scheduler's
+# estimate of the image tokens resident in the engine's KV cache (serving/scheduler.KVResidency), of its capacity.
+TIER_IMAGE_TOKENS_PER_REQUEST = "mmrag_tier_image_tokens_per_request"
+POOLING_IMAGE_TOKENS = "mmrag_pooling_image_tokens"
+KV_IMAGE_TOKENS = "mmrag_kv_image_tokens_resident"
+KV_CAPACITY_TOKENS = "mmrag_kv_capacity_tokens"
 
 ANSWERS = "mmrag_answers"
 ANSWER_OUTCOMES = ("ok", "error", "refused", "cancelled")
@@ -67,6 +74,8 @@ SCHEDULER_FCFS_FALLBACKS = "mmrag_scheduler_fcfs_fallbacks"
 SCHEDULER_GATED = "mmrag_scheduler_gated"
 SCHEDULER_CANCELLED_QUEUED = "mmrag_scheduler_cancelled_queued"
 SCHEDULER_CANCELLED_RUNNING = "mmrag_scheduler_cancelled_running"
+SCHEDULER_SHORT_DISPATCHED = "mmrag_scheduler_short_dispatched"
+SCHEDULER_LONG_HELD = "mmrag_scheduler_long_held"
 
 WARM_SET_PAGES = "mmrag_warm_set_pages"
 WARM_SET_TOKENS = "mmrag_warm_set_tokens"
@@ -108,7 +117,24 @@ _SCHEDULER_COUNTS = {
     "gated": (SCHEDULER_GATED, "Times a plan was held back to wait for its group leader's prefill."),
     "cancelled_queued": (SCHEDULER_CANCELLED_QUEUED, "Plans taken out of the queue because their client left."),
     "cancelled_running": (SCHEDULER_CANCELLED_RUNNING, "Engine requests aborted because their client left."),
+    "short_dispatched": (SCHEDULER_SHORT_DISPATCHED, "Plans dispatched from the short queue (mixed resolutions)."),
+    "long_held": (SCHEDULER_LONG_HELD, "Times a long plan was held back to keep the short plans' slots free."),
 }
+
+UNKNOWN_TIER = "unknown"  # image keys without a resolution policy (test doubles)
+
+
+def tier_label(policy: ResolutionPolicy | None, tiers: Tiers | None = None) -> str:
+    """The ``tier`` label of image tokens made under ``policy``: its tier's name when the tiers are known
+    (Metrics.set_tiers), else the policy's own string (``px3136-200704``): few values either way, one per
+    configured policy."""
+    if policy is None:
+        return UNKNOWN_TIER
+    return tiers.name_of(policy) if tiers is not None else str(policy)
+
+
+def pooled_label(policy: ResolutionPolicy | None) -> str:
+    return str(bool(policy is not None and policy.pooled)).lower()
 
 
 class Metrics:
@@ -130,6 +156,18 @@ class Metrics:
         self._ttft = Histogram(TTFT, "Time to first token per engine request.", buckets=_TTFT_BUCKETS, registry=r)
         self._image_per_request = Histogram(IMAGE_TOKENS_PER_REQUEST, "Image tokens per engine request.",
                                             buckets=_IMAGE_TOKEN_BUCKETS, registry=r)
+        self._tier_per_request = Histogram(TIER_IMAGE_TOKENS_PER_REQUEST, "Image tokens per plan dispatched by the "
+                                           "scheduler, by resolution tier (a plan mixing tiers: once per tier).",
+                                           ["tier"], buckets=_IMAGE_TOKEN_BUCKETS, registry=r)
+        self._pooling_tokens = Counter(POOLING_IMAGE_TOKENS, "Image tokens in plans dispatched by the scheduler, "
+                                       "pooled (2x2 after the projector) or not.", ["pooled"], registry=r)
+        for pooled in ("true", "false"):
+            self._pooling_tokens.labels(pooled)
+        self._kv_image = Gauge(KV_IMAGE_TOKENS, "Image tokens resident in the engine's KV cache, estimated by the "
+                               "scheduler from the prompts it sent (an LRU model of the prefix cache; see "
+                               "serving/scheduler.KVResidency for its error).", registry=r)
+        self._kv_capacity = Gauge(KV_CAPACITY_TOKENS, "The engine's KV cache capacity in tokens.", registry=r)
+        self._tiers: Tiers | None = None
 
         self._answers = Counter(ANSWERS, "Questions to /v1/ask, by outcome: ok | error | refused (429, over "
                                 "MMRAG_MAX_QUESTIONS_IN_FLIGHT) | cancelled (the client left).", ["outcome"], registry=r)
@@ -199,6 +237,11 @@ class Metrics:
                 self._queue_wait.observe(wait)
             for size in _drain(stats.group_sizes):
                 self._group_size.observe(size)
+            for policy, tokens in _drain(stats.image_tokens_by_policy):
+                self._tier_per_request.labels(tier_label(policy, self._tiers)).observe(tokens)
+                self._pooling_tokens.labels(pooled_label(policy)).inc(tokens)
+            self._kv_image.set(stats.kv_image_tokens)
+            self._kv_capacity.set(stats.kv_capacity_tokens)
             if stats is not self._scheduler_seen:
                 self._scheduler_seen = stats
                 self._scheduler_last = dict.fromkeys(_SCHEDULER_COUNTS, 0)
@@ -206,6 +249,10 @@ class Metrics:
                 now = getattr(stats, field)
                 counter.inc(max(now - self._scheduler_last[field], 0))
                 self._scheduler_last[field] = now
+
+    def set_tiers(self, tiers: Tiers) -> None:
+        """Name the ``tier`` label by the configured tiers (Settings.tier_table) instead of by policy."""
+        self._tiers = tiers
 
     # -- warm set --
 

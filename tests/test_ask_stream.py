@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from serving.engine.remote import _Told
+from serving.engine.remote import Told
 from tests.conftest import API_KEY
 from tests.test_cancel import MAX_TOKENS as LONG  # answer tokens where a client leaves: finishing would show
 from tests.test_cancel import generated_tokens, long_answers, wait_for  # noqa: F401 - long_answers is a fixture
@@ -69,7 +69,7 @@ async def test_both_engines_stream_the_text_they_complete_with(engine_settings, 
 
 def test_a_resent_request_tells_only_the_text_beyond_what_the_failed_attempt_told():
     told: list[str] = []
-    text = _Told(told.append)
+    text = Told(told.append)
     first = text.attempt()
     first("Hel")
     first("lo")  # ...then the replica dies; the next one streams the same greedy answer from the start
@@ -77,7 +77,7 @@ def test_a_resent_request_tells_only_the_text_beyond_what_the_failed_attempt_tol
     for piece in ("He", "ll", "o, w", "orld"):
         second(piece)
     assert told == ["Hel", "lo", ", w", "orld"] and "".join(told) == "Hello, world"
-    assert _Told(None).attempt() is None
+    assert Told(None).attempt() is None
 
 
 # --- POST /v1/ask with "stream": true ----------------------------------------------------------------------

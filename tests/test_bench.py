@@ -23,7 +23,7 @@ PIXELS_HASHED = {"vllm_llamaindex", "vllm_images_first"}  # pixels without uuids
 CONFIG_FIELDS = {
     "throughput_qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "image_hit_rate", "position_oracle_hit_rate",
     "position_oracle_ratio", "prefix_bound_hit_rate", "vit_forwards_per_question", "image_prefill_share",
-    "peak_kv_usage", "wall_s",
+    "peak_kv_usage", "wall_s", "peak_kv_image_share", "kv_estimate_bias", "kv_estimate_abs_error",
 }
 
 
@@ -71,6 +71,44 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
     assert "| mmrag_warm |" in proc.stdout  # the table goes to stdout
+
+
+def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_report_short_and_long_ttft(tmp_path):
+    out = tmp_path / "mixed.json"
+    env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
+    names = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
+    cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
+           "--configs", ",".join(sorted(names)), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    data = json.loads(out.read_text())
+    assert set(data["configs"]) == names  # --configs brings in what --quick leaves out
+    policies = data["model"]["mixed_policies"]
+    tokens = policies["full"]["image_tokens_per_page"]
+    assert max(tokens) / min(tokens) >= 16
+    assert max(policies["standard"]["image_tokens_per_page"]) <= 256  # the A4 page scaled to the standard tier
+    assert policies["pooled"]["policy"].endswith("-pool2")
+    cfg = data["configs"]
+    base, tiered = cfg["mixed"], cfg["mixed_tiered"]
+    for c in cfg.values():
+        assert c["short_requests"] + c["long_requests"] == c["requests"] == data["workload"]["sub_questions_total"]
+        assert 0 < c["peak_kv_image_share"] <= 1
+        # At dispatch the KV estimate predicts the engine's own cached image tokens closely: nothing is evicted
+        # at this size, so what is left is the block the last cached image shares with the text.
+        assert 0 <= c["kv_estimate_abs_error"] < 0.1
+    # The same plans either way, split by the same threshold: only the scheduling differs.
+    assert base["short_requests"] > 0 and base["long_requests"] > 0
+    assert (base["short_requests"], base["long_requests"]) == (tiered["short_requests"], tiered["long_requests"])
+    assert base["scheduler"]["short_dispatched"] == 0
+    assert tiered["scheduler"]["short_dispatched"] == tiered["short_requests"]
+    # Pooling keeps about a quarter of the tokens (sides rounded to whole pooled tokens), and the engine took them.
+    assert 0.2 < cfg["mixed_pooled"]["image_tokens"] / base["image_tokens"] < 0.3
+    assert cfg["mixed_standard"]["image_tokens"] < base["image_tokens"]
+    ratios = data["mixed_resolution"]
+    assert set(ratios) == {f"{n} / mixed" for n in names - {"mixed"}}
+    assert {"short_ttft_p50_s", "short_ttft_p99_s", "throughput_qps"} <= set(ratios["mixed_tiered / mixed"])
+    assert "| mixed_tiered |" in proc.stdout
 
 
 def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_distinct_pages():

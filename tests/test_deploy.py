@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from serving.dashboards import DASHBOARD_FILE, DATASOURCE_UID, dashboard_expressions
 from core.engine import Usage
+from core.keys import ResolutionPolicy
 from serving.metrics import Metrics
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
@@ -84,7 +85,7 @@ def test_the_committed_dashboard_is_a_fresh_render_of_serving_dashboards():
 
 def test_every_panel_has_prometheus_queries_with_an_expression_and_a_ref_id():
     panels = committed_panels()
-    assert len(panels) == 8
+    assert len(panels) == 11
     for panel in panels:
         assert panel["targets"], panel["title"]
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -331,7 +332,8 @@ def _serve(app):
 
 def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
     """Steady traffic with known proportions: 75% of image tokens cached, image share of computed prefill
-    (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, TTFT 0.2 s, queue waits of 10 ms."""
+    (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, TTFT 0.2 s, queue waits of 10 ms, a quarter
+    of the KV capacity held by image tokens."""
     stats = SchedulerStats()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -342,6 +344,8 @@ def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
         stats.dispatched += 1
         stats.queue_waits_s.append(0.01)
         stats.group_sizes.append(2)
+        stats.image_tokens_by_policy.append((ResolutionPolicy(3136, 200704), 512))
+        stats.kv_image_tokens, stats.kv_capacity_tokens = 8192, 32768
         metrics.drain_scheduler(stats)
         for hit in (True, True, False):
             store.stats.record_lookup(hit, nbytes=1024 if hit else 0)
@@ -367,6 +371,7 @@ def test_every_dashboard_expression_evaluates_on_a_real_prometheus(prometheus):
     ("Vision-token cache hit rate", 2 / 3),
     ("Image prefill share", 0.32),
     ("vLLM prefix-cache hit rate", 0.75),
+    ("Image tokens in the KV cache", 0.25),
 ])
 def test_ratio_panels_show_the_proportions_that_were_recorded(prometheus, panel, expected):
     from serving.dashboards import PANELS

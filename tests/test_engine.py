@@ -159,6 +159,8 @@ async def test_a_new_encoder_version_or_resolution_policy_gets_no_cached_image_t
     small = await engine.generate(plan(small_key))
     assert small.usage.cached_image_tokens == 0
     assert small.usage.image_tokens < page["image_tokens"]
+    for key in (new_key, small_key):  # the session store is every test's: it holds the corpus's entries only
+        store.delete(key)
 
 
 async def test_per_request_cached_tokens_agree_with_vllms_own_prefix_counters(inprocess_engine, pages):

@@ -30,7 +30,8 @@ from core.engine import Completion, PromptPlan, SamplingSpec
 from core.keys import ImageKey
 from mmrag.wiring import engine_config, feature_store, resolve_model
 from serving.engine.features import FeatureProvider
-from serving.engine.remote import EngineUnavailableError, RemoteEngine, parse_metrics, rendezvous_order
+from serving.engine.remote import EngineUnavailableError, RemoteEngine, parse_metrics
+from serving.routing import rendezvous_order
 from serving.vllm_launch import ServerHandle, start_server
 from tests.conftest import free_port
 

@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
+from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, Tiers
 from core.pages import EncodedImage
 from adapters.store import DiskFeatureStore, RedisFeatureStore
 from core.engine import Usage
@@ -142,6 +142,33 @@ def test_a_new_scheduler_counts_from_zero_and_the_counters_keep_growing(registry
 
     assert value(registry, "mmrag_scheduler_submitted_total") == 13
     assert value(registry, "mmrag_scheduler_dispatched_total") == 12
+
+
+def test_dispatched_image_tokens_are_counted_by_tier_and_by_pooling(registry, metrics):
+    standard, low = ResolutionPolicy(3136, 200704), ResolutionPolicy(3136, 200704, pool=2)
+    stats = SchedulerStats(image_tokens_by_policy=[(standard, 256), (standard, 512), (low, 64), (None, 10)])
+    metrics.drain_scheduler(stats)
+
+    # No tiers set yet: the tier label is the policy's own string.
+    assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="px3136-200704") == 2
+    assert value(registry, "mmrag_tier_image_tokens_per_request_sum", tier="px3136-200704") == 768
+    assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="px3136-200704-pool2") == 1
+    assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="unknown") == 1
+    assert value(registry, "mmrag_pooling_image_tokens_total", pooled="false") == 778
+    assert value(registry, "mmrag_pooling_image_tokens_total", pooled="true") == 64
+    assert stats.image_tokens_by_policy == []
+
+    metrics.set_tiers(Tiers({"standard": standard, "low": low}))
+    metrics.drain_scheduler(SchedulerStats(image_tokens_by_policy=[(low, 64), (ResolutionPolicy(1, 2), 1)]))
+    assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="low") == 1
+    assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="other") == 1
+
+
+def test_the_kv_residency_estimate_and_the_capacity_are_gauges(registry, metrics):
+    metrics.drain_scheduler(SchedulerStats(kv_image_tokens=4096, kv_capacity_tokens=32768))
+
+    assert value(registry, "mmrag_kv_image_tokens_resident") == 4096
+    assert value(registry, "mmrag_kv_capacity_tokens") == 32768
 
 
 def test_the_warm_set_is_a_pair_of_gauges(registry, metrics):

@@ -18,13 +18,8 @@ from mmrag.wiring import resolve_model
 from mmrag.wiring import feature_store
 from core.engine import PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
-from serving.engine.remote import (
-    EngineRequestError,
-    EngineUnavailableError,
-    RemoteEngine,
-    rendezvous_order,
-    route_key,
-)
+from serving.engine.remote import EngineRequestError, EngineUnavailableError, RemoteEngine
+from serving.routing import rendezvous_order, route_key
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from core.keys import ImageKey
+from core.settings import DEFAULT_TENANT
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,32 +35,38 @@ class Conversations:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[float, tuple[QuestionImage, ...]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[float, tuple[QuestionImage, ...]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def remember(self, images: Sequence[QuestionImage], conversation_id: str | None = None) -> str:
-        """Keep ``images`` under ``conversation_id`` (a new id when None), replacing what it held; the id."""
+    def for_tenant(self, tenant: str) -> TenantConversations:
+        return TenantConversations(self, tenant)
+
+    def remember(self, images: Sequence[QuestionImage], conversation_id: str | None = None, *,
+                 tenant: str = DEFAULT_TENANT) -> str:
+        """Keep ``images`` under ``conversation_id`` (a new id when None), replacing what it held; the id.
+        Ids are the tenant's own: another tenant's same id names another conversation."""
         conversation_id = conversation_id or secrets.token_urlsafe(16)
         self._expire()
-        self._entries[conversation_id] = (self._clock(), tuple(images))
-        self._entries.move_to_end(conversation_id)
+        entry = (tenant, conversation_id)
+        self._entries[entry] = (self._clock(), tuple(images))
+        self._entries.move_to_end(entry)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
         return conversation_id
 
-    def recall(self, conversation_id: str) -> tuple[QuestionImage, ...]:
+    def recall(self, conversation_id: str, *, tenant: str = DEFAULT_TENANT) -> tuple[QuestionImage, ...]:
         """The conversation's images; using them keeps it alive for another ``ttl_s``."""
         self._expire()
-        if conversation_id not in self._entries:
+        if (tenant, conversation_id) not in self._entries:
             raise UnknownConversationError(
                 f"conversation {conversation_id!r} is unknown or expired (conversations are kept "
                 f"{self.ttl_s:g} s after their last question, at most {self.max_entries} at once, and not across "
                 "restarts): send the images again, with or without that conversation_id"
             )
-        _, images = self._entries[conversation_id]
-        self.remember(images, conversation_id)
+        _, images = self._entries[(tenant, conversation_id)]
+        self.remember(images, conversation_id, tenant=tenant)
         return images
 
     def _expire(self) -> None:
@@ -67,3 +74,17 @@ class Conversations:
         deadline = self._clock() - self.ttl_s
         while self._entries and next(iter(self._entries.values()))[0] <= deadline:
             self._entries.popitem(last=False)
+
+
+@dataclass(slots=True, frozen=True)
+class TenantConversations:
+    """One tenant's conversations: a conversation id another tenant made is unknown here."""
+
+    conversations: Conversations
+    tenant: str
+
+    def remember(self, images: Sequence[QuestionImage], conversation_id: str | None = None) -> str:
+        return self.conversations.remember(images, conversation_id, tenant=self.tenant)
+
+    def recall(self, conversation_id: str) -> tuple[QuestionImage, ...]:
+        return self.conversations.recall(conversation_id, tenant=self.tenant)

@@ -35,6 +35,7 @@ class Job(IngestJob):
         description="Where the job is: `cancelling` is a running job asked to stop (it does before its next "
         "page batch); a job a restarted server took up again is `queued` or `running` with `resumed` > 0.")
     resumed: int = Field(description="How many restarts of the server the job was resumed after.")
+    tiers: list[str] = Field(default=[], description="Resolution tiers it encodes beside MMRAG_INGEST_TIERS.")
 
 
 class JobsPage(Paged):

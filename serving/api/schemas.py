@@ -84,6 +84,11 @@ STREAM_DESCRIPTION = (
     "Answer with server-sent events (`text/event-stream`) instead of one JSON body: the sub-questions, the "
     "citations, each sub-answer as it finishes, the answer's tokens as they are generated, then `done` with the "
     "whole answer (the non-streamed body). Errors found before the stream starts are the usual JSON error.")
+TIER_DESCRIPTION = (
+    "Resolution tier to show the pages in (MMRAG_TIERS, e.g. `low`: 2x2-pooled, a quarter of the image tokens; "
+    "`high`: more pixels). A page not stored in it is encoded on demand from its source (counted in "
+    "`usage.vision_encodes`), or when its source is gone served in the nearest stored tier (`tier.fell_back`). "
+    "Absent: `standard`, as ingested. The question's own images stay in `standard`.")
 
 
 class AskRequest(BaseModel):
@@ -95,6 +100,7 @@ class AskRequest(BaseModel):
         "POST /v1/ask/upload takes them as files instead.")
     conversation_id: str | None = Field(default=None, pattern=CONVERSATION_ID, description=CONVERSATION_ID_DESCRIPTION)
     stream: bool = Field(default=False, description=STREAM_DESCRIPTION)
+    tier: str | None = Field(default=None, max_length=64, description=TIER_DESCRIPTION)
 
 
 class Citation(_Response):
@@ -146,6 +152,12 @@ class QuestionImageInfo(_Response):
     image_tokens: int = Field(description="Image tokens it takes in each prompt.")
 
 
+class TierInfo(_Response):
+    name: str = Field(description="The resolution tier the question asked for.")
+    fell_back: list[str] = Field(description="Pages served in another tier, as `[document, page N]: <tier> "
+                                             "(<why>)`: their source could not be rendered for an on-demand encode.")
+
+
 class AskResponse(_Response):
     answer: str = Field(description="The answer (synthesised from the sub-answers when there are several).")
     sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
@@ -162,6 +174,8 @@ class AskResponse(_Response):
     conversation_id: str | None = Field(default=None, description="The conversation holding this question's images: "
                                         "send it with a follow-up to ask about them again without resending them. "
                                         "Absent when the question had no images.")
+    tier: TierInfo | None = Field(default=None, description="The resolution tier asked for; absent when the "
+                                  "question asked for none.")
     question_images: list[QuestionImageInfo] | None = Field(
         default=None, description="The question's images, as shown first in its prompts; absent when it had none.")
     pages_left_out: list[str] | None = Field(
@@ -225,6 +239,8 @@ class IngestRequest(BaseModel):
     # strict: JSON `true`/`false` only, as the schema says; lax pydantic would read 0, 1 or "yes" as a bool.
     recursive: bool = Field(default=False, strict=True,
                             description="Also ingest files in sub-folders of the given folders.")
+    tiers: list[str] = Field(default=[], max_length=8, description="Resolution tiers (MMRAG_TIERS) to encode the "
+                             "pages in too, beside MMRAG_INGEST_TIERS: questions in them need no on-demand encode.")
 
 
 class FileFailure(_Response):

@@ -12,15 +12,17 @@ from typing import TYPE_CHECKING, Protocol
 from adapters.checkpoint import ModelSource
 from adapters.qdrant import AsyncPageReader
 from adapters.store import FeatureStore
-from core.engine import Completion, Engine, KVCapacity, OnText, PromptPlan
+from core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan
 from core.keys import ContentHash, ImageKey
 from core.pages import EncodedImage
 from core.settings import Settings
 from ingestion.loaders import decode_image, image_content_hash
 from rag.pipeline import Pipeline
 from serving.api.admission import Admission
-from serving.api.conversations import Conversations, QuestionImage
-from serving.ingest_jobs import IngestJobs
+from core.settings import DEFAULT_TENANT
+from serving.api.conversations import QuestionImage, TenantConversations
+from serving.api.tenants import TenantKeys
+from serving.ingest_jobs import TenantJobs
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
 from serving.warmup import WarmReport
@@ -29,30 +31,19 @@ if TYPE_CHECKING:
     from PIL import Image
 
 
-class MeteredEngine:
+class MeteredEngine(EngineWrapper):
     """The engine with every completion counted: answers and decomposition alike. Warm-up goes to
     ``inner``: its prefills are misses by design and would drag the hit-rate panels down."""
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
-        self.inner = engine
+        super().__init__(engine)
         self.metrics = metrics
-        self.model_name = engine.model_name
-        self.random_weights = engine.random_weights
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
                        on_text: OnText | None = None) -> Completion:
         completion = await self.inner.generate(plan, on_first_token=on_first_token, on_text=on_text)
         self.metrics.record_completion(completion.usage)
         return completion
-
-    async def kv_capacity(self) -> KVCapacity:
-        return await self.inner.kv_capacity()
-
-    async def reset_prefix_cache(self) -> None:
-        await self.inner.reset_prefix_cache()
-
-    async def close(self) -> None:
-        await self.inner.close()
 
 
 class ImageEncoder(Protocol):
@@ -111,6 +102,11 @@ class QuestionImages:
 
 @dataclass(slots=True)
 class Services:
+    """What a request is served with: the process-wide parts (engine, scheduler, store, metrics, admission)
+    and one tenant's own (``pipeline`` searching its collection with its cache salt, ``pages``, ``jobs``,
+    ``conversations``). The app holds the default tenant's; the key a request brings picks its tenant's view
+    from ``tenants`` (serving/api/deps.py), so a route only ever sees one tenant's documents."""
+
     settings: Settings
     model: ModelSource
     engine: MeteredEngine
@@ -119,10 +115,13 @@ class Services:
     store: FeatureStore
     pages: AsyncPageReader
     metrics: Metrics
-    jobs: IngestJobs
+    jobs: TenantJobs
     admission: Admission
     question_images: QuestionImages
-    conversations: Conversations
+    conversations: TenantConversations
+    keys: TenantKeys
+    tenant: str = DEFAULT_TENANT
+    tenants: dict[str, Services] = field(default_factory=dict)  # every tenant's view, by name
     warm_report: WarmReport | None = None
     owns_engine: bool = True  # tests inject the session engine and close it themselves
     _drain_task: asyncio.Task | None = field(default=None, repr=False)

@@ -5,22 +5,33 @@ from __future__ import annotations
 import logging
 
 from serving.api.services import Services
+from serving.api.tenants import SaltedEngine, cache_salt
 from serving.warmup import rank_by_demand, warm
 
 log = logging.getLogger(__name__)
 
 
 async def warm_at_startup(services: Services) -> None:
-    """Fill the serving engine's prefix cache with the most recurring pages that fit its KV share. Only pages
-    the configured encoder made: the tokens of another one are never fed (build_services warned of them)."""
-    encoder = services.pipeline.searcher.encoder
-    pages = [p for p in await services.pages.pages() if encoder is None or encoder.covers(p.image_key)]
-    if not pages:
-        log.info("warm-up skipped: no pages of the configured encoder are indexed")
-        return
-    candidates = rank_by_demand((p.image_key, p.image_tokens) for p in pages)
-    top = services.settings.warm_top
-    # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
-    report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates)
-    services.warm_report = report
-    services.metrics.set_warm_set(len(report.warmed), report.warmed_tokens)  # warm() logs the summary
+    """Fill the serving engine's prefix cache with the most recurring pages that fit its KV share, each
+    tenant's with its cache salt and an equal part of the share (a tenant's warmed KV serves only it). Only
+    pages the configured encoder made: the tokens of another one are never fed (build_services warned)."""
+    views = list(services.tenants.values())  # none: a tenants file without tenants serves nobody
+    warmed = tokens = 0
+    for view in views:
+        encoder = view.pipeline.searcher.encoder
+        pages = [p for p in await view.pages.pages() if encoder is None or encoder.covers(p.image_key)]
+        if not pages:
+            log.info("warm-up skipped for tenant %s: no pages of the configured encoder are indexed", view.tenant)
+            continue
+        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in pages)
+        top = services.settings.warm_top
+        # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
+        engine = SaltedEngine(services.engine.inner, cache_salt(view.tenant))
+        report = await warm(engine, candidates[:top] if top > 0 else candidates, share=0.5 / len(views))
+        view.warm_report = report
+        if services.scheduler.residency is not None:  # the scheduler's KV estimate sees no warm-up prefill itself
+            tokens_of = {c.key: c.image_tokens for c in candidates}
+            for key in report.warmed:
+                services.scheduler.residency.observe((key,), [tokens_of[key]])
+        warmed, tokens = warmed + len(report.warmed), tokens + report.warmed_tokens
+    services.metrics.set_warm_set(warmed, tokens)  # warm() logs each tenant's summary

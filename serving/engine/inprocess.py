@@ -128,6 +128,8 @@ class InProcessEngine:
 
     def build_request(self, plan: PromptPlan, feats: list[EncodedImage]) -> dict[str, Any]:
         request: dict[str, Any] = {"prompt": self.renderer.render(plan)}
+        if plan.cache_salt:
+            request["cache_salt"] = plan.cache_salt
         if feats:
             request["multi_modal_data"] = {"image": self.family.vllm_image_item(feats)}
             # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.

@@ -1,8 +1,11 @@
 """The remote engine: `vllm serve` replicas over HTTP, routed by prefix affinity.
 
-Each request goes to the replica chosen by rendezvous (highest-random-weight) hashing on the plan's first
-image key, so every plan that starts with the same figure lands on the replica whose prefix cache holds that
-figure's KV, and adding or removing a replica moves only the keys that ranked it first.
+Each request goes to the replica the routing rule (serving/routing.py, the same rule as the Ray Serve router)
+chooses: the one this engine last sent the plan's longest leading image prefix to, else the plan's rendezvous
+home (highest-random-weight hash of its first image), unless that replica has more than ``queue_bound``
+requests of this engine in flight, then the least loaded. So every plan that starts with the same figure lands
+on the replica whose prefix cache holds that figure's KV, and adding or removing a replica moves only the keys
+that ranked it first. A replica that fails a request loses its affinity entries (it may come back empty).
 
 Faults: a replica that cannot be connected to, drops the connection mid-answer (killed, restarted), stalls
 past the read timeout, or answers 5xx (its engine died, it is shutting down) is skipped for the next one in
@@ -19,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import io
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -37,6 +39,7 @@ from adapters.families import checkpoint_family
 from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
+from serving.routing import AffinityTable, prefix_path, rank_replicas
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +60,6 @@ class EngineRequestError(RuntimeError):
         self.url = url
         self.status = status
         self.message = message
-
-
-# --- routing: pure functions, testable without a server --------------------------------------------------
-
-
-def route_key(plan: PromptPlan) -> str:
-    """What decides the replica: the first image (the start of the shared KV prefix), else the system prompt."""
-    return str(plan.images[0]) if plan.images else f"system:{plan.system_prompt_id}"
-
-
-def rendezvous_order(key: str, urls: Sequence[str]) -> list[str]:
-    """Replicas by descending weight hash(url, key): the first is the key's home, the rest its fall-backs."""
-
-    def weight(url: str) -> int:
-        digest = hashlib.blake2b(f"{url}\x00{key}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
-
-    return sorted(urls, key=weight, reverse=True)
 
 
 # --- request / response shapes ---------------------------------------------------------------------------
@@ -176,6 +161,7 @@ class RemoteEngine:
         tokenizer: Any = None,
         timeout_s: float = 120.0,
         connect_timeout_s: float = 3.0,
+        queue_bound: int = 8,
     ) -> None:
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
@@ -202,6 +188,10 @@ class RemoteEngine:
         )
         self.connect_failures: Counter[str] = Counter()  # replica URL -> connections that could not be made
         self.failovers: Counter[str] = Counter()  # replica URL -> requests that failed there after connecting
+        # The routing rule's inputs: what each replica was sent, and this engine's requests in flight there.
+        self.affinity = AffinityTable()
+        self.in_flight: Counter[str] = Counter()
+        self.queue_bound = queue_bound
         self._served_names: dict[str, str] = {}
 
     # -- generation --
@@ -221,7 +211,9 @@ class RemoteEngine:
             "stream_options": {"include_usage": True},  # the last chunk carries usage (and cached tokens)
             "return_token_ids": True,  # generated ids, comparable with the in-process engine's
         }
-        url, out = await self._send(route_key(plan), body, started, on_first_token, on_text)
+        if plan.cache_salt:
+            body["cache_salt"] = plan.cache_salt  # vLLM folds it into the first block's hash, as in-process
+        url, out = await self._send(plan, body, started, on_first_token, on_text)
         prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, self.model)
         return Completion(
             "".join(out.text),
@@ -241,7 +233,7 @@ class RemoteEngine:
             replica=url,
         )
 
-    async def _send(self, key: str, body: dict[str, Any], started: float,
+    async def _send(self, plan: PromptPlan, body: dict[str, Any], started: float,
                     on_first_token: Callable[[], None] | None = None,
                     on_text: OnText | None = None) -> tuple[str, _Stream]:
         # Re-sending to the next replica is safe: the answer is a pure function of the prompt (the same weights
@@ -250,10 +242,12 @@ class RemoteEngine:
         # caller (its partial stream is dropped; of the text already streamed to ``on_text``, the next attempt
         # tells only what goes beyond it), and a replica that may still hold the request has lost our
         # connection and aborts it. Each replica is tried once: attempts <= len(self.urls).
-        first_token = _once(on_first_token)
-        told = _Told(on_text)
+        first_token = once(on_first_token)
+        told = Told(on_text)
         failures: list[str] = []
-        for url in rendezvous_order(key, self.urls):
+        for url in rank_replicas(plan, {u: self.in_flight[u] for u in self.urls}, self.affinity, self.queue_bound):
+            self.affinity.record(url, prefix_path(plan))
+            self.in_flight[url] += 1
             try:
                 body["model"] = await self._served_name(url)
                 return url, await self._stream(url, body, _Stream(started, first_token, told.attempt()))
@@ -270,7 +264,10 @@ class RemoteEngine:
                 # ReadTimeout (no byte for timeout_s), WriteError / WriteTimeout, DecodingError (a garbled body).
                 self.failovers[url] += 1
                 cause = f"failed mid-request: {_cause(exc)}"
+            finally:
+                self.in_flight[url] -= 1
             self._served_names.pop(url, None)  # a replica that comes back may serve under another name
+            self.affinity.drop(url)  # and with an empty cache
             failures.append(f"{url} ({cause})")
             log.warning("replica %s %s; re-sending to the next one", url, cause)
         raise EngineUnavailableError(
@@ -367,6 +364,7 @@ class RemoteEngine:
                                                    "VLLM_SERVER_DEV_MODE=1 to allow it")
             if resp.status_code != 200:
                 raise EngineRequestError(url, resp.status_code, _error_message(resp))
+            self.affinity.drop(url)  # it holds nothing now
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -404,7 +402,7 @@ def _cause(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+def once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
     """``fn``, called at most once: a re-sent request must not report its prefill twice (Engine.generate)."""
     if fn is None:
         return None
@@ -419,7 +417,7 @@ def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
     return call
 
 
-class _Told:
+class Told:
     """The text told to ``on_text`` over the attempts of one request. A re-sent request streams again the
     text a failed attempt already told (greedy decoding: the same tokens), so only what goes beyond it is
     told; with sampling the re-sent text may differ, and the completion's text is the answer."""

@@ -18,24 +18,26 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
+from core.keys import UnknownTierError
 from ingestion.loaders import ImageTooLargeError, IngestError
 from serving.api.conversations import QuestionImage, UnknownConversationError
-from serving.api.deps import AuthDep, ServicesDep
+from serving.api.deps import AuthDep, TenantDep
 from rag.answer import Answer
 from rag.pipeline import Emit, stream_events
 from serving.api.admission import ClientGone
 from serving.api.errors import ApiError, api_error_of, error_body, hide_paths
 from serving.api.limits import IMAGE_ROUTES, base64_length
 from serving.api.schemas import (CONVERSATION_ID, CONVERSATION_ID_DESCRIPTION, INVALID_REQUEST, STREAM_DESCRIPTION,
-                                 UNAUTHORIZED, AskEvent, AskRequest, AskResponse, error_responses)
+                                 TIER_DESCRIPTION, UNAUTHORIZED, AskEvent, AskRequest, AskResponse,
+                                 error_responses)
 from serving.api.services import Services
 
 router = APIRouter(tags=["ask"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
 ASK_PATH, UPLOAD_PATH = IMAGE_ROUTES
 
 ASK_ERRORS = error_responses({
-    400: "Empty or over-long question (`bad_question`), an image-only search with the image channel off "
-         "(`image_channel_off`), more images than a question takes (`too_many_images`), or an image that is not "
+    400: "Empty or over-long question (`bad_question`), a `tier` that is not configured (`unknown_tier`), an "
+         "image-only search with the image channel off (`image_channel_off`), more images than a question takes (`too_many_images`), or an image that is not "
          "base64 or not a PNG, JPEG, WebP or TIFF it can decode (`invalid_image`).",
     404: "A document named in `docs` is not ingested (`unknown_document`), or nothing is (`no_documents`); or the "
          "`conversation_id` of a question without images is unknown or expired (`unknown_conversation`): send "
@@ -76,17 +78,18 @@ Render = Callable[[AsyncIterator[dict]], AsyncIterator[str]]  # a streamed answe
 
 # exclude_unset: `sub_answers` stays absent (not null) on an answer that found no pages, as before.
 @router.post(ASK_PATH, summary="Answer a question with page citations and cache accounting", **_ANSWER)
-async def ask(body: AskRequest, request: Request, services: ServicesDep) -> dict | StreamingResponse:
+async def ask(body: AskRequest, request: Request, services: TenantDep) -> dict | StreamingResponse:
     check_count(len(body.images), services)
     limit = services.settings.max_image_bytes
     blobs = [from_base64(image.data, f"body.images.{i}.data", limit) for i, image in enumerate(body.images)]
+    check_tier(body.tier, services)
     return await respond(request, services, body.stream, lambda emit: ask_with_images(
-        services, body.question, body.docs, blobs, body.conversation_id, emit))
+        services, body.question, body.docs, blobs, body.conversation_id, emit, tier=body.tier))
 
 
 @router.post(UPLOAD_PATH, summary="Answer a question about uploaded images (multipart/form-data)", **_ANSWER)
 async def ask_upload(
-    request: Request, services: ServicesDep,
+    request: Request, services: TenantDep,
     question: Annotated[str, Form(description="The question; it is split into sub-questions.")],
     images: Annotated[list[UploadFile] | None, File(description="Image files the question is about (at most "
                                                     "MMRAG_MAX_QUESTION_IMAGES), each field named `images`.")] = None,
@@ -94,11 +97,13 @@ async def ask_upload(
     conversation_id: Annotated[str | None, Form(pattern=CONVERSATION_ID,
                                                 description=CONVERSATION_ID_DESCRIPTION)] = None,
     stream: Annotated[bool, Form(description=STREAM_DESCRIPTION)] = False,
+    tier: Annotated[str | None, Form(description=TIER_DESCRIPTION)] = None,
 ) -> dict | StreamingResponse:
     check_count(len(images or ()), services)
+    check_tier(tier, services)
     blobs = [await f.read() for f in images or ()]  # the body limit bounds them; decode_image checks each one's size
     return await respond(request, services, stream, lambda emit: ask_with_images(
-        services, question, docs, blobs, conversation_id, emit))
+        services, question, docs, blobs, conversation_id, emit, tier=tier))
 
 
 async def respond(request: Request, services: Services, stream: bool, work: Work, render: Render | None = None
@@ -180,11 +185,12 @@ class _Leaving:
 
 
 async def ask_with_images(services: Services, question: str, docs: list[str] | None, blobs: list[bytes],
-                           conversation_id: str | None, emit: Emit | None) -> Answer:
+                           conversation_id: str | None, emit: Emit | None, *, tier: str | None = None) -> Answer:
     images, forwards = await _images_of(services, blobs, conversation_id)
     for image in images:  # the scheduler admits plans by their image tokens
         services.pipeline.token_counts.record(image.key, image.tokens)
-    answer = await services.pipeline.ask(question, docs=docs, images=[i.key for i in images], on_event=emit)
+    answer = await services.pipeline.ask(question, docs=docs, images=[i.key for i in images], tier=tier,
+                                         on_event=emit)
     answer.usage.vision_encodes += forwards
     if images:
         answer.extra["conversation_id"] = services.conversations.remember(images, conversation_id)
@@ -209,6 +215,17 @@ async def _images_of(services: Services, blobs: list[bytes], conversation_id: st
         raise ApiError(413, "image_too_large", str(exc)) from exc
     except IngestError as exc:
         raise ApiError(400, "invalid_image", str(exc)) from exc
+
+
+def check_tier(tier: str | None, services: Services) -> None:
+    """An unknown tier is refused before any work, naming the configured ones."""
+    if tier is None:
+        return
+    try:
+        services.settings.tier_table.policy(tier)
+    except UnknownTierError as exc:
+        raise ApiError(400, "unknown_tier", str(exc), "ask for one of the configured tiers, or leave `tier` out "
+                       "for the standard one") from exc
 
 
 def check_count(n: int, services: Services) -> None:

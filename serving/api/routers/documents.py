@@ -12,15 +12,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from fastapi import APIRouter, File, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from core.keys import doc_id_for
 from core.payload import PagePayload
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, open_document, sniff_format
-from serving.api.deps import AuthDep, ServicesDep
+from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
 from serving.api.errors import ApiError
+from serving.api.routers.ask import check_tier
 from serving.api.routers.ingest import SharedPathRoute, public_job
 from serving.api.schemas import (
     INVALID_REQUEST,
@@ -43,10 +44,11 @@ PAGE_ERRORS = {**UNKNOWN_PAGE, **INDEX_DOWN, **INVALID_REQUEST}
 
 
 UPLOAD_ERRORS = {
-    400: "The body is not valid multipart/form-data (`bad_request`).",
     413: "The file is over MMRAG_MAX_UPLOAD_BYTES, or the body over that plus MMRAG_MAX_REQUEST_BYTES "
          "(`request_too_large`).",
     415: "The file's bytes are not a PDF, PNG, JPEG, WebP or TIFF (`unsupported_type`).",
+    400: "The body is not valid multipart/form-data (`bad_request`), or a tier is not configured "
+         "(`unknown_tier`).",
     **INVALID_REQUEST,
 }
 UNKNOWN_DOCUMENT = {404: "No indexed page belongs to a document with this id (`unknown_document`)."}
@@ -56,7 +58,7 @@ _COPY_CHUNK = 1 << 20
 @router.get("/documents", summary="Ingested documents with their pages and page ids (paginated: limit/offset, "
             "then next_offset)", response_model=DocumentsPage, responses=error_responses({**INDEX_DOWN,
                                                                                           **INVALID_REQUEST}))
-async def documents(services: ServicesDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
+async def documents(services: TenantDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
                     offset: int = Query(0, ge=0)) -> DocumentsPage:
     docs = sorted(_by_document(await services.pages.pages()), key=lambda d: (d.doc, d.doc_id))
     page = docs[offset:offset + limit]
@@ -66,11 +68,15 @@ async def documents(services: ServicesDep, limit: int = Query(100, ge=1, le=MAX_
 
 @router.post("/documents", status_code=202, summary="Upload a document (multipart field `file`) and ingest it "
              "as a job", response_model=Upload, responses=error_responses(UPLOAD_ERRORS))
-async def upload(request: Request, services: ServicesDep,
-                 file: UploadFile = File(description="A PDF, PNG, JPEG, WebP or TIFF file.")) -> dict:
+async def upload(request: Request, services: TenantDep,
+                 file: UploadFile = File(description="A PDF, PNG, JPEG, WebP or TIFF file."),
+                 tiers: list[str] = Form(default=[], max_length=8, description="Resolution tiers (MMRAG_TIERS) "
+                                         "to encode its pages in too, beside MMRAG_INGEST_TIERS.")) -> dict:
+    for tier in tiers:
+        check_tier(tier, services)
     path, size, sha = await asyncio.to_thread(_store_upload, file.file, file.filename or "", services.jobs.uploads,
                                               services.settings.max_upload_bytes)
-    job = services.jobs.submit_upload(path)
+    job = services.jobs.submit_upload(path, tiers)
     return {"doc_id": doc_id_for(str(path)), "doc": path.name, "bytes": size, "sha256": sha,
             "job": public_job(request, job)}
 
@@ -78,7 +84,7 @@ async def upload(request: Request, services: ServicesDep,
 @router.delete("/documents/{doc_id}", summary="Delete a document: its pages, and the feature entries no other "
                "indexed page references (it waits for a running ingest job to finish)",
                response_model=DeletedDocument, responses=error_responses({**UNKNOWN_DOCUMENT, **INDEX_DOWN, **INVALID_REQUEST}))
-async def delete(doc_id: str, services: ServicesDep) -> DeletedDocument:
+async def delete(doc_id: str, services: TenantDep) -> DeletedDocument:
     deleted = await asyncio.wrap_future(services.jobs.delete_document(doc_id))
     if deleted is None:
         raise ApiError(404, "unknown_document", f"no indexed document with id {doc_id}",
@@ -154,13 +160,13 @@ async def _page(services, page_id: str) -> PagePayload:
 
 @router.get("/pages/{page_id}", summary="A page's metadata and text", response_model=Page,
             responses=error_responses(PAGE_ERRORS))
-async def page(page_id: str, services: ServicesDep) -> Page:
+async def page(page_id: str, services: TenantDep) -> Page:
     return Page.of(await _page(services, page_id))
 
 
 @router.get("/pages/{page_id}/image", summary="The page image (PNG), rendered from its source file",
             response_class=Response, responses={**PNG_RESPONSE, **error_responses({**PAGE_ERRORS, **SOURCE_GONE})})
-async def page_image(page_id: str, services: ServicesDep) -> Response:
+async def page_image(page_id: str, services: TenantDep) -> Response:
     found = await _page(services, page_id)
     png = await asyncio.to_thread(_render_png, Path(found.path), found.page, services.settings)
     return Response(png, media_type="image/png")

@@ -4,9 +4,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from serving.api.deps import AuthDep, ServicesDep
+from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, Job as IngestJob, JobsPage, Paged
 from serving.api.errors import ApiError, hide_paths
+from serving.api.routers.ask import check_tier
 from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestRequest, error_responses
 from serving.ingest_jobs import InvalidPathError, Job, PathOutsideRootError
 
@@ -28,8 +29,8 @@ router = APIRouter(prefix="/v1", tags=["ingest"], dependencies=[AuthDep], respon
                    route_class=SharedPathRoute)
 
 START_ERRORS = error_responses({
-    400: "A path holds a NUL byte or is a symbolic link loop (`invalid_path`), or text that is not Unicode "
-         "(`invalid_text`).",
+    400: "A path holds a NUL byte or is a symbolic link loop (`invalid_path`), text that is not Unicode "
+         "(`invalid_text`), or a tier is not configured (`unknown_tier`).",
     403: "A path is outside MMRAG_INGEST_ROOT, or server-side ingest is off (`path_not_allowed`).",
     **TOO_LARGE,
     **INVALID_REQUEST,
@@ -39,9 +40,11 @@ STATUS_ERRORS = error_responses({404: "No ingest job has this id (`unknown_job`)
 
 @router.post("/ingest", status_code=202, summary="Start an ingest job for server-side paths",
              response_model=IngestJob, responses=START_ERRORS)
-async def start(body: IngestRequest, request: Request, services: ServicesDep) -> dict:
+async def start(body: IngestRequest, request: Request, services: TenantDep) -> dict:
+    for tier in body.tiers:
+        check_tier(tier, services)
     try:
-        job = services.jobs.submit(body.paths, recursive=body.recursive)
+        job = services.jobs.submit(body.paths, recursive=body.recursive, tiers=body.tiers)
     except PathOutsideRootError as exc:
         raise ApiError(403, "path_not_allowed", str(exc), "ingest paths under MMRAG_INGEST_ROOT") from exc
     except InvalidPathError as exc:
@@ -52,7 +55,7 @@ async def start(body: IngestRequest, request: Request, services: ServicesDep) ->
 
 @router.get("/ingest", summary="Ingest jobs, newest first (paginated: limit/offset, then next_offset)",
             response_model=JobsPage, responses=error_responses(INVALID_REQUEST))
-async def jobs(request: Request, services: ServicesDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
+async def jobs(request: Request, services: TenantDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
                offset: int = Query(0, ge=0)) -> dict:
     page, total = services.jobs.list(limit=limit, offset=offset)
     return {"jobs": [public_job(request, j) for j in page], "total": total, "limit": limit, "offset": offset,
@@ -61,14 +64,14 @@ async def jobs(request: Request, services: ServicesDep, limit: int = Query(100, 
 
 @router.get("/ingest/{job_id}", summary="An ingest job's status and report", response_model=IngestJob,
             responses=STATUS_ERRORS)
-async def status(job_id: str, request: Request, services: ServicesDep) -> dict:
+async def status(job_id: str, request: Request, services: TenantDep) -> dict:
     return public_job(request, _job(services.jobs.get(job_id), job_id))
 
 
 @router.post("/ingest/{job_id}/cancel", summary="Cancel an ingest job: a queued one never runs, a running one "
              "stops before its next page batch (`cancelling` until then); a finished one is returned as it is",
              response_model=IngestJob, responses=STATUS_ERRORS)
-async def cancel(job_id: str, request: Request, services: ServicesDep) -> dict:
+async def cancel(job_id: str, request: Request, services: TenantDep) -> dict:
     return public_job(request, _job(services.jobs.cancel(job_id), job_id))
 
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from serving.api.deps import AuthDep, ServicesDep
+from serving.api.deps import AuthDep, TenantDep
 from serving.api.errors import ApiError
 from serving.api.limits import CHAT_ROUTE
 from serving.api.openai_schemas import (MODEL_ID, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
@@ -48,7 +48,7 @@ CHAT_ERRORS = {
 
 
 @router.get("/v1/models", summary="The models served (OpenAI shape): `mmrag`", response_model=ModelList)
-async def models(services: ServicesDep) -> ModelList:
+async def models(services: TenantDep) -> ModelList:
     engine = services.engine
     return ModelList.model_validate({"object": "list", "data": [{
         "id": MODEL_ID, "object": "model", "created": 0, "owned_by": "mmrag",
@@ -70,7 +70,7 @@ CHUNKS = {"description": "The answer, or with `stream` true server-sent events: 
 
 @router.post(CHAT_ROUTE, summary="Answer the last user message from the corpus (OpenAI chat shape)",
              response_model=ChatCompletion, responses={**CHAT_ERRORS, 200: CHUNKS})
-async def chat_completions(body: ChatCompletionRequest, request: Request, services: ServicesDep
+async def chat_completions(body: ChatCompletionRequest, request: Request, services: TenantDep
                            ) -> ChatCompletion | StreamingResponse:
     question = _question(body.messages)
     blobs = _images(body.messages, services)

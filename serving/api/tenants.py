@@ -1,0 +1,173 @@
+"""Tenants: API keys map to tenants, each with its own collection, jobs, conversations and prefix-cache salt.
+
+The tenants file (MMRAG_TENANTS_FILE) is JSON, ``{"acme": ["sha256:<hex>", ...], ...}``: each tenant's keys as
+SHA-256 digests, never the keys themselves (`mmrag tenant add` prints a new key once and stores its digest). A
+plain digest, not a password hash (bcrypt, scrypt): the keys are 256 random bits that `secrets` drew, so there is
+no dictionary to try and nothing for a slow hash to slow down. A presented key is hashed and compared with every
+stored digest by ``hmac.compare_digest``, all of them whatever matched, so the time taken says neither whether a
+key is right nor which tenant's it is.
+
+Without a tenants file there is one tenant, ``default``, whose key is MMRAG_API_KEY (or none).
+
+What tenants share, and why it tells none of them about another's documents:
+- the engine and its KV cache, but not its prefixes: every plan of a tenant carries the tenant's ``cache_salt``
+  (vLLM folds it into the first block's hash), so a tenant never reuses, and so never detects through
+  ``cached_tokens`` or a faster first token, another tenant's prefill;
+- the feature store, by content key: an entry is named only by the hash of a page's pixels (with the encoder and
+  the resolution policy), the API never lists the store or returns tokens, and retrieval, citations, page reads
+  and deletions read the tenant's own collection only. To reach another tenant's entry a tenant must already hold
+  the exact pixels, and then learns at most that someone encoded them before (a question image that costs no
+  vision forward): one bit about content it already has, never a document, name or page it does not. A
+  deployment that cannot accept even that runs one feature store per tenant (MMRAG_REDIS_URL per deployment).
+  Deleting a document removes only the entries no page of any tenant references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan, Submit
+from core.settings import DEFAULT_TENANT, Settings, check_tenant
+
+_PREFIX = "sha256:"
+
+
+class TenantsFileError(ValueError):
+    """The tenants file cannot be read or is not of the shape `mmrag tenant add` writes."""
+
+
+def key_digest(key: str) -> str:
+    return _PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A new API key: 256 random bits, URL-safe, with a prefix that says what it is (secret scanners key on it)."""
+    return "mmrag-" + secrets.token_urlsafe(32)
+
+
+def cache_salt(tenant: str) -> str:
+    """The prefix-cache salt of a tenant's plans. The default tenant's is empty: a single-tenant server keeps
+    the KV that warm-up and every earlier version stored unsalted."""
+    return "" if tenant == DEFAULT_TENANT else f"tenant-{tenant}"
+
+
+@dataclass(slots=True, frozen=True)
+class TenantKeys:
+    """Digest → tenant, for every key of every tenant; ``open`` when no key is required (no tenants file and
+    no MMRAG_API_KEY: every caller is the default tenant)."""
+
+    digests: tuple[tuple[str, str], ...]
+    open: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TenantKeys:
+        if settings.tenants_file is None:
+            if not settings.api_key:
+                return cls((), open=True)
+            return cls(((key_digest(settings.api_key), DEFAULT_TENANT),))
+        return cls(tuple((digest, tenant) for tenant, digests in read_tenants(settings.tenants_file).items()
+                         for digest in digests))
+
+    @property
+    def tenants(self) -> list[str]:
+        return [DEFAULT_TENANT] if self.open else sorted({tenant for _, tenant in self.digests})
+
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant whose key this is, or None. Constant in time over the stored digests (module docstring)."""
+        if self.open:
+            return DEFAULT_TENANT
+        given = key_digest(key).encode()
+        found = None
+        for digest, tenant in self.digests:
+            if hmac.compare_digest(given, digest.encode()):
+                found = tenant
+        return found
+
+
+def read_tenants(path: Path) -> dict[str, list[str]]:
+    """The tenants file, checked: a JSON object of tenant name → list of ``sha256:<64 hex>`` digests."""
+    fix = f"rewrite it with `mmrag tenant add <name>` (MMRAG_TENANTS_FILE={path})"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TenantsFileError(f"the tenants file {path} does not exist: create it with `mmrag tenant add <name>` "
+                               "or unset MMRAG_TENANTS_FILE") from None
+    except (OSError, ValueError) as exc:
+        raise TenantsFileError(f"cannot read the tenants file {path}: {exc}; {fix}") from exc
+    if not isinstance(data, dict):
+        raise TenantsFileError(f"the tenants file {path} is not a JSON object of tenant → key digests; {fix}")
+    for tenant, digests in data.items():
+        try:
+            check_tenant(tenant)
+        except ValueError as exc:
+            raise TenantsFileError(f"{path}: {exc}") from None
+        if not isinstance(digests, list) or not all(_is_digest(d) for d in digests):
+            raise TenantsFileError(f"{path}: tenant {tenant!r} must map to a list of 'sha256:<64 hex>' key digests "
+                                   f"(never plain keys); {fix}")
+    return data
+
+
+def add_key(path: Path, tenant: str) -> str:
+    """A new key for ``tenant`` (added if new), its digest written to the tenants file; the key, shown once."""
+    check_tenant(tenant)
+    data = read_tenants(path) if path.exists() else {}
+    key = new_key()
+    data.setdefault(tenant, []).append(key_digest(key))
+    _write(path, data)
+    return key
+
+
+def remove_tenant(path: Path, tenant: str) -> bool:
+    """Drop a tenant's keys (its collection stays: `mmrag index reset --tenant` empties it)."""
+    data = read_tenants(path)
+    if data.pop(tenant, None) is None:
+        return False
+    _write(path, data)
+    return True
+
+
+def _write(path: Path, data: dict[str, list[str]]) -> None:
+    """Atomically, readable by its owner only: the digests are not secrets, but nobody else needs them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tenants-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _is_digest(value: object) -> bool:
+    return (isinstance(value, str) and value.startswith(_PREFIX) and len(value) == len(_PREFIX) + 64
+            and all(c in "0123456789abcdef" for c in value[len(_PREFIX):]))
+
+
+def salted(submit: Submit, salt: str) -> Submit:
+    """``submit`` with every plan carrying ``salt`` as its prefix-cache salt."""
+
+    def call(plan: PromptPlan, *, on_text: OnText | None = None) -> Awaitable[Completion]:
+        return submit(dataclasses.replace(plan, cache_salt=salt), on_text=on_text)
+
+    return call
+
+
+class SaltedEngine(EngineWrapper):
+    """An engine whose every plan carries ``salt`` (a tenant's decomposition prompts go straight to the engine,
+    not through the scheduler)."""
+
+    def __init__(self, engine: Engine, salt: str) -> None:
+        super().__init__(engine)
+        self.salt = salt
+
+    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
+                       on_text: OnText | None = None) -> Completion:
+        return await self.inner.generate(dataclasses.replace(plan, cache_salt=self.salt),
+                                         on_first_token=on_first_token, on_text=on_text)

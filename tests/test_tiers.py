@@ -1,0 +1,267 @@
+"""Resolution tiers: named policies in Settings, each its own key; ingestion encodes the configured ones; a
+question asking for a tier gets its pages encoded on demand (one vision forward each, counted), or served in
+the nearest stored tier when the page cannot be rendered; an unknown tier is a clear 400 / CLI error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from qdrant_client import QdrantClient
+
+from adapters.store import DiskFeatureStore
+from adapters.vision import VisionEncoder
+from core.keys import ImageKey, ResolutionPolicy, Tiers, UnknownTierError
+from core.payload import PagePayload
+from core.settings import Settings
+from mmrag import wiring
+from rag.tiers import PageTiers
+from retrieval.search import Hit
+from tests.conftest import API_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+QUESTION = "What does the architecture diagram show?"
+
+
+def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
+    settings = Settings()
+    tiers = settings.tier_table
+    assert list(tiers.policies) == ["standard", "low", "high"]
+    assert tiers.policy("standard") == settings.resolution_policy == ResolutionPolicy(56 * 56, 448 * 448)
+    assert tiers.policy("low").pooled and not tiers.policy("high").pooled
+    assert settings.ingest_tier_policies == []  # ingestion encodes standard only by default
+    key = ImageKey.parse(f"img1-{'a' * 64}-{'b' * 16}-px3136-200704")
+    assert tiers.labels(key) == {"tier": "standard", "pooled": "false"}
+    assert tiers.labels(key.in_policy(tiers.policy("low"))) == {"tier": "low", "pooled": "true"}
+    assert tiers.labels(key.in_policy(ResolutionPolicy(1, 2))) == {"tier": "other", "pooled": "false"}
+    with pytest.raises(UnknownTierError, match="configured tiers: standard, low, high"):
+        tiers.policy("ultra")
+
+
+def test_a_page_in_another_configured_tier_counts_as_in_use_for_garbage_collection():
+    tiers = Settings().tier_table
+    indexed = ImageKey.parse(f"img1-{'a' * 64}-{'b' * 16}-px3136-200704")
+    in_use = tiers.in_use([indexed])
+    assert in_use(indexed) and in_use(indexed.in_policy(tiers.policy("low")))
+    assert not in_use(indexed.in_policy(ResolutionPolicy(1, 2)))  # a tier no longer configured: garbage
+    assert not in_use(dataclasses.replace(indexed, encoder_version="c" * 16).in_policy(tiers.policy("low")))
+    assert not in_use(dataclasses.replace(indexed, content_hash="d" * 64))
+
+
+def test_tier_settings_are_validated_with_the_fix(monkeypatch):
+    monkeypatch.setenv("MMRAG_TIERS", '{"tiny": {"min_pixels": 3136, "max_pixels": 12544, "pool": 2}}')
+    monkeypatch.setenv("MMRAG_INGEST_TIERS", "standard, tiny")
+    assert Settings().ingest_tier_policies == [ResolutionPolicy(3136, 12544, pool=2)]
+    monkeypatch.setenv("MMRAG_INGEST_TIERS", "standard,low")
+    with pytest.raises(ValueError, match="unknown resolution tier 'low'; configured tiers: standard, tiny"):
+        Settings()
+    monkeypatch.setenv("MMRAG_TIERS", '{"standard": {"min_pixels": 3136, "max_pixels": 12544}}')
+    with pytest.raises(ValueError, match="set those instead"):
+        Settings()
+
+
+def test_the_nearest_tier_compares_tokens_per_page_pooling_included():
+    standard, low, high = (ResolutionPolicy(3136, 200704), ResolutionPolicy(3136, 200704, pool=2),
+                           ResolutionPolicy(3136, 802816))
+    assert Tiers.nearest(high, [low, standard]) == standard
+    assert Tiers.nearest(low, [standard, high]) == standard
+    assert Tiers.nearest(standard, [low, high]) == high  # as far in tokens both ways: the one losing no detail
+
+
+# --- ingestion ------------------------------------------------------------------------------------------
+
+
+def test_ingestion_encodes_the_configured_tiers_once_and_a_new_tier_makes_a_file_not_current(
+        engine_settings, sample_corpus, tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    for name in ("operations_manual.pdf", "allhands_03_platform.png"):
+        shutil.copy(sample_corpus / name, files / name)
+    base = engine_settings.model_copy(update={"data_dir": tmp_path / "data", "ingest_tiers": "standard,low"})
+    ingestor = wiring.ingestor(base)
+    try:
+        first = ingestor.run([files])
+        again = ingestor.run([files])
+        points, _ = ingestor.index.client.scroll(base.qdrant_collection, limit=100, with_payload=True)
+    finally:
+        ingestor.index.client.close()
+    keys = {PagePayload.from_qdrant(p.payload).image_key for p in points}
+    low = base.tier_table.policy("low")
+    assert not first.failed and first.encoded == 2 * len(keys)  # one forward per page per tier
+    assert again.encoded == 0 and again.unchanged_files == 2
+    assert all(k.policy == base.resolution_policy for k in keys)  # the index carries standard keys
+    store = wiring.feature_store(base)
+    assert all(store.contains(k.in_policy(low)) for k in keys)
+
+    more = wiring.ingestor(base.model_copy(update={"ingest_tiers": "standard,low,high"}))
+    try:
+        third = more.run([files])
+    finally:
+        more.index.client.close()
+    high = base.tier_table.policy("high")
+    assert third.unchanged_files == 0 and third.encoded == len(keys)  # only the new tier's forwards
+    assert all(store.contains(k.in_policy(high)) for k in keys)
+
+
+# --- on-demand encoding and fallback ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hits(engine_settings, ingested) -> list[Hit]:
+    """Two distinct indexed pages as retrieval returns them."""
+    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    try:
+        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+    finally:
+        client.close()
+    pages = {p.image_key: p for p in (PagePayload.from_qdrant(x.payload) for x in points)}
+    return [Hit.of(pages[k], 1.0, QUESTION) for k in sorted(pages)[:2]]
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_model, engine_settings) -> VisionEncoder:
+    return VisionEncoder(tiny_model, engine_settings.resolution_policy)
+
+
+async def test_a_page_missing_in_the_asked_tier_is_encoded_on_demand_once(engine_settings, hits, encoder, tmp_path):
+    store = DiskFeatureStore(tmp_path / "features")  # empty: no page is stored in any tier yet
+    tiers = PageTiers(engine_settings, store, encoder.with_policy)
+    high = engine_settings.tier_table.policy("high")
+    first = await tiers([hits], "high")
+    again = await tiers([hits[:1]], "high")
+    assert first.vision_encodes == 2 and first.fell_back == [] and again.vision_encodes == 0
+    got = first.hits[0]
+    assert [h.image_key for h in got] == [h.image_key.in_policy(high) for h in hits]
+    assert all(store.get(h.image_key).num_tokens == h.image_tokens for h in got)
+    assert again.hits[0][0] == got[0]
+    assert got[0].image_tokens > hits[0].image_tokens  # more pixels, more tokens
+    assert (await tiers([hits], "standard")).hits == [hits]  # the tier they are indexed in: as they are
+    print(f"\nhigh tier on demand: {[h.image_tokens for h in hits]} -> {[h.image_tokens for h in got]} tokens")
+
+
+async def test_a_page_whose_source_is_gone_falls_back_to_the_nearest_stored_tier(engine_settings, hits, encoder,
+                                                                                 tmp_path):
+    store = DiskFeatureStore(tmp_path / "features")
+    hit = hits[0]
+    low = engine_settings.tier_table.policy("low")
+    rendered = encoder.with_policy(low)
+    moved = dataclasses.replace(hit, path=str(tmp_path / "gone.pdf"))
+    tiers = PageTiers(engine_settings, store, encoder.with_policy)
+    only_indexed = await tiers([[moved]], "low")  # nothing stored in any tier: the indexed key, as it was
+    assert only_indexed.hits == [[moved]] and only_indexed.vision_encodes == 0
+    assert only_indexed.fell_back == [f"[{hit.doc}, page {hit.page}]: standard (its source file cannot be opened: "
+                                      f"{_missing_message(moved)})"]
+    with pytest.raises(FileNotFoundError):
+        Path(moved.path).stat()
+    # With the low tier stored (an earlier ingest), a high question falls back to standard, the nearer of the two.
+    store.put(hit.image_key, wiring.feature_store(engine_settings).get(hit.image_key))
+    store.put(hit.image_key.in_policy(low), rendered.encode([_image_of(engine_settings, hit)])[0])
+    served = await tiers([[moved]], "high")
+    assert served.hits[0][0].image_key == hit.image_key and served.vision_encodes == 0
+    assert (await tiers([[moved]], "low")).hits[0][0].image_key == hit.image_key.in_policy(low)  # stored: used
+
+
+def _missing_message(hit: Hit) -> str:
+    from ingestion.loaders import IngestError, open_document
+
+    try:
+        open_document(Path(hit.path), Settings())
+    except IngestError as exc:
+        return str(exc)
+    raise AssertionError("the moved file exists")
+
+
+def _image_of(settings: Settings, hit: Hit):
+    from ingestion.loaders import open_document
+
+    with open_document(Path(hit.path), settings) as doc:
+        return next(p for p in doc.pages() if p.page == hit.page).image
+
+
+# --- through the API and the CLI -------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def http(api_server):
+    async with httpx.AsyncClient(base_url=api_server["url"], timeout=300, headers=AUTH) as client:
+        yield client
+
+
+@pytest.fixture
+def drop_low_tier_entries(api_server):
+    """The session store is every test's: the low-tier entries a question here encodes go again afterwards (other
+    tests count the store's entries against the index's pages)."""
+    store = api_server["app"].state.services.store
+    before = set(store.keys())
+    yield
+    for key in set(store.keys()) - before:
+        store.delete(key)
+
+
+async def test_a_question_in_the_low_tier_encodes_its_pages_once_and_takes_a_quarter_of_the_image_tokens(
+        http, drop_low_tier_entries):
+    standard = (await http.post("/v1/ask", json={"question": QUESTION})).json()
+    first = (await http.post("/v1/ask", json={"question": QUESTION, "tier": "low"})).json()
+    again = (await http.post("/v1/ask", json={"question": QUESTION, "tier": "low"})).json()
+    assert "tier" not in standard and first["tier"] == {"name": "low", "fell_back": []}
+    assert first["usage"]["vision_encodes"] >= 1 and again["usage"]["vision_encodes"] == 0
+    assert [c["page_id"] for c in first["citations"]] == [c["page_id"] for c in standard["citations"]]
+    assert again["usage"]["image_tokens"] == first["usage"]["image_tokens"]
+    assert 3 * first["usage"]["image_tokens"] <= standard["usage"]["image_tokens"]
+    print(f"\nimage tokens: standard {standard['usage']['image_tokens']}, low (pooled) "
+          f"{first['usage']['image_tokens']}; on-demand forwards {first['usage']['vision_encodes']}, then 0")
+
+
+async def test_an_unknown_tier_is_a_400_naming_the_configured_tiers(http):
+    response = await http.post("/v1/ask", json={"question": QUESTION, "tier": "ultra"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "unknown_tier" and "standard, low, high" in error["message"] and error["fix"]
+    upload = await http.post("/v1/ask/upload", data={"question": QUESTION, "tier": "ultra"})
+    assert upload.status_code == 400 and upload.json()["error"]["type"] == "unknown_tier"
+
+
+@pytest.mark.parametrize("args", [["ask", QUESTION, "--tier", "ultra"], ["ingest", "nowhere.pdf", "--tier", "ultra"]])
+def test_the_cli_refuses_an_unknown_tier_naming_the_configured_ones(args, engine_settings):
+    env = dict(os.environ, MMRAG_DATA_DIR=str(engine_settings.data_dir), MMRAG_MODEL=engine_settings.model,
+               HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "mmrag", *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2, done.stderr
+    assert "--tier: unknown resolution tier 'ultra'; configured tiers: standard, low, high" in " ".join(
+        done.stderr.split())
+
+
+async def test_a_document_may_ask_for_a_tier_and_its_deletion_takes_the_tiers_entries_too(http, api_server):
+    import asyncio
+
+    from tests.test_tenants import _png
+
+    store = api_server["app"].state.services.store
+    low = api_server["settings"].tier_table.policy("low")
+    r = await http.post("/v1/documents", files={"file": ("tiered.png", _png("tiered"), "image/png")},
+                        data={"tiers": ["ultra"]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "unknown_tier", r.text
+    r = await http.post("/v1/ingest", json={"paths": ["x"], "tiers": ["ultra"]})
+    assert r.status_code == 400 and "low" in r.json()["error"]["message"], r.text
+
+    r = await http.post("/v1/documents", files={"file": ("tiered.png", _png("tiered"), "image/png")},
+                        data={"tiers": ["low"]})
+    assert r.status_code == 202 and r.json()["job"]["tiers"] == ["low"], r.text
+    while (job := (await http.get(f"/v1/ingest/{r.json()['job']['id']}")).json())["status"] in ("queued", "running"):
+        await asyncio.sleep(0.05)
+    assert job["status"] == "done" and job["report"]["encoded"] == 2, job  # standard, then low
+    doc = next(d for d in (await http.get("/v1/documents", params={"limit": 1000})).json()["documents"]
+               if d["doc_id"] == r.json()["doc_id"])
+    key = ImageKey.parse((await http.get(f"/v1/pages/{doc['pages'][0]['page_id']}")).json()["image_key"])
+    assert store.contains(key) and store.contains(key.in_policy(low))
+    deleted = (await http.delete(f"/v1/documents/{doc['doc_id']}")).json()
+    assert deleted["entries_removed"] == 2, deleted
+    assert not store.contains(key) and not store.contains(key.in_policy(low))
