@@ -263,3 +263,13 @@ async def test_a_replica_killed_mid_load_loses_no_request_and_is_replaced(ray_cl
     later = await run_all(engine, [PromptPlan(images=(k,), text="After the restart.", sampling=SHORT)
                                    for k in keys[:4]])
     assert {c.replica for c in later} <= set(now)
+
+
+def test_a_local_cluster_announces_a_cpu_for_every_replica_on_a_small_host():
+    # Found running `mmrag serve --ray` on this 2-core host: 2 engine replicas took both CPUs Ray announced and
+    # the vision replica waited for a third forever. Ray's CPUs are scheduling tokens here (vLLM picks threads).
+    from serving.ray.app import RayServeConfig, local_cpus
+
+    config = RayServeConfig(address="", replicas=2, queue_bound=8, replica_cpus=1.0, replica_gpus=0.0,
+                            max_ongoing_requests=16, http_host="127.0.0.1", http_port=8200, vision_max_replicas=2)
+    assert local_cpus(config) >= 4

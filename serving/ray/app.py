@@ -14,6 +14,8 @@ Ray is imported inside the functions: `mmrag serve` without --ray never loads it
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +47,15 @@ class RayServeConfig:
         return {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus}
 
 
+def local_cpus(config: RayServeConfig) -> int:
+    """The CPUs a local cluster announces: at least what every replica reserves (the engine replicas and the
+    vision service at its most). Ray's CPUs are scheduling tokens here — vLLM and torch pick their own
+    threads — and a 2-core host must still place 2 engine replicas and the vision replica, or Serve waits for
+    a CPU that never comes."""
+    return max(os.cpu_count() or 1,
+               math.ceil(config.replica_cpus * (config.replicas + config.vision_max_replicas)))
+
+
 def connect(config: RayServeConfig, *, num_cpus: int | None = None) -> float:
     """Join the cluster at ``config.address``, or start a local one; returns the seconds it took."""
     import ray
@@ -60,7 +71,7 @@ def connect(config: RayServeConfig, *, num_cpus: int | None = None) -> float:
         if config.address:
             ray.init(address=config.address)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            ray.init(num_cpus=num_cpus or local_cpus(config), include_dashboard=False)
     from ray import serve
 
     serve.start(http_options={"host": config.http_host, "port": config.http_port})
