@@ -265,3 +265,17 @@ async def test_a_document_may_ask_for_a_tier_and_its_deletion_takes_the_tiers_en
     deleted = (await http.delete(f"/v1/documents/{doc['doc_id']}")).json()
     assert deleted["entries_removed"] == 2, deleted
     assert not store.contains(key) and not store.contains(key.in_policy(low))
+
+
+async def test_the_openai_route_takes_a_tier_as_an_extra_field(api_server, drop_low_tier_entries):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=api_server["url"] + "/v1", api_key=API_KEY, timeout=300, max_retries=0)
+    messages = [{"role": "user", "content": QUESTION}]
+    standard = await client.chat.completions.create(model="mmrag", messages=messages)
+    low = await client.chat.completions.create(model="mmrag", messages=messages, extra_body={"tier": "low"})
+    assert low.model_extra["citations"] == standard.model_extra["citations"]
+    assert 3 * low.usage.prompt_tokens < 2 * standard.usage.prompt_tokens  # a quarter of the image tokens
+    with pytest.raises(openai.BadRequestError, match="unknown_tier"):
+        await client.chat.completions.create(model="mmrag", messages=messages, extra_body={"tier": "ultra"})
+    await client.close()

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.api.schemas import Citation
+from serving.api.schemas import TIER_DESCRIPTION, Citation
 
 MODEL_ID = "mmrag"
 
@@ -69,6 +69,8 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2, description="Accepted and ignored: answers "
                                       "are greedy (temperature 0), so that an answer over documents does not "
                                       "vary run to run.")
+    # Not OpenAI's: the openai client sends it as `extra_body={"tier": "low"}`.
+    tier: str | None = Field(default=None, description="mmrag's own: " + TIER_DESCRIPTION)
 
 
 # --- responses -------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from serving.api.errors import ApiError
 from serving.api.limits import CHAT_ROUTE
 from serving.api.openai_schemas import (MODEL_ID, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatMessage, ImagePart, ModelList, TextPart)
-from serving.api.routers.ask import ASK_ERRORS, ask_with_images, check_count, from_base64, respond
+from serving.api.routers.ask import ASK_ERRORS, ask_with_images, check_count, check_tier, from_base64, respond
 from serving.api.schemas import UNAUTHORIZED, error_responses
 from serving.api.services import Services
 
@@ -35,7 +35,8 @@ router = APIRouter(tags=["openai"], dependencies=[AuthDep], responses=error_resp
 CHAT_ERRORS = {
     **ASK_ERRORS,
     **error_responses({
-        400: "No `user` message, or its text is empty or over-long (`no_question`, `bad_question`); an image that "
+        400: "No `user` message, or its text is empty or over-long (`no_question`, `bad_question`); a `tier` that "
+             "is not configured (`unknown_tier`); an image that "
              "is not a base64 data URL of a PNG, JPEG, WebP or TIFF (`invalid_image`); more distinct images than a "
              "question takes (`too_many_images`); or an image-only search with the image channel off "
              "(`image_channel_off`).",
@@ -73,12 +74,13 @@ CHUNKS = {"description": "The answer, or with `stream` true server-sent events: 
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: TenantDep
                            ) -> ChatCompletion | StreamingResponse:
     question = _question(body.messages)
+    check_tier(body.tier, services)
     blobs = _images(body.messages, services)
     services = _bounded(services, body.max_tokens)
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": MODEL_ID}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     answered = await respond(request, services, body.stream, lambda emit: ask_with_images(
-        services, question, None, blobs, None, emit), render=lambda events: _chunks(events, head, include_usage))
+        services, question, None, blobs, None, emit, tier=body.tier), render=lambda events: _chunks(events, head, include_usage))
     if isinstance(answered, StreamingResponse):
         return answered
     return ChatCompletion.model_validate({
