@@ -214,14 +214,17 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
     )
 
 
-def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = None) -> PageSearcher:
-    """``encoder``: retrieve only pages whose tokens it made (whoever feeds hits to the VLM must pass it)."""
+def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = None,
+             text: TextEmbedder | None = None, image: ImageEmbedder | None = None) -> PageSearcher:
+    """``encoder``: retrieve only pages whose tokens it made (whoever feeds hits to the VLM must pass it).
+    Embedders already built (another tenant's searcher) are reused."""
     from adapters.qdrant import open_async_qdrant
     from retrieval.search import PageSearcher
 
     return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
-                        settings.qdrant_collection, text_embedder(settings), image_embedder(settings),
-                        top_k=settings.top_k, encoder=encoder)
+                        settings.qdrant_collection, text or text_embedder(settings),
+                        image if image is not None else image_embedder(settings), top_k=settings.top_k,
+                        encoder=encoder)
 
 
 # --- engine, scheduler, pipeline -------------------------------------------------------------------------
@@ -377,15 +380,13 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         return page_index(settings.for_tenant(tenant), pipe.searcher.text_embedder.dim,
                           client=LoopBridge(client, loop))
 
-    towers: list[VisionEncoder | RemoteVisionEncoder] = []  # one, built by the first job, for every tenant
+    tower = functools.cache(lambda: vision_encoder(settings, model))  # built by the first job, for every tenant
 
     def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
         job_settings = settings.for_tenant(tenant)
         if tiers:  # a job's own tiers, beside MMRAG_INGEST_TIERS (checked by the route)
             job_settings = job_settings.model_copy(update={"ingest_tiers": ",".join((settings.ingest_tiers, *tiers))})
-        if not towers:
-            towers.append(vision_encoder(settings, model))
-        return ingestor(job_settings, model=model, store=store, index=make_index(tenant), encoder=towers[0],
+        return ingestor(job_settings, model=model, store=store, index=make_index(tenant), encoder=tower(),
                         text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder)
 
     jobs = IngestJobs(settings.ingest_root, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
@@ -410,21 +411,19 @@ def tenant_view(root: Services, tenant: str, jobs: IngestJobs, conversations: Co
     import dataclasses
 
     from adapters.qdrant import AsyncPageReader
-    from retrieval.search import PageSearcher
     from serving.api.tenants import SaltedEngine, cache_salt, salted
 
     if tenant == DEFAULT_TENANT:
         return root
-    settings, base = root.settings, root.pipeline
-    collection = settings.tenant_collection(tenant)
+    settings, base = root.settings.for_tenant(tenant), root.pipeline
     pipe = copy.copy(base)
-    pipe.searcher = PageSearcher(base.searcher.client, collection, base.searcher.text_embedder,
-                                 base.searcher.image_embedder, top_k=settings.top_k, encoder=base.searcher.encoder)
+    pipe.searcher = searcher(settings, client=base.searcher.client, encoder=base.searcher.encoder,
+                             text=base.searcher.text_embedder, image=base.searcher.image_embedder)
     salt = cache_salt(tenant)
     pipe.submit = salted(base.submit, salt)
     pipe.decomposer = decomposer(settings, SaltedEngine(root.engine, salt))
     return dataclasses.replace(root, tenant=tenant, pipeline=pipe,
-                               pages=AsyncPageReader(base.searcher.client, collection),
+                               pages=AsyncPageReader(base.searcher.client, settings.qdrant_collection),
                                jobs=jobs.for_tenant(tenant), conversations=conversations.for_tenant(tenant),
                                tenants={})
 
@@ -484,30 +483,24 @@ def replica_engine(settings: Settings) -> Engine:
 def ray_engine_application(args: dict | None = None):
     """The engine application from MMRAG_* settings: Serve's builder (``import_path:
     mmrag.wiring:ray_engine_application`` in a RayService), and what `mmrag serve --ray` deploys."""
-    from functools import partial
-
     from serving.ray.app import engine_application
 
     settings = Settings(**(args or {}))
-    return engine_application(ray_config(settings), partial(replica_engine, settings))
+    return engine_application(ray_config(settings), functools.partial(replica_engine, settings))
 
 
 def ray_vision_application(args: dict | None = None):
     """The vision application from MMRAG_* settings (Serve's builder, like :func:`ray_engine_application`)."""
-    from functools import partial
-
     from serving.ray.app import vision_application
 
     settings = Settings(**(args or {}))
-    return vision_application(ray_config(settings), partial(vision_app, settings))
+    return vision_application(ray_config(settings), functools.partial(vision_app, settings))
 
 
 def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
     """Join (MMRAG_RAY_ADDRESS) or start a Ray cluster, deploy the engine replicas (unless MMRAG_RAY_DEPLOY is
     false: the cluster runs them), and return the Engine over their handle. ``num_cpus``: the CPUs a local
     cluster announces."""
-    from functools import partial
-
     from serving.ray.app import connect, deploy_engine, engine_handle
     from serving.ray.engine import RayEngine
 
@@ -517,7 +510,7 @@ def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
                     "feature store on its own disk (%s); set MMRAG_REDIS_URL unless all run on this machine",
                     settings.features_dir)
     log.info("Ray cluster ready in %.1f s", connect(config, num_cpus=num_cpus))
-    handle = (deploy_engine(config, partial(replica_engine, settings)) if settings.ray_deploy
+    handle = (deploy_engine(config, functools.partial(replica_engine, settings)) if settings.ray_deploy
               else engine_handle())
     return RayEngine(handle, resolve_model(settings))
 
@@ -525,12 +518,10 @@ def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
 def ray_app(settings: Settings) -> FastAPI:
     """`mmrag serve --ray`: the REST app in this process, its engine the Ray replicas, its vision service the
     Ray deployment at /vision on Serve's HTTP proxy (MMRAG_VISION_URL points there)."""
-    from functools import partial
-
     from serving.ray.app import deploy_vision, vision_url
 
     eng = ray_engine(settings)
     config = ray_config(settings)
-    url = deploy_vision(config, partial(vision_app, settings)) if settings.ray_deploy else vision_url(config)
+    url = deploy_vision(config, functools.partial(vision_app, settings)) if settings.ray_deploy else vision_url(config)
     settings = settings.model_copy(update={"vision_url": url})
     return create_app(settings, engine=eng, store=feature_store(settings))

@@ -210,11 +210,14 @@ class IngestJobs:
         log.info("ingest %s resumed after a restart: %s", job.id, ", ".join(job.paths))
         self._pool.submit(self._run, job)
 
+    def _is_upload(self, path: Path, tenant: str) -> bool:
+        """An upload of this tenant's (the default tenant's folder holds the others' under ``tenants/``)."""
+        return path.is_relative_to(self.uploads_of(tenant)) and (
+            tenant != DEFAULT_TENANT or not path.is_relative_to(self.uploads / "tenants"))
+
     def _may_read(self, path: Path, tenant: str) -> bool:
-        uploads, root = self.uploads_of(tenant), self.root_of(tenant)
-        mine = path.is_relative_to(uploads) and (tenant != DEFAULT_TENANT
-                                                  or not path.is_relative_to(self.uploads / "tenants"))
-        return mine or (root is not None and path.is_relative_to(root))
+        root = self.root_of(tenant)
+        return self._is_upload(path, tenant) or (root is not None and path.is_relative_to(root))
 
     def get(self, job_id: str, tenant: str = DEFAULT_TENANT) -> Job | None:
         """The tenant's job with this id: another tenant's is as unknown as one that never was."""
@@ -255,7 +258,7 @@ class IngestJobs:
         tiered = keys | {k.in_policy(p) for k in keys for p in self._tiers.policies.values()}
         unreferenced = [k for k in tiered if not in_use(k) and self._store.delete(k)]
         source = Path(removed[0].path)
-        if self._may_read(source, tenant) and source.is_relative_to(self.uploads_of(tenant)):
+        if self._is_upload(source, tenant):
             _remove_upload(source)
         return DeletedDocument(doc_id, removed[0].doc, len(removed), len(unreferenced), sum(map(in_use, keys)))
 
@@ -275,7 +278,7 @@ class IngestJobs:
             which = (job.tenant, tuple(job.tiers))
             if which not in self._ingestors:
                 self._ingestors[which] = self._make_ingestor(*which)
-            uploaded = Path(job.files[0]).is_relative_to(self.uploads_of(job.tenant))
+            uploaded = self._is_upload(Path(job.files[0]), job.tenant)
             report = self._ingestors[which].run([Path(f) for f in job.files], recursive=job.recursive,
                                                      root=None if uploaded else self.root_of(job.tenant),
                                         progress=progress)
@@ -298,9 +301,11 @@ class IngestJobs:
     def _drop_failed_uploads(self, tenant: str, paths: list[Path]) -> None:
         """An uploaded file ingestion refused (not a readable PDF, a bomb, ...) and no page of which is indexed
         is of no use to anyone: it goes, so refused uploads do not pile up under the data dir."""
-        index = self._make_index(tenant) if paths else None
+        if not paths:
+            return
+        index = self._make_index(tenant)
         for path in paths:
-            if path.is_relative_to(self.uploads_of(tenant)) and not index.doc_pages(doc_id_for(str(path))):
+            if self._is_upload(path, tenant) and not index.doc_pages(doc_id_for(str(path))):
                 _remove_upload(path)
 
     def _finish(self, job: Job, status: str, *, report: dict[str, Any] | None = None, error: str | None = None
