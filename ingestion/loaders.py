@@ -239,6 +239,14 @@ def check_ocr(settings: Settings) -> None:
         )
 
 
+def render_page(path: Path, number: int, settings: Settings) -> RenderedPage | None:
+    """Page ``number`` of the file at ``path`` as ingestion renders it, without OCR (its image is what is
+    wanted): what the page-image route shows and on-demand tier encodes encode. None when the file has no such
+    page; IngestError when it cannot be opened."""
+    with open_document(path, settings.model_copy(update={"ocr": False})) as doc:
+        return doc.page(number)
+
+
 def open_document(path: Path, settings: Settings) -> Document:
     """Validate ``path`` completely and open it; the returned Document must be closed (use ``with``)."""
     resolved = _existing_file(path)
@@ -633,6 +641,12 @@ class Document:
             if self._closed:
                 raise ValueError(f"{self.doc}: pages() used after the Document was closed")
             yield self._page(index)
+
+    def page(self, number: int) -> RenderedPage | None:
+        """Page ``number`` (1-based) alone, none before it rendered; None when the document has fewer pages."""
+        if self._closed:
+            raise ValueError(f"{self.doc}: page() used after the Document was closed")
+        return self._page(number - 1) if 1 <= number <= self.num_pages else None
 
     def close(self) -> None:
         if not self._closed:

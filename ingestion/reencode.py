@@ -172,13 +172,12 @@ class Reencoder:
 
     def _renders(self, doc: Document, pending: dict[int, PagePayload], report: ReencodeReport
                  ) -> Iterator[RenderedPage]:
-        """The pending pages rendered, in page order; a page whose image changed is reported instead."""
-        last = max(pending, default=0)
-        for rendered in doc.pages():
-            if rendered.page > last:
-                return
-            page = pending.get(rendered.page)
-            if page is None:
+        """The pending pages rendered, in page order, no other page rendered; a page whose image changed is
+        reported instead."""
+        for number in sorted(pending):  # a snapshot: pages leave ``pending`` as their batches are done
+            page = pending.get(number)
+            rendered = doc.page(number) if page is not None else None
+            if rendered is None:
                 continue
             if rendered.content_hash != page.content_hash:
                 self._skip(pending.pop(page.page), PAGE_CHANGED, report)

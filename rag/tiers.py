@@ -72,7 +72,7 @@ class PageTiers:
         self.tiers: Tiers = settings.tier_table
         self.store = store
         self._encoder_for = encoder_for
-        self._render_settings = settings.model_copy(update={"ocr": False})  # the image alone
+        self.settings = settings
         self._lock = threading.Lock()
         # Stored entries are content-addressed, so a key's token count never changes.
         self._stored_tokens = functools.lru_cache(maxsize=65_536)(self._read_tokens)
@@ -126,11 +126,10 @@ class PageTiers:
         return served
 
     def _render(self, hit: Hit) -> Image.Image:
-        from ingestion.loaders import IngestError, open_document
+        from ingestion.loaders import IngestError, render_page
 
         try:
-            with open_document(Path(hit.path), self._render_settings) as doc:
-                rendered = next((p for p in doc.pages() if p.page == hit.page), None)
+            rendered = render_page(Path(hit.path), hit.page, self.settings)
         except IngestError as exc:
             raise PageUnavailableError(f"its source file cannot be opened: {exc}") from exc
         if rendered is None or rendered.content_hash != hit.image_key.content_hash:

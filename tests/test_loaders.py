@@ -35,6 +35,7 @@ from ingestion.loaders import (  # noqa: E402
     discover,
     normalise_text,
     open_document,
+    render_page,
 )
 
 needs_tesseract = pytest.mark.skipif(
@@ -432,3 +433,15 @@ def test_tesseract_runs_with_omp_thread_limit_1_without_touching_this_process(tm
     monkeypatch.delenv("OMP_THREAD_LIMIT", raising=False)
     assert ocr.ocr_image(figure(), "eng").strip() == "limit=1"
     assert "OMP_THREAD_LIMIT" not in os.environ
+
+
+def test_one_page_renders_alone_as_the_walk_renders_it(tmp_path):
+    path = text_pdf(tmp_path / "three.pdf", ["first page", "second page", "third page"])
+    with open_document(path, settings(ocr=False)) as doc:
+        walked = [p.content_hash for p in doc.pages()]
+        assert [doc.page(n).content_hash for n in (1, 2, 3)] == walked
+        assert doc.page(0) is None and doc.page(4) is None
+    assert render_page(path, 2, settings()).content_hash == walked[1]
+    assert render_page(path, 4, settings()) is None
+    with pytest.raises(ValueError, match="closed"):
+        doc.page(1)

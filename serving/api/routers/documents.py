@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from core.keys import doc_id_for
 from core.payload import PagePayload
-from ingestion.loaders import SUPPORTED_FORMATS, IngestError, open_document, sniff_format
+from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
 from serving.api.errors import ApiError
@@ -174,12 +174,11 @@ async def page_image(page_id: str, services: TenantDep) -> Response:
 
 def _render_png(path: Path, number: int, settings) -> bytes:
     try:
-        with open_document(path, settings.model_copy(update={"ocr": False})) as doc:
-            for rendered in doc.pages():
-                if rendered.page == number:
-                    buf = io.BytesIO()
-                    rendered.image.save(buf, format="PNG")
-                    return buf.getvalue()
+        rendered = render_page(path, number, settings)
     except IngestError as exc:  # named by file name: the folder is the server's business
         raise ApiError(410, "source_gone", f"cannot render {path.name}: {exc}", "re-ingest the document") from exc
-    raise ApiError(410, "source_gone", f"{path.name} no longer has page {number}", "re-ingest the document")
+    if rendered is None:
+        raise ApiError(410, "source_gone", f"{path.name} no longer has page {number}", "re-ingest the document")
+    buf = io.BytesIO()
+    rendered.image.save(buf, format="PNG")
+    return buf.getvalue()
