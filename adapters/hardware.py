@@ -4,6 +4,7 @@ dtype are decided here, so both read the host the same way."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,15 +14,51 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 
+# MMRAG_EMULATE_ISA=avx2: run as an AVX2-only host would, on a host with more (to measure, on an AVX-512 machine,
+# what an AMD EPYC user gets). The flags read here lose AVX-512 and AMX, so `auto` picks fp32; emulation_env()
+# caps the kernels: torch's ATen dispatch, oneDNN, MKL, and (via isa_caps/sitecustomize.py) vLLM's choice of its
+# AVX2 kernel library. It caps the instruction set only: clock, caches and memory stay this host's.
+EMULATE_ISA_ENV = "MMRAG_EMULATE_ISA"
+EMULATED_ISAS = ("avx2",)
+_BEYOND_AVX2 = ("avx512", "amx")
+
+
+def emulated_isa() -> str | None:
+    """The ISA this process emulates (MMRAG_EMULATE_ISA), None when it runs on the host's own."""
+    isa = os.environ.get(EMULATE_ISA_ENV, "").strip().lower()
+    if not isa:
+        return None
+    if isa not in EMULATED_ISAS:
+        raise ValueError(f"{EMULATE_ISA_ENV}={isa!r} is not an ISA mmrag can emulate; use one of {EMULATED_ISAS} "
+                         f"or unset it to run on this CPU's own")
+    return isa
+
+
+def emulation_env(environ: dict[str, str], isa: str) -> dict[str, str]:
+    """``environ`` with the caps that make every process started from it (vLLM's engine core and `vllm serve`
+    included) run ``isa``'s kernels only. They take effect at interpreter start: re-exec under them."""
+    if isa not in EMULATED_ISAS:
+        raise ValueError(f"cannot emulate {isa!r}; one of {EMULATED_ISAS}")
+    caps = Path(__file__).with_name("isa_caps")
+    path = [str(caps), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**environ, EMULATE_ISA_ENV: isa, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's flags (the first processor's), less those beyond the emulated ISA when one is set."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return set()
+    flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+            flags = set(line.partition(":")[2].split())
+            break
+    if emulated_isa() == "avx2":
+        flags = {f for f in flags if not f.startswith(_BEYOND_AVX2)}
+    return flags
 
 
 def native_cpu_dtype(flags: set[str] | None = None) -> str:

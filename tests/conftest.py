@@ -171,7 +171,12 @@ async def serving(app) -> AsyncIterator[str]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    # The server shares the loop with every test, and a synchronous test holds that loop for as long as it runs.
+    # uvicorn's keep-alive timer (5 s) on a client's idle connection then fires the moment the loop resumes: after
+    # the client has just sent its next request on that connection, which is dropped (httpx.ReadError). An
+    # in-test server keeps idle connections for the session; a real one runs its own loop and keeps the default.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                           timeout_keep_alive=3600))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         assert not task.done(), task.exception()

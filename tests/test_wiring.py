@@ -3,10 +3,15 @@ component default can disagree with Settings; and what the wiring builds follows
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from core.settings import Settings
 from mmrag import wiring
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -62,6 +67,45 @@ def test_auto_dtype_is_what_the_cpu_runs_natively():
     assert native_cpu_dtype({"avx2", "amx_bf16"}) == "bfloat16"
     # AVX2-only (e.g. AMD EPYC Zen 3): bf16 is emulated there, ~5x slower than fp32.
     assert native_cpu_dtype({"avx2", "fma"}) == "float32"
+
+
+EMULATED_PROBE = """
+import json, torch
+from adapters.hardware import cpu_flags
+from bench.runner import machine_info
+from serving.engine.config import resolve_dtype
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+libs = sorted({l.split()[-1].rsplit("/", 1)[-1] for l in open("/proc/self/maps") if "vllm/_C" in l})
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "avx512": torch.cpu._is_avx512_supported(),
+                  "flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx"))),
+                  "auto": resolve_dtype("auto"), "vllm": libs, "machine": machine_info()["emulated_isa"]}))
+"""
+
+
+def test_an_emulated_avx2_run_caps_every_kernel_and_auto_picks_fp32(tmp_path):
+    """`mmrag bench --emulate-avx2` (MMRAG_EMULATE_ISA=avx2) on this host: the kernels an AVX2-only EPYC runs."""
+    import json
+    import subprocess
+    import sys
+
+    from adapters.hardware import emulation_env
+
+    env = emulation_env({**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}, "avx2")
+    out = subprocess.run([sys.executable, "-c", EMULATED_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    assert probe == {"aten": "AVX2", "avx512": False, "flags": [], "auto": "float32", "vllm": ["_C_AVX2.abi3.so"],
+                     "machine": "avx2"}, probe
+
+    bad = subprocess.run([sys.executable, "-m", "mmrag", "--help"], env={**os.environ, "MMRAG_EMULATE_ISA": "sse2"},
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "MMRAG_EMULATE_ISA='sse2'" in bad.stderr and "avx2" in bad.stderr, bad.stderr
+    again = subprocess.run([sys.executable, "-m", "mmrag", "--help"], env={**os.environ, "MMRAG_EMULATE_ISA": "avx2"},
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "re-executing under AVX2" in again.stderr, again.stderr
+    assert "ingest" in again.stdout  # the re-executed command is the one asked for
 
 
 def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_url):
