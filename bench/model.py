@@ -40,6 +40,23 @@ class BenchModelSpec:
 # The smoke test's model: the test-suite's tiny defaults (the bench only checks that everything runs).
 TINY_SPEC = BenchModelSpec(hidden=256, layers=2, vision_depth=2, vision_embed_dim=128)
 
+# Where the engine runs fp32 (a CPU without native bf16: AVX2-only EPYC, AVX-512 without BF16), its matmuls run
+# ~3x slower than bf16 on AMX (a 1024x4096 linear on 2 cores: 10.5 ms bf16 AMX, 25 ms fp32 AVX-512, 31 ms fp32
+# AVX2) and the 8-layer model's --quick run took 13 min 14 s under AVX2 emulation. A quarter of the depth, in
+# the LLM and the vision tower alike, keeps --quick within 5 minutes there; widths, image tokens per page and the
+# vision tower's cost relative to the LLM's prefill (both scale with depth) are unchanged.
+FP32_DEPTH = 2
+
+
+def bench_spec(dtype: str, depth: int | None = None) -> BenchModelSpec:
+    """The bench model for an engine running ``dtype``: full depth in bf16, FP32_DEPTH in fp32; ``depth`` (the
+    `--depth` option) sets the LLM's and the vision tower's layers instead."""
+    if depth is None:
+        depth = BenchModelSpec.layers if dtype == "bfloat16" else FP32_DEPTH
+    if depth < 1:
+        raise ValueError(f"--depth {depth}: the bench model needs at least 1 layer")
+    return BenchModelSpec(layers=depth, vision_depth=depth)
+
 
 def ensure_bench_model(data_dir: Path, spec: BenchModelSpec) -> ModelSource:
     """Build the model under ``data_dir/models/`` once (seconds); later runs reuse it."""

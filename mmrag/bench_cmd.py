@@ -57,6 +57,10 @@ def bench(
     replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
                                                  "cluster, the workload under one replica, mmrag's affinity "
                                                  "routing and Ray's default routing (bench/replicas.py).")] = None,
+    depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
+                                              "tower (default: 8 where the engine runs bf16, 2 in fp32, so "
+                                              "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
+    = None,
     emulate_avx2: Annotated[bool, typer.Option("--emulate-avx2", help="Run as an AVX2-only CPU would (an AMD "
                                                "EPYC): re-executes with torch, oneDNN, MKL and vLLM capped to "
                                                "AVX2 kernels and `auto` resolving to fp32. The instruction set "
@@ -111,20 +115,22 @@ def bench(
     if replicas is not None:
         if replicas < 2:
             raise typer.BadParameter("--replicas compares routings over replicas: give 2 or more")
-        _bench_replicas(settings, tiny=tiny, replicas=replicas, pages=n_pages, questions=n_questions,
+        _bench_replicas(settings, tiny=tiny, depth=depth, replicas=replicas, pages=n_pages,
+                        questions=n_questions,
                         concurrency=concurrency, max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
         return
     if transfer:
-        _bench_transfer(settings, tiny=tiny, pages=n_pages, seed=seed, json_out=json_out)
+        _bench_transfer(settings, tiny=tiny, depth=depth, pages=n_pages, seed=seed, json_out=json_out)
         return
     if e2e:
-        _bench_e2e(settings, tiny=tiny, quick=quick, pages=n_pages, questions=n_questions, concurrency=concurrency,
+        _bench_e2e(settings, tiny=tiny, depth=depth, quick=quick, pages=n_pages, questions=n_questions,
+                   concurrency=concurrency,
                    max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
         return
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
-    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
     root = settings.data_dir / "bench"
@@ -197,7 +203,8 @@ def bench(
     err.print(f"total {meta['total_s']:.0f} s (setup {meta['setup_s']:.0f} s)")
 
 
-def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int, concurrency: int,
+def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: int, questions: int,
+               concurrency: int,
                max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
     """`mmrag bench --e2e`: mmrag serve against a llama-index pipeline, each on its own vllm serve replica."""
     from dataclasses import replace
@@ -211,7 +218,7 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
 
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
     corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
@@ -243,7 +250,8 @@ def _bench_e2e(settings, *, tiny: bool, quick: bool, pages: int, questions: int,
     err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
 
 
-def _bench_transfer(settings, *, tiny: bool, pages: int, seed: int, json_out: Path | None) -> None:
+def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed: int,
+                    json_out: Path | None) -> None:
     """`mmrag bench --transfer`: the vision-service-to-engine paths, per page of the bench corpus."""
     import socket
 
@@ -251,7 +259,7 @@ def _bench_transfer(settings, *, tiny: bool, pages: int, seed: int, json_out: Pa
     from bench.corpus import CorpusSpec, build_corpus
     from bench.transfer import run_transfer, transfer_table
 
-    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
     with socket.socket() as sock:
@@ -265,7 +273,8 @@ def _bench_transfer(settings, *, tiny: bool, pages: int, seed: int, json_out: Pa
     typer.echo(transfer_table(result))
 
 
-def _bench_replicas(settings, *, tiny: bool, replicas: int, pages: int, questions: int, concurrency: int,
+def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, pages: int, questions: int,
+                    concurrency: int,
                     max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
     """`mmrag bench --replicas N`: single replica, affinity routing and Ray's default routing, in one run."""
     from bench import model as bench_model
@@ -276,7 +285,7 @@ def _bench_replicas(settings, *, tiny: bool, replicas: int, pages: int, question
     from core.keys import ResolutionPolicy
     from adapters.store import DiskFeatureStore
 
-    spec = bench_model.TINY_SPEC if tiny else bench_model.BenchModelSpec()
+    spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     root = settings.data_dir / "bench"
     corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
@@ -316,6 +325,19 @@ def _e2e_table(e2e: dict) -> str:
     t = e2e["target"]
     rows.append(f"\n{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}")
     return "\n".join(rows)
+
+
+def _model_spec(tiny: bool, depth: int | None):
+    """The bench model for this host's engine dtype (what `auto` resolves to here), or the smoke test's."""
+    from bench import model as bench_model
+    from serving.engine.config import resolve_dtype
+
+    if tiny:
+        return bench_model.TINY_SPEC
+    try:
+        return bench_model.bench_spec(resolve_dtype("auto"), depth)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _cpu_model() -> str:

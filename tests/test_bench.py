@@ -67,6 +67,7 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     machine = data["machine"]
     assert machine["cpu_model"] != "unknown" and machine["dtype"] == data["model"]["dtype"]
     assert set(machine["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert machine["emulated_isa"] is None  # this host's own kernels (--emulate-avx2 not given)
     assert {"cold_prefill_share", "params_total_m", "dtype"} <= set(data["model"])
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
@@ -109,6 +110,21 @@ def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_rep
     assert set(ratios) == {f"{n} / mixed" for n in names - {"mixed"}}
     assert {"short_ttft_p50_s", "short_ttft_p99_s", "throughput_qps"} <= set(ratios["mixed_tiered / mixed"])
     assert "| mixed_tiered |" in proc.stdout
+
+
+def test_the_bench_model_is_a_quarter_as_deep_where_the_engine_runs_fp32():
+    import pytest
+
+    from bench.model import BenchModelSpec, bench_spec
+
+    full, fp32 = bench_spec("bfloat16"), bench_spec("float32")
+    assert (full.layers, full.vision_depth) == (8, 8) and (fp32.layers, fp32.vision_depth) == (2, 2)
+    same = ("hidden", "vision_embed_dim", "min_pixels", "max_pixels", "seed")
+    assert all(getattr(fp32, f) == getattr(full, f) == getattr(BenchModelSpec(), f) for f in same)
+    assert fp32.folder_name != full.folder_name  # its own checkpoint, and its own encoder version
+    assert bench_spec("float32", depth=5).layers == bench_spec("bfloat16", depth=5).vision_depth == 5
+    with pytest.raises(ValueError, match="at least 1 layer"):
+        bench_spec("float32", depth=0)
 
 
 def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_distinct_pages():
