@@ -45,6 +45,17 @@ def emulation_env(environ: dict[str, str], isa: str) -> dict[str, str]:
             "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+def exec_emulating(isa: str, argv: list[str]) -> None:
+    """Replace this process with ``argv`` run under ``isa``'s kernel caps (`make test-avx2`, and the CLI's
+    re-execution under MMRAG_EMULATE_ISA)."""
+    import sys
+
+    print(f"mmrag: re-executing under {isa.upper()} kernel caps (torch, oneDNN, MKL, vLLM)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, emulation_env(dict(os.environ), isa))
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """The CPU's flags (the first processor's), less those beyond the emulated ISA when one is set."""
     try:

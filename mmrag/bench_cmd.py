@@ -58,7 +58,7 @@ def bench(
                                                  "cluster, the workload under one replica, mmrag's affinity "
                                                  "routing and Ray's default routing (bench/replicas.py).")] = None,
     depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
-                                              "tower (default: 8 where the engine runs bf16, 2 in fp32, so "
+                                              "tower (default: 8 where the engine runs bf16, 1 in fp32, so "
                                               "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
     = None,
     emulate_avx2: Annotated[bool, typer.Option("--emulate-avx2", help="Run as an AVX2-only CPU would (an AMD "

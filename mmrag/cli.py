@@ -287,18 +287,12 @@ def reexec_under_emulated_isa() -> None:
     """Under MMRAG_EMULATE_ISA, start this command again with that ISA's kernel caps in its environment (they act
     at interpreter start, and so reach every process the command starts: vLLM's engine core, `vllm serve`); a
     no-op where the caps are already in place, or nothing is emulated."""
-    from adapters.hardware import emulated_isa, emulation_env
+    from adapters.hardware import emulated_isa, emulation_env, exec_emulating
 
     isa = emulated_isa()
-    if isa is None:
+    if isa is None or all(os.environ.get(k) == v for k, v in emulation_env(dict(os.environ), isa).items()):
         return
-    env = emulation_env(dict(os.environ), isa)
-    if all(os.environ.get(k) == v for k, v in env.items()):
-        return
-    print(f"mmrag: re-executing under {isa.upper()} kernel caps (torch, oneDNN, MKL, vLLM)", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-c", "from mmrag.cli import main; main()", *sys.argv[1:]], env)
+    exec_emulating(isa, [sys.executable, "-c", "from mmrag.cli import main; main()", *sys.argv[1:]])
 
 
 def main() -> None:
