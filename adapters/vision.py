@@ -78,6 +78,13 @@ class VisionEncoder:
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
 
+    def view(self) -> VisionEncoder:
+        """This encoder with a forward count of its own, for a caller that counts its forwards (question images)
+        while others (ingestion, tiers) run the same tower: the weights are not copied."""
+        other = copy.copy(self)
+        other.forwards = 0
+        return other
+
     def with_policy(self, policy: ResolutionPolicy) -> VisionEncoder:
         """This encoder under another policy (a resolution tier): the same tower and version, no weights loaded
         again; its own processor and forward count."""

@@ -99,6 +99,7 @@ class RemoteVisionEncoder:
 
     def __init__(self, url: str, *, timeout_s: float = 120.0) -> None:
         self.url = url.rstrip("/")
+        self._timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
         try:
             self.info = _fetch_info(self.url, self._http)
@@ -111,6 +112,11 @@ class RemoteVisionEncoder:
 
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
+
+    def view(self) -> RemoteVisionEncoder:
+        """A client of the same service with a forward count (and connection pool) of its own: what
+        ``VisionEncoder.view`` is for the tower in this process."""
+        return RemoteVisionEncoder(self.url, timeout_s=self._timeout_s)
 
     def num_tokens_for(self, image: Image.Image) -> int:
         """Asked of the service once per image size, then cached: the count is its processor's resize rule, so

@@ -306,12 +306,13 @@ def decomposer(settings: Settings, engine: Engine) -> Decomposer:
 
 
 def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None,
-             store: FeatureStore | None = None) -> tuple[Pipeline, Scheduler]:
+             store: FeatureStore | None = None, tower: Tower | None = None) -> tuple[Pipeline, Scheduler]:
     """The pipeline over the configured index, its plans going through one prefix-aware scheduler. It
     retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens are fed.
 
     The caller owns the engine and closes ``pipeline.searcher.client``. ``store``: the one the engine reads, where
-    pages asked for in a tier they lack are stored once encoded (default: the configured one).
+    pages asked for in a tier they lack are stored once encoded (default: the configured one). ``tower``: the
+    process's vision tower (vision_tower), which those tier encodes run on (default: one of the pipeline's own).
     """
     from rag.pipeline import Pipeline
     from rag.tiers import PageTiers
@@ -323,17 +324,28 @@ def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: Encode
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
     pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client, encoder=encoder), engine,
                     config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts,
-                    tiers=PageTiers(settings, store or feature_store(settings), tier_encoder(settings, model)))
+                    tiers=PageTiers(settings, store or feature_store(settings),
+                                    tier_encoder(settings, tower or vision_tower(settings, model))))
     return pipe, scheduler
 
 
-def tier_encoder(settings: Settings, model: ModelSource) -> Callable[[ResolutionPolicy], VisionEncoder | None]:
-    """Pages asked for in a tier they are not stored in are encoded by the tower in this process, built on
-    first use; with MMRAG_VISION_URL, not at all (the service encodes its one policy): they fall back."""
+# The vision tower of a process, built on its first use (a server whose work never needs one loads none).
+Tower = Callable[[], "VisionEncoder | RemoteVisionEncoder"]
+
+
+def vision_tower(settings: Settings, model: ModelSource) -> Tower:
+    """One tower for everything a process encodes with: ingest jobs, question images and tier encodes run the
+    same weights (a 7B VLM's tower is ~0.7 B parameters: one copy, not three). A caller that counts its own
+    forwards takes a ``view()`` of it."""
+    return functools.cache(lambda: vision_encoder(settings, model))
+
+
+def tier_encoder(settings: Settings, tower: Tower) -> Callable[[ResolutionPolicy], VisionEncoder | None]:
+    """Pages asked for in a tier they are not stored in are encoded by ``tower`` under the tier's policy; with
+    MMRAG_VISION_URL, not at all (the service encodes its one policy): they fall back."""
     if settings.vision_url:
         return lambda policy: None
-    base = functools.cache(lambda: vision_encoder(settings, model))
-    return functools.cache(lambda policy: base().with_policy(policy))
+    return functools.cache(lambda policy: tower().with_policy(policy))
 
 
 # --- the REST service ------------------------------------------------------------------------------------
@@ -360,7 +372,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     encoder = encoder_scope(settings, model)
     raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
-    pipe, scheduler = pipeline(settings, metered, encoder=encoder, store=store)
+    tower = vision_tower(settings, model)
+    pipe, scheduler = pipeline(settings, metered, encoder=encoder, store=store, tower=tower)
     metrics.register_store(store)
     metrics.set_tiers(settings.tier_table)
     if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
@@ -380,8 +393,6 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         return page_index(settings.for_tenant(tenant), pipe.searcher.text_embedder.dim,
                           client=LoopBridge(client, loop))
 
-    tower = functools.cache(lambda: vision_encoder(settings, model))  # built by the first job, for every tenant
-
     def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
         job_settings = settings.for_tenant(tenant)
         if tiers:  # a job's own tiers, beside MMRAG_INGEST_TIERS (checked by the route)
@@ -398,7 +409,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
                     store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
                     owns_engine=engine_ is None, keys=keys,
                     admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
-                    question_images=QuestionImages(settings, store, lambda: vision_encoder(settings, model)),
+                    question_images=QuestionImages(settings, store, lambda: tower().view()),
                     conversations=conversations.for_tenant(DEFAULT_TENANT))
     root.tenants.update({t: tenant_view(root, t, jobs, conversations) for t in keys.tenants})
     return root

@@ -64,10 +64,13 @@ async def tenant_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
             yield {"url": url, "app": app, "keys": keys, "http": clients, "docs": docs, "store": store,
                    "settings": settings}
         finally:
-            for t, client in clients.items():  # leave no entry of ours in the session's store
-                for d in (await client.get("/v1/documents", params={"limit": 1000})).json()["documents"]:
-                    await client.delete(f"/v1/documents/{d['doc_id']}")
+            for client in clients.values():
                 await client.aclose()
+            for k in keys.values():  # leave no entry of ours in the session's store (on fresh connections)
+                async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {k}"},
+                                             timeout=300) as client:
+                    for d in (await client.get("/v1/documents", params={"limit": 1000})).json()["documents"]:
+                        await client.delete(f"/v1/documents/{d['doc_id']}")
 
 
 async def _upload(http: httpx.AsyncClient, name: str, body: bytes) -> dict:

@@ -64,9 +64,9 @@ class QuestionImages:
 
     Decoded with ingestion's defences and hashed as ingestion hashes a page (``ingestion.loaders``), keyed by
     the configured encoder, encoded only when the store lacks the key, and stored there. The encoder is built
-    on first use (``make_encoder``: the wiring's ``vision_encoder``), so a server whose questions never bring an
-    image loads no tower, and a vision service that is down fails only the questions that bring one; a later
-    question tries to build it again.
+    on first use (``make_encoder``: a view of the process's one tower, wiring.vision_tower, which ingestion and
+    tiers share), so a server whose work never needs one loads no tower, and a vision service that is down fails
+    only the questions that bring one; a later question tries to build it again.
     """
 
     def __init__(self, settings: Settings, store: FeatureStore, make_encoder: Callable[[], ImageEncoder]) -> None:
