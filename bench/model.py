@@ -54,7 +54,7 @@ def bench_spec(dtype: str, depth: int | None = None) -> BenchModelSpec:
     """The bench model for an engine running ``dtype``: full depth in bf16, FP32_DEPTH in fp32; ``depth`` (the
     `--depth` option) sets the LLM's and the vision tower's layers instead."""
     if depth is None:
-        depth = BenchModelSpec.layers if dtype == "bfloat16" else FP32_DEPTH
+        depth = BenchModelSpec().layers if dtype == "bfloat16" else FP32_DEPTH
     if depth < 1:
         raise ValueError(f"--depth {depth}: the bench model needs at least 1 layer")
     return BenchModelSpec(layers=depth, vision_depth=depth)

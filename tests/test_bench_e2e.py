@@ -27,8 +27,9 @@ MMRAG_FIELDS = ("scheduler_queue_s", "decompose_requests_per_question", "decompo
 def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     data = tmp_path_factory.mktemp("bench-e2e")
     out = data / "e2e.json"
-    # Only this run's settings: a session variable such as MMRAG_REDIS_URL must not redirect its stores.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_")}
+    # Only this run's settings: a session variable such as MMRAG_REDIS_URL must not redirect its stores. An
+    # emulated ISA (make test-avx2) stays: its kernel caps are in this environment and must agree with it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_") or k == "MMRAG_EMULATE_ISA"}
     env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mmrag.bench_cmd", "--e2e", "--tiny", "--questions", "3", "--pages", "6",

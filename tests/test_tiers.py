@@ -220,17 +220,21 @@ async def test_a_question_in_the_low_tier_encodes_its_pages_once_and_takes_a_qua
           f"{first['usage']['image_tokens']}; on-demand forwards {first['usage']['vision_encodes']}, then 0")
 
 
-def test_question_images_tier_encodes_and_ingest_jobs_run_one_tower(api_server):
+async def test_question_images_tier_encodes_and_ingest_jobs_run_one_tower(api_server):
     """A served process holds one copy of the vision weights (wiring.vision_tower), whoever encodes first; a
-    question's image count is its own view's, so an ingest job's forwards never show in a question's usage."""
+    question's image count is its own view's, so an ingest job's forwards never show in a question's usage.
+    Built off the loop, as the server builds them: an ingestor's index writes through the server's own loop."""
+    import asyncio
+
     services = api_server["app"].state.services
-    question = services.question_images._make_encoder()
-    tier = services.pipeline.tiers._encoder_for(services.settings.tier_table.policy("low"))
-    ingest = services.jobs.jobs._make_ingestor("default", ()).encoder
+    question = await asyncio.to_thread(services.question_images._make_encoder)
+    tier = await asyncio.to_thread(services.pipeline.tiers._encoder_for, services.settings.tier_table.policy("low"))
+    ingest = (await asyncio.to_thread(services.jobs.jobs._make_ingestor, "default", ())).encoder
     assert question.tower is tier.tower is ingest.tower
     assert question is not ingest and question.forwards == 0  # a view: the count of its own
-    ingest.encode([Image.new("RGB", (56, 56), "white")])
-    assert question.forwards == 0 and ingest.forwards >= 1
+    before = ingest.forwards
+    await asyncio.to_thread(ingest.encode, [Image.new("RGB", (56, 56), "white")])
+    assert question.forwards == 0 and ingest.forwards == before + 1
 
 
 async def test_an_unknown_tier_is_a_400_naming_the_configured_tiers(http):
