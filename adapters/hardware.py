@@ -56,6 +56,20 @@ def exec_emulating(isa: str, argv: list[str]) -> None:
     os.execvpe(argv[0], argv, emulation_env(dict(os.environ), isa))
 
 
+# MKL's conditional numerical reproducibility, strict: fp32 matmuls give the same bits whatever the thread count.
+# With AVX2 kernels they did not (a page's vision tokens at 1 and 2 threads differed, and a busy host varies the
+# count MKL uses), so `mmrag ingest` and `mmrag serve` wrote different bytes for one key and an interrupted
+# ingest did not end as an uninterrupted one. AUTO keeps the host's best code path: the AVX-512 bits here are
+# unchanged by it. Read by MKL at its first call, so set before any (the CLI's entry, the tests' conftest).
+MKL_REPRODUCIBLE = {"MKL_CBWR": "AUTO,STRICT"}
+
+
+def reproducible_numerics() -> None:
+    """Set MKL_REPRODUCIBLE in this process (and so its children) unless the operator chose otherwise."""
+    for name, value in MKL_REPRODUCIBLE.items():
+        os.environ.setdefault(name, value)
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """The CPU's flags (the first processor's), less those beyond the emulated ISA when one is set."""
     try:

@@ -296,6 +296,9 @@ def reexec_under_emulated_isa() -> None:
 
 
 def main() -> None:
+    from adapters.hardware import reproducible_numerics
+
+    reproducible_numerics()  # before any matmul: MKL reads it once
     try:
         reexec_under_emulated_isa()
     except ValueError as exc:  # an ISA mmrag cannot emulate: the message names the choices

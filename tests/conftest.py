@@ -7,6 +7,9 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # any accidental hub lookup must fail fast
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from adapters.hardware import reproducible_numerics  # noqa: E402 - before any matmul, as the CLI's entry does
+
+reproducible_numerics()
 
 import shutil
 import socket

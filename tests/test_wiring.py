@@ -108,6 +108,37 @@ def test_an_emulated_avx2_run_caps_every_kernel_and_auto_picks_fp32(tmp_path):
     assert "ingest" in again.stdout  # the re-executed command is the one asked for
 
 
+THREADS_PROBE = """
+import hashlib, sys, torch
+from PIL import Image, ImageDraw
+from adapters.vision import VisionEncoder
+from core.keys import ResolutionPolicy
+encoder = VisionEncoder(sys.argv[1], ResolutionPolicy(3136, 200704))
+page = Image.new("RGB", (1123, 794), "white")
+ImageDraw.Draw(page).rectangle((100, 100, 800, 600), outline="black", width=5)
+for threads in (2, 1):
+    torch.set_num_threads(threads)
+    print(hashlib.sha256(encoder.encode([page])[0].image_tokens.numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_a_pages_tokens_do_not_depend_on_the_thread_count(tiny_model, isa):
+    """MKL_CBWR=AUTO,STRICT (adapters/hardware.reproducible_numerics): with AVX2 kernels a page's fp32 tokens
+    differed at 1 and 2 threads without it, so two processes wrote different bytes under one key."""
+    import subprocess
+    import sys
+
+    from adapters.hardware import emulation_env
+
+    env = emulation_env(dict(os.environ), isa) if isa else dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", THREADS_PROBE, str(tiny_model)], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    two, one = out.stdout.split()[-2:]
+    assert two == one
+
+
 def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_url):
     disk = wiring.feature_store(defaults.model_copy(update={"data_dir": tmp_path}))
     assert disk.backend == "disk" and str(tmp_path / "features") in str(disk.root)
