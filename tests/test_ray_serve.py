@@ -138,19 +138,27 @@ async def test_affinity_keeps_the_single_replica_hit_rate_on_a_shared_figure_wor
     engine = ray_cluster["engine"]
     replicas = await engine.replica_ids()
     rng = random.Random(0)
-    # 6 figures, each leading 4 questions (with a second page after it), in a shuffled order. The system
-    # prompt of this test keeps its prefixes apart from the other tests' (the routing table persists).
-    plans = [PromptPlan(images=(keys[f], keys[(f + q + 1) % len(keys)]), text=f"Question {q} on figure {f}.",
-                        system_prompt_id="synthesize", sampling=SHORT) for f in range(6) for q in range(4)]
+    # 6 figures, 3 whose rendezvous home is each replica (replica ids are random per run: figures taken in
+    # key order would all have one home once in 32 runs), each leading 4 questions (with a second page after
+    # it), in a shuffled order. The system prompt of this test keeps its prefixes apart from the other tests'.
+    home = {k: rendezvous_order(str(k), replicas)[0] for k in keys}
+    figures = [k for r in replicas for k in [k for k in keys if home[k] == r][:3]]
+    assert len(figures) == 6, f"the corpus's pages should give each replica 3 figures: {list(home.values())}"
+    plans = [PromptPlan(images=(fig, keys[(keys.index(fig) + q + 1) % len(keys)]), text=f"Question {q} on {f}.",
+                        system_prompt_id="synthesize", sampling=SHORT) for f, fig in enumerate(figures)
+             for q in range(4)]
     rng.shuffle(plans)
     rates = {}
     for name, routing in (("single", PINNED + replicas[0]), ("affinity", "affinity"), ("ray_default", DEFAULT)):
         await engine.reset_prefix_cache()
         done = await run_all(engine.with_routing(routing), plans)
         rates[name] = image_hit_rate(done)
-        # One replica for the baseline; both under affinity (the reset emptied the router's table: what the
-        # pinned run sent to replicas[0] no longer draws every figure there).
+        # One replica for the baseline; both under Ray's default and under affinity, where each plan lands on
+        # its figure's home (the reset emptied the router's table: what the pinned run sent to replicas[0] no
+        # longer draws every figure there; 2 in flight never pass the queue bound).
         assert {c.replica for c in done} == ({replicas[0]} if name == "single" else set(replicas)), name
+        if name == "affinity":
+            assert [c.replica for c in done] == [home[p.images[0]] for p in plans]
     print(f"\nimage-prefix hit rate (Intel Xeon, 2 cores, fp32, tiny model, 24 plans): {rates}")
     assert rates["single"] > 0.25  # the workload shares figures: one replica reuses them
     assert rates["affinity"] >= 0.95 * rates["single"], rates
