@@ -194,6 +194,27 @@ def snapshot(data_dir: Path) -> tuple[dict, dict]:
         client.close()
 
 
+def assert_same_features(features: dict[str, bytes], expected: dict[str, bytes], kept: dict[str, bytes]) -> None:
+    """An interrupted-then-resumed store against the uninterrupted one (``snapshot(...)[0]`` of each).
+
+    Exact where the interruption could break something: the same entry names (keys), the same grids, and what
+    the interrupted run wrote (``kept``) unchanged (a rerun skips stored keys, never rewrites them). The tokens
+    the rerun recomputed are compared to fp32 rounding, not bitwise: they come from another process, and on one
+    Sapphire Rapids run one entry of 29 differed in its last bits (not reproduced since, there, on an EPYC or
+    under AVX2 caps). Bitwise reproducibility is test_wiring's thread-count test, within one process."""
+    assert sorted(features) == sorted(expected)
+    assert [n for n in kept if features[n] != kept[n]] == []
+    differ = {}
+    for name, blob in features.items():
+        got, want = safetensors.torch.load(blob), safetensors.torch.load(expected[name])
+        assert torch.equal(got["grid_thw"], want["grid_thw"]), name
+        if not torch.equal(got["image_tokens"], want["image_tokens"]):
+            differ[name] = (got["image_tokens"] - want["image_tokens"]).abs().max().item()
+            assert torch.allclose(got["image_tokens"], want["image_tokens"], rtol=1e-5, atol=1e-6), (name, differ)
+    print(f"entries bitwise equal to the uninterrupted run's: {len(features) - len(differ)} of {len(features)} "
+          f"{differ}")
+
+
 def test_cli_json_report_has_the_documented_shape_and_exit_code(tmp_path, sample_corpus, tiny_model):
     bad = tmp_path / "broken.pdf"
     bad.write_bytes(b"%PDF-1.7\n garbage")
@@ -230,21 +251,7 @@ def test_a_run_killed_half_way_and_rerun_ends_with_the_uninterrupted_store(tmp_p
 
     assert run_cli("ingest", str(sample_corpus), env=env).returncode == 0
     features, points = snapshot(killed)
-    assert sorted(features) == sorted(expected[0])
-    # What the killed run wrote, the rerun kept as it was (it skips stored keys, never rewrites them).
-    assert [n for n in partial[0] if features[n] != partial[0][n]] == []
-    # Each entry is the reference's page: the same key, grid and tokens. The tokens are compared to fp32
-    # rounding, not bitwise: they were recomputed in another process, and on one Sapphire Rapids run one
-    # entry of 29 differed in its last bits (not reproduced since, here or under AVX2 caps). Bitwise
-    # reproducibility is test_wiring's thread-count test, in one process; this test is about the kill.
-    differ = {}
-    for name, blob in features.items():
-        got, want = safetensors.torch.load(blob), safetensors.torch.load(expected[0][name])
-        assert torch.equal(got["grid_thw"], want["grid_thw"]), name
-        if not torch.equal(got["image_tokens"], want["image_tokens"]):
-            differ[name] = (got["image_tokens"] - want["image_tokens"]).abs().max().item()
-            assert torch.allclose(got["image_tokens"], want["image_tokens"], rtol=1e-5, atol=1e-6), (name, differ)
-    print(f"entries bitwise equal to the reference: {len(features) - len(differ)} of {len(features)} {differ}")
+    assert_same_features(features, expected[0], kept=partial[0])
     assert points == expected[1]
 
 
