@@ -43,10 +43,11 @@ TINY_SPEC = BenchModelSpec(hidden=256, layers=2, vision_depth=2, vision_embed_di
 # Where the engine runs fp32 (a CPU without native bf16: AVX2-only EPYC, AVX-512 without BF16), its matmuls run
 # ~9x slower than bf16 on AMX (a 256x1024 by 1024x4096 linear on 2 idle cores: 1.1 ms bf16 AMX, 7.0 ms fp32
 # AVX-512, 10.2 ms fp32 capped to AVX2). Under AVX2 emulation (`mmrag bench --emulate-avx2`, 2 cores) --quick
-# took 13 min 14 s with 8 layers and 4 min 15 s with 2, and the full run 21 min 28 s with 2: one layer, in the LLM and the vision tower alike, keeps
-# both within their 5 and 20 minutes with room for a slower core. Widths, image tokens per page and the vision
-# tower's cost relative to the LLM's prefill (both scale with depth) are unchanged: the cold prefill's vision
-# share measured 0.849 (8 layers) and 0.834 (2) in fp32, and the workload, so every hit rate, is the same.
+# took 13 min 14 s with 8 layers and 4 min 15 s with 2, and the full run 21 min 28 s with 2: one layer, in the
+# LLM and the vision tower alike, keeps both within their 5 and 20 minutes with room for a slower core. Widths,
+# image tokens per page and the vision tower's cost relative to the LLM's prefill (both scale with depth) are
+# unchanged: the cold prefill's vision share measured 0.849 (8 layers) and 0.834 (2) in fp32, and the workload,
+# so every hit rate, is the same.
 FP32_DEPTH = 1
 
 
