@@ -18,6 +18,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed: .venv/bin/pip install 'ray[serve]==2.60.0' "
                           "-c constraints.txt (scripts/setup.sh does it)")
 
+from bench.runner import machine_info  # noqa: E402
 from core.engine import Completion, PromptPlan, SamplingSpec  # noqa: E402
 from core.keys import ImageKey  # noqa: E402
 from mmrag import wiring  # noqa: E402
@@ -159,7 +160,9 @@ async def test_affinity_keeps_the_single_replica_hit_rate_on_a_shared_figure_wor
         assert {c.replica for c in done} == ({replicas[0]} if name == "single" else set(replicas)), name
         if name == "affinity":
             assert [c.replica for c in done] == [home[p.images[0]] for p in plans]
-    print(f"\nimage-prefix hit rate (Intel Xeon, 2 cores, fp32, tiny model, 24 plans): {rates}")
+    machine = machine_info()
+    print(f"\nimage-prefix hit rate ({machine['cpu_model']}, {machine['cpus']} cores, fp32, tiny model, 24 plans): "
+          f"{rates}")
     assert rates["single"] > 0.25  # the workload shares figures: one replica reuses them
     assert rates["affinity"] >= 0.95 * rates["single"], rates
 
