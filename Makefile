@@ -13,13 +13,13 @@ demo: setup
 	@bash scripts/demo.sh
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The suite as an AVX2-only CPU (AMD EPYC) runs it, on a host with AVX-512: every kernel capped to AVX2
 # (adapters/hardware.py, MMRAG_EMULATE_ISA). To time `make test` against its 30-minute budget there.
 test-avx2: setup
 	$(PY) -c 'import sys; from adapters.hardware import exec_emulating; exec_emulating("avx2", sys.argv[1:])' \
-		$(PY) -m pytest -q $(PYTEST_ARGS)
+		$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf .mmrag demo-data .pytest_cache

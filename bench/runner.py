@@ -24,6 +24,15 @@ resolution policy (``MIXED_POLICIES``). Full run only, unless named with --confi
 run in batches whose image prefixes fit in half the KV cache; before each batch every distinct image prefix
 of it is prefilled (untimed), then the batch runs timed. What is left is what no cache can remove: the text
 after the images, the image tokens in the block that holds the first text tokens, and the decode.
+
+``mmrag_one_prompt`` answers as ``mmrag serve`` does by default (MMRAG_ANSWER_MODE, rag/plans.py): ONE engine
+request per question over the union of its sub-questions' pages, each once, the most-asked first, with
+``mmrag_warm``'s warm-up; ``floor_one_prompt`` is the floor of those prompts. Every other configuration sends
+one request per sub-question (per page with per_page) and models no synthesis.
+
+``<config>@128`` (``LONG_ANSWER_CONFIGS``, full run only): the configurations whose ratios BENCHMARKS.md states,
+again at ``LONG_ANSWER_TOKENS`` answer tokens per request, on the first ``LONG_ANSWER_QUESTIONS`` questions of
+the same workload: at 4 tokens prefill decides, at a real answer length decode weighs in.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from adapters.checkpoint import ModelSource
 from adapters.hardware import cpu_flags, emulated_isa, native_cpu_dtype
 from adapters.store import FeatureStore
 from rag.order import PagePopularity
-from rag.pipeline import build_plans
+from rag.plans import AnswerMode, build_plans, choose_answer, one_prompt_plan
 from retrieval.search import Hit
 from core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
 from serving.engine.config import EngineConfig, resolve_dtype
@@ -104,15 +113,31 @@ class ConfigSpec:
     mixed: str = ""  # the mixed-resolution corpus, its keys under this policy of MIXED_POLICIES
     tier_queues: bool = False  # the scheduler's short queue (MIXED_SHORT_TOKENS) with a reserved slot
     full_only: bool = False  # left out of --quick unless named with --configs
+    # PER_SUB_QUESTION: the plans of ``layout`` (no synthesis); ONE_PROMPT: one plan per question (rag/plans.py)
+    answer_mode: AnswerMode = AnswerMode.PER_SUB_QUESTION
+    max_tokens: int | None = None  # answer tokens per request; None: the workload's (--max-tokens)
+    questions: int | None = None  # the workload's first N questions; None: all of them
 
     def __post_init__(self) -> None:
         if self.prompt is not PromptStyle.MMRAG and self.images is ImageInput.TOKENS:
             raise ValueError(f"{self.name}: only pixel configurations render their own prompt style")
+        if self.answer_mode is AnswerMode.AUTO:
+            raise ValueError(f"{self.name}: a configuration answers every question one way: give ONE_PROMPT or "
+                             "PER_SUB_QUESTION (auto decides per question, which would mix the two)")
+        if self.answer_mode is AnswerMode.ONE_PROMPT and (self.layout is not Layout.CANONICAL
+                                                          or self.images is not ImageInput.TOKENS):
+            raise ValueError(f"{self.name}: one prompt is mmrag's own (image tokens, its pages in the popularity "
+                             "order): give images=TOKENS and layout=CANONICAL")
+
+    @property
+    def one_prompt(self) -> bool:
+        return self.answer_mode is AnswerMode.ONE_PROMPT
 
 
 _T, _PX, _FRESH = ImageInput.TOKENS, ImageInput.PIXELS, ImageInput.FRESH_PIXELS
 _NAIVE, _CANON, _FCFS, _DFS = Layout.NAIVE, Layout.CANONICAL, Policy.FCFS, Policy.DFS_WEIGHT
-CONFIGS = (
+_ONE = AnswerMode.ONE_PROMPT
+BASE_CONFIGS = (
     ConfigSpec("no_cache", _FRESH, caching=False, layout=_NAIVE, policy=_FCFS),
     ConfigSpec("vision_cache", _T, caching=False, layout=_NAIVE, policy=_FCFS),
     ConfigSpec("apc_naive", _T, caching=True, layout=_NAIVE, policy=_FCFS),
@@ -128,12 +153,36 @@ CONFIGS = (
     ConfigSpec("mmrag_global", _T, caching=True, layout=Layout.GLOBAL, policy=_DFS, warm=True),
     ConfigSpec("mmrag_per_page", _T, caching=True, layout=Layout.PER_PAGE, policy=_DFS, warm=True),
     ConfigSpec("floor", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True),
+    # mmrag serve's default answer mode: one request per question, mmrag_warm's warm-up; and its own floor (the
+    # per-sub-question floor prefills other prompts and pays a request per sub-question).
+    ConfigSpec("mmrag_one_prompt", _T, caching=True, layout=_CANON, policy=_DFS, warm=True, answer_mode=_ONE),
+    ConfigSpec("floor_one_prompt", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True, answer_mode=_ONE),
     ConfigSpec("mixed", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", full_only=True),
     ConfigSpec("mixed_tiered", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", tier_queues=True,
                full_only=True),
     ConfigSpec("mixed_standard", _T, caching=True, layout=_CANON, policy=_DFS, mixed="standard", full_only=True),
     ConfigSpec("mixed_pooled", _T, caching=True, layout=_CANON, policy=_DFS, mixed="pooled", full_only=True),
 )
+
+# The ratios BENCHMARKS.md states, measured again at a real answer length in the same run (issue 22): these
+# configurations as ``<name>@128``, full run only. At 128 tokens decode is most of a request, so they run on the
+# workload's first LONG_ANSWER_QUESTIONS questions (same seed) to keep the full run's time reasonable; their
+# ratios compare them with each other, on the same questions.
+LONG_ANSWER_TOKENS = 128
+LONG_ANSWER_QUESTIONS = 16
+LONG_ANSWER_CONFIGS = ("vllm_llamaindex", "vllm_images_first", "mmrag_warm", "mmrag_one_prompt", "floor",
+                       "floor_one_prompt")
+
+
+def long_answer_name(name: str) -> str:
+    """``mmrag_warm`` -> ``mmrag_warm@128``: the same configuration at LONG_ANSWER_TOKENS."""
+    return f"{name}@{LONG_ANSWER_TOKENS}"
+
+
+CONFIGS = BASE_CONFIGS + tuple(
+    replace(c, name=long_answer_name(c.name), max_tokens=LONG_ANSWER_TOKENS, questions=LONG_ANSWER_QUESTIONS,
+            full_only=True)
+    for c in BASE_CONFIGS if c.name in LONG_ANSWER_CONFIGS)
 
 
 # llama-index's multimodal chat path (llama-index-core 0.14.25, read from its source and checked against it in
@@ -230,6 +279,12 @@ class BenchInputs:
     def corpus_for(self, spec: ConfigSpec) -> BenchCorpus:
         return self._mixed(spec)[0] if spec.mixed else self.corpus
 
+    def questions_for(self, spec: ConfigSpec) -> list[Question]:
+        return self.workload.questions[:spec.questions]
+
+    def max_tokens_for(self, spec: ConfigSpec) -> int:
+        return spec.max_tokens or self.workload.spec.max_tokens
+
     def keys_for(self, spec: ConfigSpec) -> Keys:
         if spec.mixed:
             return self._mixed(spec)[1]
@@ -255,6 +310,8 @@ class PlanRecord:
 @dataclass(slots=True)
 class ConfigResult:
     spec: ConfigSpec
+    questions: int = 0  # questions answered (the throughput's numerator)
+    answer_tokens: int = 0  # max_tokens of every request
     plans: list[PromptPlan] = field(default_factory=list)  # what was submitted, in workload order
     records: list[PlanRecord] = field(default_factory=list)
     question_latencies_s: list[float] = field(default_factory=list)
@@ -280,6 +337,8 @@ class ConfigResult:
         for name in ("other_cpu_cores", "steal_cores", "own_cpu_cores"):
             setattr(self, name, (getattr(self, name) * self.wall_s + getattr(part, name) * part.wall_s) / wall)
         self.wall_s = wall
+        self.questions += part.questions
+        self.answer_tokens = part.answer_tokens
         self.plans += part.plans
         self.records += part.records
         self.question_latencies_s += part.question_latencies_s
@@ -405,17 +464,53 @@ class _FirstTokens:
 # --- one configuration ----------------------------------------------------------------------------------
 
 
+def workload_plans(spec: ConfigSpec, inputs: BenchInputs, keys: Keys, questions: Sequence[Question]
+                   ) -> dict[int, list[PromptPlan]]:
+    """Each question's plans by its id, planned in workload order with one PagePopularity for the run where the
+    configuration orders pages by it (as one process does)."""
+    learns = spec.one_prompt or spec.layout is Layout.GLOBAL
+    popularity = PagePopularity() if learns else None
+    corpus, max_tokens = inputs.corpus_for(spec), inputs.max_tokens_for(spec)
+    plans = {q.qid: question_plans(q, spec, keys, corpus, max_tokens, popularity) for q in questions}
+    most = max((len(p.images) for ps in plans.values() for p in ps), default=0)
+    if most > inputs.engine_config.max_images_per_prompt:
+        raise ValueError(f"{spec.name}: a prompt of {most} images, over the engine's max_images_per_prompt="
+                         f"{inputs.engine_config.max_images_per_prompt}: raise it in default_engine_config")
+    return plans
+
+
 def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpus, max_tokens: int,
                    popularity: PagePopularity | None = None) -> list[PromptPlan]:
-    """The plans rag/pipeline.build_plans makes from this question's simulated retrieval. The global layout
-    learns as the pipeline does: ``popularity`` observes each sub-question's pages before this question is
-    planned (questions planned in arrival order)."""
+    """The plans the pipeline makes from this question's simulated retrieval: rag/plans.build_plans per
+    sub-question, or the one prompt. The global layout and one prompt learn as the pipeline does:
+    ``popularity`` (required for them) observes each sub-question's pages before this question is planned."""
     hits = [[_hit(p, rank, keys, corpus) for rank, p in enumerate(s.pages)] for s in q.subs]
     if popularity is not None:
         for hs in hits:
             popularity.observe(h.image_key for h in hs)
-    return build_plans([s.text for s in q.subs], hits, max_tokens=max_tokens, layout=spec.layout,
-                       popularity=popularity)
+    if spec.one_prompt:
+        if popularity is None:
+            raise ValueError(f"{spec.name}: one prompt orders its pages by a PagePopularity: pass popularity=")
+        plans = [one_prompt_question_plan(q, hits, max_tokens, popularity)]
+    else:
+        plans = build_plans([s.text for s in q.subs], hits, max_tokens=max_tokens, layout=spec.layout,
+                            popularity=popularity)
+    return [replace(p, sampling=fixed_length(max_tokens)) for p in plans]
+
+
+def fixed_length(max_tokens: int) -> SamplingSpec:
+    """Every bench request decodes exactly its answer length: random weights end a sequence at chance points,
+    which differ with the prompt, so configurations would otherwise decode different amounts."""
+    return SamplingSpec(max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+def one_prompt_question_plan(q: Question, hits: list[list[Hit]], max_tokens: int, popularity: PagePopularity
+                             ) -> PromptPlan:
+    """Pipeline.ask's one prompt: choose_answer's pages (the union of the sub-questions' hits, each once, in
+    the popularity order), then one_prompt_plan. Nothing is left out: the bench engine holds the largest union
+    (default_engine_config), and workload_plans says so if it does not."""
+    choice = choose_answer(AnswerMode.ONE_PROMPT, hits, misfit=lambda pages: None, popularity=popularity)
+    return one_prompt_plan(q.text, [s.text for s in q.subs], choice.pages, max_tokens=max_tokens, hits=hits)
 
 
 def _hit(page: int, rank: int, keys: Keys, corpus: BenchCorpus) -> Hit:
@@ -475,21 +570,22 @@ async def _sample_kv(peak: list[float], residency: KVResidency, stop: asyncio.Ev
 
 
 async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: Keys,
-                     questions: list[Question] | None = None) -> ConfigResult:
-    """The workload's questions (or these) through the scheduler, timed."""
+                     questions: list[Question] | None = None, plans: dict[int, list[PromptPlan]] | None = None
+                     ) -> ConfigResult:
+    """The configuration's questions (or these, with these plans) through the scheduler, timed."""
     wl = inputs.workload
-    questions = wl.questions if questions is None else questions
-    result = ConfigResult(spec)
+    questions = inputs.questions_for(spec) if questions is None else questions
+    if plans is None:
+        plans = workload_plans(spec, inputs, keys, questions)
+    result = ConfigResult(spec, len(questions), inputs.max_tokens_for(spec))
     recorder = _FirstTokens(engine)
-    short = {"short_image_tokens": MIXED_SHORT_TOKENS, "short_reserved": MIXED_SHORT_RESERVED} if spec.tier_queues else {}
+    short = ({"short_image_tokens": MIXED_SHORT_TOKENS, "short_reserved": MIXED_SHORT_RESERVED}
+             if spec.tier_queues else {})
     sched = Scheduler(recorder, SchedulerConfig(policy=spec.policy, max_concurrency=inputs.scheduler_concurrency,
                                                 **short),
                       image_tokens=lambda p: sum(keys.tokens[k] for k in p.images))
     residency = sched.track_kv((await engine.kv_capacity()).tokens)
     recorder.predict = lambda p: residency.resident_prefix(p.images, [keys.tokens[k] for k in p.images])
-    popularity = PagePopularity() if spec.layout is Layout.GLOBAL else None  # one per run, as per process
-    corpus = inputs.corpus_for(spec)
-    plans = {q.qid: question_plans(q, spec, keys, corpus, wl.spec.max_tokens, popularity) for q in questions}
     result.plans = [p for q in questions for p in plans[q.qid]]
 
     async def ask(q: Question) -> None:
@@ -544,7 +640,7 @@ async def run_config(engine: Any, spec: ConfigSpec, inputs: BenchInputs, keys: K
 async def probe(engine: InProcessEngine, inputs: BenchInputs, *, reset: bool) -> list[Usage]:
     """Two cold single-page prompts on pages no question asks about: the machine's speed right now."""
     out = []
-    sampling = SamplingSpec(max_tokens=inputs.workload.spec.max_tokens)
+    sampling = fixed_length(inputs.workload.spec.max_tokens)
     for p in inputs.corpus.probes:
         if reset:
             await engine.reset_prefix_cache()
@@ -568,12 +664,13 @@ async def _warm_up(engine: InProcessEngine, inputs: BenchInputs, keys: Keys) -> 
 def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, base: Prompts, own: Prompts,
              capacity: KVCapacity, warmed: set[ImageKey] | None) -> None:
     """The position oracle over the canonical rendering (``base``: the same number for every configuration on
-    these keys), and the prefix bound of the configuration's own prompts (``own``) and warm-up."""
-    spec, wl = result.spec, inputs.workload
-
+    these keys and questions), and the prefix bound of the configuration's own prompts (``own``) and warm-up.
+    One prompt shows each page once per question, so its image uses differ: its oracle is over its own plans
+    (the canonical rendering of one prompt is itself)."""
+    spec = result.spec
     as_canonical = replace(spec, layout=Layout.CANONICAL)
-    corpus = inputs.corpus_for(spec)
-    plans = [p for q in wl.questions for p in question_plans(q, as_canonical, keys, corpus, wl.spec.max_tokens)]
+    by_question = workload_plans(as_canonical, inputs, keys, inputs.questions_for(spec))
+    plans = [p for ps in by_question.values() for p in ps]
     canonical = prompt_images(plans, keys, base)
     warm_set = None
     if spec.prefilled:
@@ -609,16 +706,16 @@ async def _run_prefilled(engine: InProcessEngine, spec: ConfigSpec, inputs: Benc
     (each charged a whole prompt of its own, so nothing prefilled is evicted before its batch ends); per
     batch, the longest distinct image prefixes are prefilled untimed (a prefix of one is cached with it), then
     the batch runs timed. The timed parts add up to the configuration's wall time."""
-    wl = inputs.workload
     budget = capacity.tokens * inputs.warm_share
+    plans = workload_plans(spec, inputs, keys, inputs.questions_for(spec))  # planned once: batches share the order
 
     def cost(images: tuple[ImageKey, ...]) -> int:
         return prompts.tokens(fill_plan(images), keys.tokens).prompt_tokens + capacity.block_size
 
     batches: list[tuple[list[Question], set[tuple[ImageKey, ...]]]] = []
     used = 0.0
-    for q in wl.questions:
-        mine = {p.images for p in question_plans(q, spec, keys, inputs.corpus, wl.spec.max_tokens)}
+    for q in inputs.questions_for(spec):
+        mine = {p.images for p in plans[q.qid]}
         new = mine - batches[-1][1] if batches else mine
         extra = sum(cost(t) for t in new)
         if not batches or used + extra > budget:
@@ -634,7 +731,7 @@ async def _run_prefilled(engine: InProcessEngine, spec: ConfigSpec, inputs: Benc
         await asyncio.gather(*(engine.generate(fill_plan(images)) for images in sorted(longest, key=str)))
         fill_s += time.perf_counter() - t
         filled += len(longest)
-        result.absorb(await run_config(engine, spec, inputs, keys, questions))
+        result.absorb(await run_config(engine, spec, inputs, keys, questions, plans))
     result.warm = {"batches": len(batches), "prefixes_prefilled": filled, "seconds": round(fill_s, 3)}
     return result
 
@@ -684,7 +781,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
                     await _cold(engine)
                 if spec.warm:
                     warm_info, warmed = await _warm_up(engine, inputs, keys)
-                inputs.log(f"  {spec.name}: {len(inputs.workload.questions)} questions ...")
+                inputs.log(f"  {spec.name}: {len(inputs.questions_for(spec))} questions ...")
                 if spec.prefilled:
                     result = await _run_prefilled(engine, spec, inputs, keys, own, capacity)
                 else:
@@ -697,7 +794,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
                 _hits_by_position(result, keys, own)
                 results[spec.name] = result
                 inputs.log(f"  {spec.name}: {result.wall_s:.1f} s, "
-                           f"{len(inputs.workload.questions) / result.wall_s:.2f} questions/s")
+                           f"{result.questions / result.wall_s:.2f} questions/s")
         finally:
             await engine.close()
     return BenchRun({c.name: results[c.name] for c in wanted}, capacity, dtype, starts, vit_probe, machine_info())
@@ -720,6 +817,7 @@ async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[
 def default_engine_config(max_model_len: int = 4096) -> EngineConfig:
     """The same for every configuration: 32-token blocks (CPU attention wants multiples of 32), 1 GiB of KV,
     eager mode (20 s start-up), the dtype `mmrag serve` resolves ``auto`` to on this host (bfloat16 only where
-    the CPU runs it natively: AVX512-BF16 or AMX; float32 elsewhere)."""
-    return EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=max_model_len, max_images_per_prompt=4,
+    the CPU runs it natively: AVX512-BF16 or AMX; float32 elsewhere), and room for one prompt over a question's
+    union of pages (the workload's 4 sub-questions x 2 pages)."""
+    return EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=max_model_len, max_images_per_prompt=8,
                         enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16)

@@ -58,6 +58,12 @@ class Question:
     subs: tuple[SubQuestion, ...]
     arrival_s: float  # offset from the start (Poisson); 0 in the closed loop
 
+    @property
+    def text(self) -> str:
+        """The compound question the sub-questions come from, as a user types it: one after the other (one
+        prompt ends with it; derived, so the workload's draws and every other configuration stay as they were)."""
+        return " ".join(s.text for s in self.subs)
+
 
 @dataclass(slots=True)
 class Workload:
@@ -76,6 +82,8 @@ class Workload:
             "arrivals": "poisson" if self.spec.rate_qps else "closed-loop",
             "sub_questions_total": len(per_sub),
             "page_uses": sum(uses.values()),
+            # Each question's distinct pages: what one prompt per question shows, each page once.
+            "question_page_uses": sum(len({p for s in q.subs for p in s.pages}) for q in self.questions),
             "distinct_pages_used": len(uses),
             "mean_sub_questions": round(float(np.mean(subs)), 3) if subs else 0.0,
             "mean_pages_per_sub": round(float(np.mean(per_sub)), 3) if per_sub else 0.0,

@@ -36,6 +36,7 @@ class SamplingSpec:
     temperature: float = 0.0  # greedy by default: answers over documents should not vary run to run
     stop: tuple[str, ...] = ()
     json_schema: str | None = None  # guided decoding (structured output) when set
+    min_tokens: int = 0  # no end of sequence before this many tokens (the benchmark's fixed-length stand-ins)
 
 
 @dataclass(slots=True, frozen=True)

@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     kv_block_size: int = 0  # 0: vLLM's platform default (128 on CPU, 16 on GPU); only full blocks are cached
     kv_cache_gib: int = 2  # CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPUs size it from memory
     max_model_len: int = 4096
-    max_images_per_prompt: int = 4
+    # Room for one prompt over the union of max_sub_questions x top_k pages (the one-prompt answer mode).
+    max_images_per_prompt: int = 12
     max_num_seqs: int = 64
     enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
     engine_dtype: str = "auto"
@@ -159,8 +160,24 @@ class Settings(BaseSettings):
     max_question_chars: int = 2000
     # Who splits a question: the model (guided JSON, validated, the rules when it is rejected), the rules, or
     # auto: the model unless it has random weights (its replies are never grounded, so asking it would only
-    # spend one long decode per question before the rules run anyway).
+    # spend one long decode per question before the rules run anyway). The model is asked only about a
+    # question the rules find compound, and its reply is bounded to decompose_max_tokens.
     decomposer: Literal["auto", "model", "rules"] = "auto"
+    decompose_max_tokens: int = Field(default=160, ge=1)
+    # Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the rules split the
+    # question (rag/decompose.ModelDecomposer): a real model's decomposition cost on a random-weight one. 0: off.
+    decompose_fixed_tokens: int = Field(default=0, ge=0)
+    # How retrieved pages become the answer (rag/plans.py): one_prompt (one prompt over the union of the
+    # sub-questions' pages, one decode), per_sub_question (a prompt per sub-question, then a synthesis), or
+    # auto: one prompt when the union fits one (max_images_per_prompt, max_model_len), else per sub-question.
+    answer_mode: Literal["auto", "one_prompt", "per_sub_question"] = "auto"
+    sub_answer_max_tokens: int = Field(default=64, ge=1)  # per sub-question: each sub-answer's length
+    # One prompt's page budget: at most this many pages, each sub-question's best first (0: every retrieved page).
+    # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (BENCHMARKS.md).
+    one_prompt_pages: int = Field(default=4, ge=0)
+    # Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max_tokens, so
+    # answers of a random-weight model, which stops wherever it draws an end of sequence, have the asked length.
+    answer_fixed_length: bool = False
 
     @field_validator("vision_device")
     @classmethod

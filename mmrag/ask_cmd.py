@@ -70,7 +70,8 @@ def check_tier(settings: Settings, tier: str) -> str:
 
 
 def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_tokens: int | None,
-        console: Console, tier: str | None = None, tenant: str = DEFAULT_TENANT) -> Answer:
+        console: Console, tier: str | None = None, tenant: str = DEFAULT_TENANT, answer_mode: str | None = None
+        ) -> Answer:
     """Over given pages (``--pages``), or through the whole pipeline: sub-questions, retrieval, cited answer
     (its pages in ``tier``; ``--pages`` shows them as indexed)."""
     if not question.strip():
@@ -83,6 +84,11 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
         check_tier(settings, tier)
     if max_tokens:
         settings = settings.model_copy(update={"answer_max_tokens": max_tokens})
+    if answer_mode is not None:
+        if refs is not None:
+            raise ArgumentError("--answer-mode applies to retrieved pages; leave it out with --pages (one prompt "
+                                "over the pages given)")
+        settings = settings.model_copy(update={"answer_mode": answer_mode})
     pages = None
     if refs is not None:
         index = open_page_index(settings)
@@ -144,6 +150,9 @@ def print_answer(answer: Answer, console: Console) -> None:
         console.print(f"sub-questions ({answer.sub_question_source}):")
         for q in answer.sub_questions:
             console.print(escape(f"  - {q}"))
+    if "answer_mode" in data:
+        why = f" ({data['answer_mode_reason']})" if "answer_mode_reason" in data else ""
+        console.print(escape(f"answer mode: {data['answer_mode']}{why}"))
     console.print(f"[bold]answer[/] ({escape(answer.model)}): {escape(answer.answer)}")
     for c in answer.citations:
         console.print(escape(f"  cited: [{c.doc}, page {c.page}] score {c.score:.3f}"))

@@ -29,9 +29,11 @@ err = Console(stderr=True)
 # times); the configurations that send pixels pay the vision encoder per image and take the largest share.
 QUICK = {"pages": 24, "questions": 16}
 FULL = {"pages": 48, "questions": 80}
-# --e2e: every mmrag question costs a decomposition, 2-3 sub-answers and a synthesis (bench/e2e.py).
+# --e2e: every side at 4, 128 and 512 answer tokens on one replica, plus mmrag's two variants and the floor
+# (bench/e2e.py); 512 tokens per answer is most of the run.
 E2E_QUICK = {"pages": 24, "questions": 12}
 E2E_FULL = {"pages": 48, "questions": 32}
+MAX_TOKENS = 4  # answer tokens per sub-question of the serving configurations, --replicas and --transfer
 
 
 def bench(
@@ -44,13 +46,19 @@ def bench(
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this many questions/s instead of the "
                                                "closed loop.")] = None,
     zipf: Annotated[float, typer.Option(help="Zipf exponent of page popularity.")] = 1.0,
-    max_tokens: Annotated[int, typer.Option(help="Answer tokens per sub-question.")] = 4,
+    max_tokens: Annotated[int | None, typer.Option(help=f"Answer tokens per sub-question (default {MAX_TOKENS}). "
+                                                   "With --e2e: the answer length, only this one (default: 4, "
+                                                   "128 and 512 in one run).")] = None,
     seed: Annotated[int, typer.Option(help="Corpus and workload seed.")] = 0,
     tiny: Annotated[bool, typer.Option("--tiny", help="Use the tiny test model (smoke tests: checks that "
                                        "everything runs; its timings mean nothing).")] = False,
     configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
-    e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions through `mmrag serve` (HTTP) "
-                                      "and through a llama-index pipeline on `vllm serve` (bench/e2e.py).")] = False,
+    e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions, streamed, through `mmrag serve` "
+                                      "(POST /v1/ask), two llama-index pipelines (one-shot and sub-questions) and "
+                                      "the floor (one request per question, images in KV), on one `vllm serve` "
+                                      "replica, at 4, 128 and 512 answer tokens; mmrag's per-sub-question and "
+                                      "model-decomposer variants at 128, or at --max-tokens when given "
+                                      "(bench/e2e.py).")] = False,
     transfer: Annotated[bool, typer.Option("--transfer", help="Instead: per page, the time and bytes of moving "
                                            "image tokens from the vision service to the engine (feature store, "
                                            "binary HTTP, base64 JSON to a replica; bench/transfer.py).")] = False,
@@ -71,10 +79,13 @@ def bench(
 
     Configurations: no_cache, vision_cache, apc_naive (ablations); vllm_llamaindex, vllm_images_first (page
     pixels to vLLM with its own caches: the llama-index layout, and images first); mmrag, mmrag_warm,
-    mmrag_budget; mmrag_global, mmrag_per_page (the exact layouts); floor (every image already in KV); mixed,
-    mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue), mixed_standard, mixed_pooled
-    (the same pages scaled to the standard tier, and pooled 2x2); the mixed ones are not in --quick unless named
-    with --configs.
+    mmrag_budget; mmrag_global, mmrag_per_page (the exact layouts); floor (every image already in KV);
+    mmrag_one_prompt, floor_one_prompt (one request per question, as `mmrag serve` answers by default, and its
+    floor); mixed, mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue),
+    mixed_standard, mixed_pooled (the same pages scaled to the standard tier, and pooled 2x2); NAME@128
+    (vllm_llamaindex, vllm_images_first, mmrag_warm, mmrag_one_prompt, floor, floor_one_prompt again at 128
+    answer tokens, on the workload's first questions: bench/runner.py LONG_ANSWER_QUESTIONS). The mixed and @128
+    ones are not in --quick unless named with --configs.
 
     Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
     synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
@@ -96,10 +107,10 @@ def bench(
     from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, mixed_policies, run_all
     from bench.workload import WorkloadSpec, make_workload
 
-    if concurrency < 1 or max_tokens < 1 or (rate is not None and rate <= 0):
+    if concurrency < 1 or (max_tokens is not None and max_tokens < 1) or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
     if e2e and (rate is not None or configs):
-        raise typer.BadParameter("--e2e runs a closed loop of its own two sides: drop --rate and --configs")
+        raise typer.BadParameter("--e2e runs a closed loop of its own sides: drop --rate and --configs")
     names = None
     if configs:
         names = [n.strip() for n in configs.split(",") if n.strip()]
@@ -117,7 +128,8 @@ def bench(
             raise typer.BadParameter("--replicas compares routings over replicas: give 2 or more")
         _bench_replicas(settings, tiny=tiny, depth=depth, replicas=replicas, pages=n_pages,
                         questions=n_questions,
-                        concurrency=concurrency, max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
+                        concurrency=concurrency, max_tokens=max_tokens or MAX_TOKENS, zipf=zipf, seed=seed,
+                        json_out=json_out)
         return
     if transfer:
         _bench_transfer(settings, tiny=tiny, depth=depth, pages=n_pages, seed=seed, json_out=json_out)
@@ -127,6 +139,7 @@ def bench(
                    concurrency=concurrency,
                    max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
         return
+    max_tokens = max_tokens or MAX_TOKENS
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
@@ -205,14 +218,15 @@ def bench(
 
 def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: int, questions: int,
                concurrency: int,
-               max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
-    """`mmrag bench --e2e`: mmrag serve against a llama-index pipeline, each on its own vllm serve replica."""
+               max_tokens: int | None, zipf: float, seed: int, json_out: Path | None) -> None:
+    """`mmrag bench --e2e`: mmrag serve, the floor and two llama-index pipelines on one vllm serve replica, at
+    each answer length (``max_tokens``: only that one)."""
     from dataclasses import replace
 
     from adapters.hardware import emulated_isa
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
-    from bench.e2e import E2EInputs, E2ESpec, run_e2e
+    from bench.e2e import LENGTHS, MAX_IMAGES_PER_PROMPT, E2EInputs, E2ESpec, run_e2e
     from bench.runner import RELEVANT_CPU_FLAGS, default_engine_config, machine_info
     from serving.engine.config import resolve_dtype
 
@@ -222,13 +236,14 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
     corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
-    config = default_engine_config()
+    # 4096 tokens hold mmrag's one prompt: up to 9 pages of 256 image tokens, its text and 512 answer tokens.
+    config = replace(default_engine_config(max_model_len=4096), max_images_per_prompt=MAX_IMAGES_PER_PROMPT)
     config = replace(config, dtype=resolve_dtype(config.dtype))  # what `mmrag serve` would resolve `auto` to
     inputs = E2EInputs(model_path=model.path, corpus=corpus, engine_config=config,
-                       spec=E2ESpec(questions=questions, concurrency=concurrency, max_tokens=max_tokens,
-                                    zipf_s=zipf, seed=seed),
+                       spec=E2ESpec(questions=questions, concurrency=concurrency,
+                                    lengths=(max_tokens,) if max_tokens else LENGTHS, zipf_s=zipf, seed=seed),
                        root=settings.data_dir / "bench" / f"e2e-{corpus.spec.folder_name}-{spec.folder_name}",
-                       log=lambda m: err.print(escape(m)))
+                       log=lambda m: err.print(escape(m)), floor_pipeline=_floor_pipeline)
     result = asyncio.run(run_e2e(inputs))
     machine = machine_info()
     data = {
@@ -249,6 +264,18 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     _write_json(json_out, data)
     typer.echo(_e2e_table(result))
     err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
+
+
+def _floor_pipeline(env: dict[str, str]):
+    """mmrag's engine and pipeline from these MMRAG_* settings, as `mmrag serve` builds them (bench/e2e.py's
+    floor records its plans; bench/ does not import the wiring)."""
+    from core.settings import Settings
+    from mmrag import wiring
+
+    settings = Settings(**{k.removeprefix("MMRAG_").lower(): v for k, v in env.items() if k.startswith("MMRAG_")})
+    engine = wiring.engine(settings, wiring.resolve_model(settings), allow_inprocess=False)
+    pipe, _ = wiring.pipeline(settings, engine)
+    return engine, pipe
 
 
 def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed: int,
@@ -318,15 +345,31 @@ def _write_json(path: Path | None, data: dict) -> None:
         err.print(f"wrote {path}")
 
 
+E2E_COLUMNS = ("questions_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
+               "engine_requests_per_question", "prompt_tokens_per_question", "generation_tokens_per_question",
+               "prefix_cache_hit_rate", "asked_pages_cited")
+
+
 def _e2e_table(e2e: dict) -> str:
-    cols = ("questions_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "engine_queue_s",
-            "engine_prefill_s", "engine_decode_s", "engine_requests_per_question", "prefix_cache_hit_rate",
-            "asked_pages_cited")
-    rows = ["| side | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    rows += [f"| {side} | " + " | ".join("–" if e2e[side][c] is None else str(e2e[side][c]) for c in cols) + " |"
-             for side in ("mmrag", "llamaindex")]
-    t = e2e["target"]
-    rows.append(f"\n{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}")
+    """One table per answer length (side x figures), mmrag's stages, then the targets."""
+    rows = []
+    for length, sides in e2e["by_length"].items():
+        rows += [f"\n### {length} answer tokens\n", "| side | " + " | ".join(E2E_COLUMNS) + " |",
+                 "|---" * (len(E2E_COLUMNS) + 1) + "|"]
+        rows += [f"| {side} | " + " | ".join("–" if r.get(c) is None else str(r[c]) for c in E2E_COLUMNS) + " |"
+                 for side, r in sides.items()]
+        for side, r in sides.items():
+            if "stage_s" in r:
+                stages = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["stage_s"].items() if v)
+                modes = ", ".join(f"{mode} {n}" for mode, n in r["answer_modes"].items())
+                rows.append(f"\n{side} seconds per question: {stages} (answer modes: {modes})")
+    d = e2e["decomposition"]
+    rows.append(f"\nmodel decomposition (stand-in {d['stand_in']['fixed_tokens']} tokens) at {d['length']} tokens "
+                f"adds per question: {d['model']['decompose_requests_per_question']} requests, "
+                f"{d['model']['decompose_generated_tokens_per_question']} generated tokens, "
+                f"{d['model']['decompose_s']} s (rules: {d['rules']['decompose_s']} s)\n")
+    rows += [f"{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}"
+             for t in e2e["targets"]]
     return "\n".join(rows)
 
 

@@ -26,6 +26,19 @@ from mmrag.retrieval_cmd import retrieval_app
 from mmrag.tenant_cmd import TenantOption, tenant_app
 from mmrag.vision_cmd import vision_app
 
+ANSWER_MODES = ("auto", "one_prompt", "per_sub_question")  # MMRAG_ANSWER_MODE's values (core/settings.py)
+
+
+def _one_of(choices: tuple[str, ...]):
+    """An option callback that takes one of ``choices`` (or nothing), naming them when it is another."""
+
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return check
+
 app = typer.Typer(
     help="mmrag: ask questions over figure-heavy documents with a VLM, reusing image-prefix KV on purpose.\n\n"
     "Start with `mmrag corpus sample --out corpus/` and `mmrag ingest corpus/`. Configuration comes from "
@@ -160,6 +173,11 @@ def ask(
                                              "e.g. low: pooled, a quarter of the image tokens); default: standard.")
                     ] = None,
     tenant: TenantOption = "default",
+    answer_mode: Annotated[str | None, typer.Option(
+        "--answer-mode", callback=_one_of(ANSWER_MODES),
+        help="one_prompt: one prompt over every retrieved page, one decode; per_sub_question: a prompt per "
+             "sub-question, then a synthesis; auto: one prompt when the pages fit one "
+             "(default: MMRAG_ANSWER_MODE, auto).")] = None,
 ) -> None:
     """Ask a question: split it into sub-questions, retrieve pages for each, answer with page citations.
 
@@ -168,7 +186,7 @@ def ask(
     from mmrag import ask_cmd
 
     answer = ask_cmd.ask(question, pages, docs=doc, max_tokens=max_tokens, console=err, tier=tier,
-                            tenant=tenant)
+                         tenant=tenant, answer_mode=answer_mode)
     if as_json:
         typer.echo(json.dumps(answer.to_json()))
     else:

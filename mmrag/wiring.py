@@ -291,9 +291,14 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
 def pipeline_config(settings: Settings) -> PipelineConfig:
     from core.engine import Layout
     from rag.pipeline import PipelineConfig
+    from rag.plans import AnswerMode
 
     return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens, layout=Layout(settings.layout),
-                          max_images_per_prompt=settings.max_images_per_prompt)
+                          max_images_per_prompt=settings.max_images_per_prompt,
+                          answer_mode=AnswerMode(settings.answer_mode),
+                          sub_answer_max_tokens=settings.sub_answer_max_tokens,
+                          max_model_len=settings.max_model_len, fixed_length=settings.answer_fixed_length,
+                          one_prompt_pages=settings.one_prompt_pages)
 
 
 def decomposer(settings: Settings, engine: Engine) -> Decomposer:
@@ -302,7 +307,8 @@ def decomposer(settings: Settings, engine: Engine) -> Decomposer:
 
     ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
     return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
-                      max_question_chars=settings.max_question_chars)
+                      max_question_chars=settings.max_question_chars, max_tokens=settings.decompose_max_tokens,
+                      fixed_tokens=settings.decompose_fixed_tokens)
 
 
 def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None,

@@ -431,21 +431,30 @@ def _dedupe(subs: Iterable[str]) -> list[str]:
 
 
 class ModelDecomposer:
-    """Asks the engine for sub-questions as JSON (guided decoding), then validates the reply."""
+    """Asks the engine for sub-questions as JSON (guided decoding), then validates the reply.
 
-    def __init__(self, engine: Engine, *, max_n: int = 4, max_len: int = 200) -> None:
+    With a real model this is one more sequential request before retrieval can start, so it is bounded: the
+    schema bounds the reply's shape, ``max_tokens`` its length (the engine allows no free whitespace between
+    JSON tokens: serving/engine/config.py), and a reply cut short is rejected as truncated, never repaired.
+    ``fixed_tokens`` (benchmarks only) makes it decode exactly that many tokens, unguided, standing in for a
+    real model's reply where a random-weight model would stop at once: that reply is then rejected (truncated)
+    and the rules split the question, so sub-questions stay comparable while the request costs what a real
+    one would.
+    """
+
+    def __init__(self, engine: Engine, *, max_n: int = 4, max_len: int = 200, max_tokens: int = 160,
+                 fixed_tokens: int = 0) -> None:
+        if max_tokens < 1 or fixed_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 1 and fixed_tokens at least 0, got {max_tokens} and "
+                             f"{fixed_tokens}")
         self.engine = engine
         self.max_n = max_n
         self.max_len = max_len
-        # Room for max_n strings of max_len characters (two tokens per character at worst) and the JSON
-        # around them. Whitespace between JSON tokens is unbounded while the engine allows it (vLLM's
-        # structured_outputs_config.disable_any_whitespace is off by default, and a random model fills it):
-        # a reply cut short is rejected as truncated, never repaired.
-        self.sampling = SamplingSpec(
-            max_tokens=max_n * (2 * max_len + 8) + 32,
-            temperature=0.0,
-            json_schema=json.dumps(sub_question_schema(max_n, max_len)),
-        )
+        if fixed_tokens:
+            self.sampling = SamplingSpec(max_tokens=fixed_tokens, min_tokens=fixed_tokens, temperature=0.0)
+        else:
+            self.sampling = SamplingSpec(max_tokens=max_tokens, temperature=0.0,
+                                         json_schema=json.dumps(sub_question_schema(max_n, max_len)))
 
     def plan(self, question: str) -> PromptPlan:
         return PromptPlan(images=(), text=question, system_prompt_id="decompose", sampling=self.sampling)
@@ -467,7 +476,9 @@ class ModelDecomposer:
 
 
 class Decomposer:
-    """Checks the question, asks the model, and falls back to the rules when its reply is rejected.
+    """Checks the question, splits it by the rules, and asks the model only for a question the rules find
+    compound (a single-part question costs no request); the rules' split stands when the model's reply is
+    rejected.
 
     ``engine=None`` uses the rules only (``source="rules"``, ``rejected_reason=None``).
     """
@@ -479,19 +490,23 @@ class Decomposer:
         max_n: int = 4,
         max_len: int = 200,
         max_question_chars: int = MAX_QUESTION_CHARS,
+        max_tokens: int = 160,
+        fixed_tokens: int = 0,
     ) -> None:
-        self.model = ModelDecomposer(engine, max_n=max_n, max_len=max_len) if engine is not None else None
+        self.model = (ModelDecomposer(engine, max_n=max_n, max_len=max_len, max_tokens=max_tokens,
+                                      fixed_tokens=fixed_tokens) if engine is not None else None)
         self.rules = RuleDecomposer(max_n=max_n)
         self.max_question_chars = max_question_chars
 
     async def decompose(self, question: str) -> Decomposition:
         text = check_question(question, limit=self.max_question_chars)
-        if self.model is None:
-            return Decomposition(self.rules.split(text), "rules", None)
+        ruled = self.rules.split(text)
+        if self.model is None or len(ruled) == 1:
+            return Decomposition(ruled, "rules", None)
         try:
             subs = await self.model.sub_questions(text)
         except RejectedDecomposition as exc:
-            return Decomposition(self.rules.split(text), "rules", str(exc))
+            return Decomposition(ruled, "rules", str(exc))
         return Decomposition(subs, "model", None)
 
 

@@ -1,47 +1,41 @@
-"""The RAG pipeline: question → sub-questions → pages per sub-question → prompt plans → cited answer.
+"""The RAG pipeline: question → sub-questions → pages → prompt plans (rag/plans.py) → cited answer.
 
-The layout (``PipelineConfig.layout``, MMRAG_LAYOUT) decides the plans; all of them are exact (the model
-sees the full pages, nothing is approximated), they differ in which prompt prefixes recur:
-
-- canonical: one plan per sub-question (its pages + the sub-question), pages in the canonical order of the
-  batch, so sub-questions that retrieve the same figure share its KV prefix;
-- global: the same plans, pages in the process-wide popularity order (rag/order.PagePopularity), so a pair
-  of pages renders the same way across requests and the second page hits wherever the pair recurs;
-- per_page: one plan per (sub-question, page), each starting with its page, so every page leads a prompt
-  and every reuse of a page can hit;
-- naive (the benchmark's baseline): pages in retrieval-score order, the question before them.
-
-Images sent with the question (``Pipeline.ask(images=...)``, already encoded and stored by the caller) lead
-every prompt of that question in every layout, before its pages, so all its sub-questions share their KV;
-pages make room for them, lowest score first, within ``max_images_per_prompt``.
-
-A final text-only prompt synthesises the sub-answers. Every step is async; nothing here blocks the event loop.
+The answer mode (``PipelineConfig.answer_mode``, MMRAG_ANSWER_MODE; per question ``answer_mode``) decides
+whether one prompt answers over the union of the sub-questions' pages or each sub-question gets a prompt and
+a synthesis combines them (rag/plans.py says what each costs and shows). The layout shapes the
+per-sub-question plans. Every step is async; nothing here blocks the event loop.
 
 Streaming (``Pipeline.ask_events``, what `POST /v1/ask` with `"stream": true` sends as server-sent events): the
 same ``ask``, telling each step as it happens, as JSON-ready dicts —
-``{"event": "sub_questions", "sub_questions", "sub_question_source"}``, ``{"event": "citations", "citations"}``,
-``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as each plan finishes, ``{"event": "token",
-"text"}`` per piece of the final answer as it is generated (the synthesis, or the one plan's answer when there is
-one), and last ``{"event": "done", "answer": <Answer.to_json()>}``; the tokens concatenate to its ``answer``.
+``{"event": "sub_questions", "sub_questions", "sub_question_source"}``, ``{"event": "citations", "citations",
+"answer_mode"}``, per sub-question only ``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as each
+plan finishes, ``{"event": "token", "text"}`` per piece of the final answer as it is generated (the one prompt's
+answer, the synthesis, or the one plan's answer when there is one), and last ``{"event": "done", "answer":
+<Answer.to_json()>}``; the tokens concatenate to its ``answer``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 
-from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, SamplingSpec, Submit, Usage
+from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
 from core.keys import ImageKey
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
-from rag.order import PagePopularity, canonical_order
+from rag.order import PagePopularity
+from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, one_prompt_plan,
+                       one_prompt_text, page_label, plan_prompts, synthesis_plan)
 from rag.tiers import TierSource
 from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
+# What a prompt takes besides its images and its text: the system prompt and the chat template. An upper bound
+# (the default system prompt is 170 characters), so that a prompt said to fit one context does.
+PROMPT_FRAME_TOKENS = 256
 
 # Told each event of an answer as it happens (see the module docstring); returns at once.
 Emit = Callable[[dict], None]
@@ -50,132 +44,25 @@ Emit = Callable[[dict], None]
 @dataclass(slots=True, frozen=True)
 class PipelineConfig:
     top_k: int = 3  # pages per sub-question
-    max_tokens: int = 128
+    max_tokens: int = 128  # the answer's (one prompt's, synthesis', or a lone plan's); a question may ask fewer
     layout: Layout = Layout.CANONICAL
-    max_images_per_prompt: int = 4  # the engine's limit: a question's own images and its pages together
-
-
-@dataclass(slots=True, frozen=True)
-class PlannedPrompt:
-    """One plan and what the synthesis needs to label its answer."""
-
-    plan: PromptPlan
-    sub_question: int  # index into the sub-questions
-    page: Hit | None = None  # per-page layout: the page the plan is about
-
-
-def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
-                 layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None,
-                 images: Sequence[ImageKey] = ()) -> list[PlannedPrompt]:
-    """The plans of one question, in sub-question order; a sub-question without pages gets none, unless the
-    question brought ``images``: those lead every plan (a page that is one of them is not shown twice).
-
-    Per-page layout: one plan per (sub-question, distinct page), pages in retrieval-score order. It changes
-    what the model sees: no prompt shows two pages together, so a comparison across pages happens only in
-    the synthesis, from the sub-answers' text; and it costs a request and its decode tokens per page
-    instead of per sub-question (plus the synthesis, now even for a one-sub-question question with several
-    pages).
-
-    ``popularity`` (the global layout only, where it is required) is read, not updated: the caller observes
-    each sub-question's pages first (``Pipeline.ask`` does), so the order includes this question.
-    """
-    sampling = SamplingSpec(max_tokens=max_tokens)
-    lead = tuple(images)
-
-    def plan(i: int, pages: Sequence[ImageKey], page: Hit | None = None) -> PlannedPrompt:
-        keys = tuple(dict.fromkeys((*lead, *pages)))
-        return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
-
-    if layout is Layout.PER_PAGE:
-        planned = []
-        for i, hs in enumerate(hits):
-            if pages := _distinct_pages(hs):
-                planned += [plan(i, (h.image_key,), h) for h in pages]
-            elif lead:
-                planned.append(plan(i, ()))
-        return planned
-    keyed = [[h.image_key for h in hs] for hs in hits]
-    if layout is Layout.CANONICAL:
-        orders = canonical_order(keyed)
-    elif layout is Layout.GLOBAL:
-        if popularity is None:
-            raise ValueError("the global layout orders pages by a PagePopularity: pass popularity=")
-        orders = [popularity.order(k) for k in keyed]
-    else:
-        orders = [list(dict.fromkeys(k)) for k in keyed]
-    return [plan(i, order) for i, order in enumerate(orders) if order or lead]
-
-
-def fit_pages(hits: Sequence[Sequence[Hit]], *, room: int, layout: Layout) -> tuple[list[list[Hit]], list[Hit]]:
-    """Each sub-question's hits cut to the ``room`` best-scored distinct pages one prompt has left beside the
-    question's own images, and the hits cut. A per-page prompt shows one page: any room fits them all."""
-    if room < 0:
-        raise ValueError(f"{-room} more question images than a prompt holds (MMRAG_MAX_IMAGES_PER_PROMPT)")
-    if layout is Layout.PER_PAGE and room > 0:
-        return [list(hs) for hs in hits], []
-    shown: list[list[Hit]] = []
-    cut: list[Hit] = []
-    for hs in hits:
-        best = {h.image_key for h in sorted(_distinct_pages(hs), key=lambda h: -h.score)[:room]}
-        shown.append([h for h in hs if h.image_key in best])
-        cut += [h for h in hs if h.image_key not in best]
-    return shown, cut
-
-
-def _distinct_pages(hits: Sequence[Hit]) -> list[Hit]:
-    """Each image key once, at its first (best-scored) hit: the same page in two documents is one prompt."""
-    first: dict[ImageKey, Hit] = {}
-    for hit in hits:
-        first.setdefault(hit.image_key, hit)
-    return list(first.values())
-
-
-def build_plans(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
-                layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None) -> list[PromptPlan]:
-    """The plain plans of :func:`plan_prompts` (what the benchmark replays)."""
-    return [p.plan for p in plan_prompts(sub_questions, hits, max_tokens=max_tokens, layout=layout,
-                                         popularity=popularity)]
-
-
-def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
-    """Every retrieved page once, with its best score, best first."""
-    best: dict[tuple[str, int], Hit] = {}
-    for hit in (h for hs in hits for h in hs):
-        k = (hit.doc, hit.page)
-        if k not in best or hit.score > best[k].score:
-            best[k] = hit
-    ranked = sorted(best.values(), key=lambda h: (-h.score, h.doc, h.page))
-    return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
-
-
-def synthesis_plan(question: str, planned: Sequence[PlannedPrompt], answers: Sequence[str], max_tokens: int
-                   ) -> PromptPlan:
-    """One text prompt over the sub-answers, numbered by sub-question; a per-page answer names its page
-    (``Answer 1 from [doc.pdf, page 3]: ...``), the form the answers cite pages in."""
-    lines = [f"Question: {question}"]
-    for i, (_, group) in enumerate(groupby(zip(planned, answers), key=lambda row: row[0].sub_question), 1):
-        rows = list(group)
-        lines.append(f"Sub-question {i}: {rows[0][0].plan.text}")
-        lines += [f"Answer {i}{_source(p.page)}: {a.strip()}" for p, a in rows]
-    return PromptPlan(images=(), text="\n".join(lines), system_prompt_id="synthesize",
-                      sampling=SamplingSpec(max_tokens=max_tokens))
-
-
-def _source(page: Hit | None) -> str:
-    return f" from {_label(page)}" if page is not None else ""
-
-
-def _label(page: Hit | Citation) -> str:
-    """A page as answers cite it: ``[doc.pdf, page 3]``."""
-    return f"[{page.doc}, page {page.page}]"
+    max_images_per_prompt: int = 12  # the engine's limit: a question's own images and its pages together
+    answer_mode: AnswerMode = AnswerMode.AUTO
+    sub_answer_max_tokens: int = 64  # each sub-answer's, per sub-question: notes the synthesis reads
+    max_model_len: int = 4096  # the engine's context: one prompt and its answer must fit in it
+    one_prompt_pages: int = 4  # most pages one prompt shows, each sub-question's best first (0: every page)
+    # Benchmarks only: every answer plan decodes exactly its max_tokens. A random-weight model stops at an end of
+    # sequence wherever it happens to draw one, so answers of one length would differ by side and by mode.
+    fixed_length: bool = False
 
 
 class Pipeline:
     """``submit`` is where plans go (the scheduler's submit when serving; ``engine.generate`` by default);
     ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens.
 
-    With the global layout the pipeline holds the process's one :class:`PagePopularity` (the wiring builds
-    one pipeline per process) and observes every sub-question's retrieved pages before planning.
+    The pipeline holds the process's one :class:`PagePopularity` (the wiring builds one pipeline per process)
+    and observes every sub-question's retrieved pages before planning: one prompt orders its pages by it, and
+    so does the global layout.
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
     """
@@ -190,91 +77,144 @@ class Pipeline:
         self.submit = submit or engine.generate
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.tiers = tiers
-        self.popularity: PagePopularity | None = PagePopularity() if config.layout is Layout.GLOBAL else None
+        self.popularity: PagePopularity = PagePopularity()
 
     def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
-                   tier: str | None = None) -> AsyncIterator[dict]:
+                   tier: str | None = None, answer_mode: AnswerMode | str | None = None,
+                   max_tokens: int | None = None) -> AsyncIterator[dict]:
         """:meth:`ask`'s steps as events, then its answer (module docstring); closing the iterator early (its
         client left) cancels the question, its plans and their engine requests with it."""
-        return stream_events(lambda emit: self.ask(question, docs=docs, images=images, tier=tier, on_event=emit))
+        return stream_events(lambda emit: self.ask(question, docs=docs, images=images, tier=tier, on_event=emit,
+                                                   answer_mode=answer_mode, max_tokens=max_tokens))
 
     async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
-                  tier: str | None = None, on_event: Emit | None = None) -> Answer:
+                  tier: str | None = None, on_event: Emit | None = None, answer_mode: AnswerMode | str | None = None,
+                  max_tokens: int | None = None) -> Answer:
         """``images``: the question's own images, already in the feature store, their token counts recorded
         in ``token_counts``; retrieval still runs on the text alone. ``tier``: show the pages in that
         resolution tier (None: as indexed, the standard tier); the question's images stay as they are.
-        ``on_event`` is told each step as it happens, all but the final ``done`` (:meth:`ask_events`)."""
+        ``answer_mode``: this question's (None: the configured one). ``max_tokens``: the answer's length, at
+        most the configured one (None: that). ``on_event`` is told each step as it happens, all but the final
+        ``done`` (:meth:`ask_events`)."""
+        requested = AnswerMode(answer_mode) if answer_mode is not None else self.config.answer_mode
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        limit = min(max_tokens or self.config.max_tokens, self.config.max_tokens)
         if tier is not None:
             if self.tiers is None:
                 raise ValueError("this pipeline was built without resolution tiers: build it with tiers=")
             self.tiers.check(tier)  # before any work: an unknown tier fails at once
-        streamed = on_event is not None
-        on_event = on_event or (lambda event: None)
-        clock = _Stages()
+        run = _Run(question, on_event, _Stages())
         decomposition = await self.decomposer.decompose(question)
-        clock.lap("decompose_s")
+        run.clock.lap("decompose_s")
         subs = decomposition.sub_questions
-        on_event({"event": "sub_questions", "sub_questions": subs,
-                  "sub_question_source": decomposition.source})
+        run.emit({"event": "sub_questions", "sub_questions": subs, "sub_question_source": decomposition.source})
         retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
-        clock.lap("retrieve_s")
-        usage = Usage()
-
-        def on_text(delta: str) -> None:
-            on_event({"event": "token", "text": delta})
-
+        run.clock.lap("retrieve_s")
         if not any(retrieved) and not images:
-            on_event({"event": "citations", "citations": []})
-            on_text(NO_PAGES_ANSWER)
-            return clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], usage))
+            run.emit({"event": "citations", "citations": []})
+            run.text(NO_PAGES_ANSWER)
+            return run.clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], Usage()))
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
+        usage = Usage()
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None
         if tiered is not None:
             hits = tiered.hits
             usage.vision_encodes += tiered.vision_encodes
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
-        if self.popularity is not None:
-            for hs in hits:
-                self.popularity.observe(h.image_key for h in hs)
-        planned = plan_prompts(subs, hits, max_tokens=self.config.max_tokens, layout=self.config.layout,
-                               popularity=self.popularity, images=images)
+        for hs in hits:
+            self.popularity.observe(h.image_key for h in hs)
+        choice = choose_answer(requested, hits, popularity=self.popularity, layout=self.config.layout,
+                               images=images, max_pages=self.config.one_prompt_pages,
+                               misfit=lambda pages: self._misfit(question, subs, pages, hits, images, limit))
+        if choice.left_out:  # a forced one prompt that had no room for them: neither shown nor cited
+            dropped = {p.image_key for p in choice.left_out}
+            cut += [h for hs in hits for h in hs if h.image_key in dropped]
+            hits = [[h for h in hs if h.image_key not in dropped] for hs in hits]
         citations = cite(hits)
-        on_event({"event": "citations",
+        run.emit({"event": "citations", "answer_mode": choice.mode.value,
                   "citations": self._answer("", decomposition, citations, usage).to_json()["citations"]})
-        only = len(planned) == 1  # its answer is the answer: stream its tokens
+        if choice.mode is AnswerMode.ONE_PROMPT:
+            text = await self._one_prompt(run, subs, choice, hits, images, limit, usage)
+            extra = {}
+        else:
+            text, sub_answers = await self._per_sub_question(run, subs, hits, images, limit, usage)
+            extra = {"sub_answers": sub_answers}
+        answer = self._answer(text, decomposition, citations, usage)
+        answer.extra["answer_mode"] = choice.mode.value
+        if choice.why:
+            answer.extra["answer_mode_reason"] = choice.why
+        answer.extra.update(extra)
+        shown = {(c.doc, c.page) for c in citations}
+        if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
+            answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
+        if tiered is not None:
+            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
+        return run.clock.stamp(answer)
 
-        def submit(plan: PromptPlan, tokens: bool) -> Awaitable[Completion]:
-            # on_text only when streaming: a submit that never streams (a test's recorder) need not take it.
-            return self.submit(plan, on_text=on_text) if tokens and streamed else self.submit(plan)
+    def _misfit(self, question: str, subs: Sequence[str], pages: Sequence[Hit], hits: list[list[Hit]],
+                images: Sequence[ImageKey], max_tokens: int) -> str | None:
+        """Why one prompt over ``pages`` would not fit the engine (None when it does): too many images, or its
+        tokens with the answer's over the context. Text is counted as its UTF-8 bytes, which no byte-level
+        BPE token count exceeds."""
+        n = len(images) + len(pages)
+        if n > self.config.max_images_per_prompt:
+            return f"{n} images, over MMRAG_MAX_IMAGES_PER_PROMPT={self.config.max_images_per_prompt}"
+        image_tokens = sum(p.image_tokens for p in pages) + self.token_counts.of_plan(PromptPlan(tuple(images), ""))
+        text = len(one_prompt_text(question, subs, pages, len(images), hits).encode())
+        need = image_tokens + text + PROMPT_FRAME_TOKENS + max_tokens
+        if need > self.config.max_model_len:
+            return (f"{image_tokens} image tokens, up to {text + PROMPT_FRAME_TOKENS} of text and {max_tokens} of "
+                    f"answer: over MMRAG_MAX_MODEL_LEN={self.config.max_model_len}")
+        return None
+
+    async def _one_prompt(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
+                          images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> str:
+        plan = one_prompt_plan(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+        completion = await self._submit(plan, run)
+        usage.add(completion.usage)
+        run.clock.lap("answer_s")
+        return completion.text
+
+    async def _per_sub_question(self, run: _Run, subs: Sequence[str], hits: list[list[Hit]],
+                                images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
+        """Each sub-question's plans answered at once (each within the sub-answer length), then one synthesis
+        over their answers; a lone plan's answer is the answer, at the answer's length."""
+        planned = plan_prompts(subs, hits, max_tokens=min(self.config.sub_answer_max_tokens, max_tokens),
+                               layout=self.config.layout, popularity=self.popularity, images=images)
+        only = len(planned) == 1
+        if only:
+            planned = [dataclasses.replace(planned[0], plan=_with_max_tokens(planned[0].plan, max_tokens))]
 
         async def sub_answer(p: PlannedPrompt) -> dict:
-            c = await submit(p.plan, only)
+            c = await self._submit(p.plan, run if only else None)
             usage.add(c.usage)
             row = {"sub_question": p.plan.text, "answer": c.text,
-                   **({"page": _label(p.page)} if p.page is not None else {})}
-            on_event({"event": "sub_answer", **row})
+                   **({"page": page_label(p.page)} if p.page is not None else {})}
+            run.emit({"event": "sub_answer", **row})
             return row
 
         sub_answers = await _all(sub_answer(p) for p in planned)
-        clock.lap("sub_answers_s")
+        run.clock.lap("sub_answers_s")
         if only:
-            text = sub_answers[0]["answer"]
-        else:
-            final = await submit(synthesis_plan(question, planned, [a["answer"] for a in sub_answers],
-                                                self.config.max_tokens), True)
-            usage.add(final.usage)
-            text = final.text
-            clock.lap("synthesis_s")
-        answer = self._answer(text, decomposition, citations, usage)
-        answer.extra["sub_answers"] = sub_answers
-        shown = {(c.doc, c.page) for c in citations}
-        if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
-            answer.extra["pages_left_out"] = [_label(c) for c in left_out]
-        if tiered is not None:
-            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
-        return clock.stamp(answer)
+            return sub_answers[0]["answer"], sub_answers
+        final = await self._submit(synthesis_plan(run.question, planned, [a["answer"] for a in sub_answers],
+                                                  max_tokens), run)
+        usage.add(final.usage)
+        run.clock.lap("synthesis_s")
+        return final.text, sub_answers
+
+    def _submit(self, plan: PromptPlan, streamed_to: _Run | None) -> Awaitable[Completion]:
+        """The plan submitted; its text streamed as the answer's tokens when it is the answer and the question
+        is streamed (a submit that never streams, such as a test's recorder, need not take ``on_text``)."""
+        if self.config.fixed_length:
+            plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling,
+                                                                          min_tokens=plan.sampling.max_tokens))
+        if streamed_to is not None and streamed_to.streamed:
+            return self.submit(plan, on_text=streamed_to.text)
+        return self.submit(plan)
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:
         return Answer(
@@ -286,6 +226,26 @@ class Pipeline:
             random_weights=self.engine.random_weights,
             sub_question_source=decomposition.source,
         )
+
+
+def _with_max_tokens(plan: PromptPlan, max_tokens: int) -> PromptPlan:
+    return dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, max_tokens=max_tokens))
+
+
+class _Run:
+    """One question being answered: its text, who hears its events, and its stage clock."""
+
+    def __init__(self, question: str, on_event: Emit | None, clock: _Stages) -> None:
+        self.question = question
+        self.streamed = on_event is not None
+        self._on_event = on_event or (lambda event: None)
+        self.clock = clock
+
+    def emit(self, event: dict) -> None:
+        self._on_event(event)
+
+    def text(self, delta: str) -> None:
+        self._on_event({"event": "token", "text": delta})
 
 
 class _Stages:

@@ -81,7 +81,7 @@ ENGINE_ENV = dict(
     MMRAG_KV_CACHE_GIB="1",
     MMRAG_ENFORCE_EAGER="true",  # ~20 s start-up instead of 25-50 s of torch.compile
     MMRAG_ENGINE_DTYPE="float32",  # exactness is compared in fp32
-    MMRAG_MAX_MODEL_LEN="2048",
+    MMRAG_MAX_MODEL_LEN="4096",  # one prompt over a two-part question's six pages fits, with its answer
     MMRAG_OCR="false",
 )
 
@@ -201,6 +201,7 @@ async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_facto
     root = tmp_path_factory.mktemp("ingest-root")
     settings = engine_settings.model_copy(update={
         "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
+        "max_images_per_prompt": 6,  # the union of a two-part question fits; four question images leave room for 2
     })
     app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
     async with serving(app) as url:

@@ -55,33 +55,38 @@ def image_prefix_bound(services, key: ImageKey, tokens: int) -> int:
     return (start + n) // block * block - start
 
 
-async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_vision_forward(http, api_server):
+@pytest.mark.parametrize("mode", ["one_prompt", "per_sub_question"])
+async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_vision_forward(http, api_server,
+                                                                                              mode):
     services = api_server["app"].state.services
     await services.engine.reset_prefix_cache()
-    first = await http.post("/v1/ask", json={"question": TWO_PART, "images": [b64(new_figure())]})
+    first = await http.post("/v1/ask", json={"question": TWO_PART, "images": [b64(new_figure())], "answer_mode": mode})
     assert first.status_code == 200, first.text
     one = first.json()
-    assert one["usage"]["vision_encodes"] == 1 and one["conversation_id"]
+    assert one["usage"]["vision_encodes"] == 1 and one["conversation_id"] and one["answer_mode"] == mode
     (image,) = one["question_images"]
     key, tokens = ImageKey.parse(image["image_key"]), image["image_tokens"]
     assert tokens == 100  # 280 x 280 px: 20 x 20 patches of 14, merged 2 x 2
     bound = image_prefix_bound(services, key, tokens)
     assert bound >= 64
-    # Every prompt of the question starts with its image: the sub-questions' second prompt hits the first's KV.
-    plans = len(one["sub_answers"])
-    assert plans == 2 and one["usage"]["cached_image_tokens"] >= bound
+    if mode == "per_sub_question":
+        # Every prompt of the question starts with its image: the sub-questions' second prompt hits the first's KV.
+        assert len(one["sub_answers"]) == 2 and one["usage"]["cached_image_tokens"] >= bound
+    else:  # one prompt shows it once: computed once, nothing to look up
+        assert "sub_answers" not in one and one["usage"]["cached_image_tokens"] == 0
+    prompts = len(one.get("sub_answers", [None]))
 
     follow = await http.post("/v1/ask", json={"question": "What is the input of its third module?",
-                                              "conversation_id": one["conversation_id"]})
+                                              "conversation_id": one["conversation_id"], "answer_mode": mode})
     assert follow.status_code == 200, follow.text
     two = follow.json()
     assert two["usage"]["vision_encodes"] == 0
     assert two["conversation_id"] == one["conversation_id"] and two["question_images"] == one["question_images"]
-    assert two["usage"]["cached_image_tokens"] >= len(two["sub_answers"]) * bound
-    print(f"\nquestion image: {tokens} tokens, {bound} in full KV blocks after the system prompt; cold question: "
-          f"{one['usage']['cached_image_tokens']}/{one['usage']['image_tokens']} image tokens cached, "
-          f"{one['usage']['vision_encodes']} forward; follow-up: {two['usage']['cached_image_tokens']}/"
-          f"{two['usage']['image_tokens']} cached over {len(two['sub_answers'])} prompt(s), 0 forwards")
+    assert two["usage"]["cached_image_tokens"] >= len(two.get("sub_answers", [None])) * bound
+    print(f"\n{mode}: question image: {tokens} tokens, {bound} in full KV blocks after the system prompt; cold "
+          f"question: {one['usage']['cached_image_tokens']}/{one['usage']['image_tokens']} image tokens cached over "
+          f"{prompts} prompt(s), {one['usage']['vision_encodes']} forward; follow-up: "
+          f"{two['usage']['cached_image_tokens']}/{two['usage']['image_tokens']} cached, 0 forwards")
 
 
 async def test_the_same_image_uploaded_as_a_file_has_the_same_key_and_is_not_encoded_again(http):
@@ -97,12 +102,13 @@ async def test_the_same_image_uploaded_as_a_file_has_the_same_key_and_is_not_enc
 
 
 async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http, api_server):
+    limit = api_server["settings"].max_images_per_prompt
+    room = 2
+    images = [b64(new_figure((196 + 28 * i, 196))) for i in range(limit - room)]
     r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?",
-                                         "images": [b64(new_figure()), b64(new_figure((196, 196)))]})
+                                         "images": images})
     assert r.status_code == 200, r.text
     body = r.json()
-    limit = api_server["settings"].max_images_per_prompt
-    room = limit - 2
     assert len(body["citations"]) == room and body["pages_left_out"]  # top_k = 3 pages, room for 2
     cited = {f"[{c['doc']}, page {c['page']}]" for c in body["citations"]}
     assert not cited & set(body["pages_left_out"])

@@ -83,31 +83,36 @@ def test_a_resent_request_tells_only_the_text_beyond_what_the_failed_attempt_tol
 # --- POST /v1/ask with "stream": true ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("question, synthesis", [(TWO_PART, True), (ONE_PART, False)],
-                         ids=["synthesis", "one-plan"])
-async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_server, question, synthesis):
+@pytest.mark.parametrize("question, mode, synthesis", [
+    (TWO_PART, "one_prompt", False), (TWO_PART, "per_sub_question", True), (ONE_PART, "per_sub_question", False)],
+    ids=["one-prompt", "synthesis", "one-plan"])
+async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_server, question, mode, synthesis):
     async with httpx.AsyncClient(base_url=api_server["url"], timeout=300) as client:
-        events = await ask_streamed(client, {"question": question})
-        r = await client.post("/v1/ask", headers=AUTH, json={"question": question})
+        events = await ask_streamed(client, {"question": question, "answer_mode": mode})
+        r = await client.post("/v1/ask", headers=AUTH, json={"question": question, "answer_mode": mode})
     assert r.status_code == 200, r.text
     plain = r.json()
     names = [n for n, _ in events]
     assert names[:2] == ["sub_questions", "citations"] and names[-1] == "done", names
     assert names.count("done") == 1 and "error" not in names
     done = events[-1][1]["answer"]
+    assert events[1][1]["answer_mode"] == done["answer_mode"] == mode
     # The first token comes before the answer is complete (the answer streams; no time is asserted).
     assert "token" in names and names.index("token") < names.index("done")
     assert "".join(d["text"] for n, d in events if n == "token") == done["answer"]
     sub_answers = [{k: v for k, v in d.items() if k != "event"} for n, d in events if n == "sub_answer"]
-    assert sorted(map(json.dumps, sub_answers)) == sorted(map(json.dumps, done["sub_answers"]))
+    assert sorted(map(json.dumps, sub_answers)) == sorted(map(json.dumps, done.get("sub_answers", [])))
     assert (len(sub_answers) > 1) == synthesis, sub_answers
     if synthesis:  # its tokens stream once every sub-answer is in; one plan's stream as it is generated
         assert max(i for i, n in enumerate(names) if n == "sub_answer") < names.index("token")
+    if mode == "one_prompt":  # one prompt: its tokens are the answer's, with no sub-answer before them
+        assert not sub_answers and "sub_answers" not in done and "answer_s" in done["timings"]
     assert events[0][1]["sub_questions"] == done["sub_questions"]
     assert events[1][1]["citations"] == done["citations"]
     # The same answer as without streaming: greedy decoding, fp32.
-    for field in ("answer", "sub_questions", "sub_question_source", "citations", "sub_answers", "model"):
+    for field in ("answer", "sub_questions", "sub_question_source", "citations", "answer_mode", "model"):
         assert done[field] == plain[field], field
+    assert done.get("sub_answers") == plain.get("sub_answers")
     assert done.keys() == plain.keys()
 
 

@@ -18,7 +18,8 @@ from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_worklo
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {"no_cache", "vision_cache", "apc_naive", "vllm_llamaindex", "vllm_images_first", "mmrag", "mmrag_warm",
-           "mmrag_budget", "mmrag_global", "mmrag_per_page", "floor"}
+           "mmrag_budget", "mmrag_global", "mmrag_per_page", "floor", "mmrag_one_prompt", "floor_one_prompt"}
+ONE_PROMPT = {"mmrag_one_prompt", "floor_one_prompt"}
 PIXELS_HASHED = {"vllm_llamaindex", "vllm_images_first"}  # pixels without uuids: vLLM's content hash
 CONFIG_FIELDS = {
     "throughput_qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "image_hit_rate", "position_oracle_hit_rate",
@@ -37,12 +38,21 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
 
     data = json.loads(out.read_text())
     assert set(data["configs"]) == CONFIGS
+    wl = data["workload"]
     for name, c in data["configs"].items():
         assert CONFIG_FIELDS <= set(c), (name, CONFIG_FIELDS - set(c))
-        # One engine request per sub-question; per_page: one per (sub-question, distinct page).
-        expected = data["workload"]["page_uses" if name == "mmrag_per_page" else "sub_questions_total"]
+        # One engine request per sub-question; per_page: one per (sub-question, distinct page); one prompt: one
+        # per question. Every request decodes exactly the answer length.
+        expected = wl["questions" if name in ONE_PROMPT else "page_uses" if name == "mmrag_per_page"
+                      else "sub_questions_total"]
         assert c["throughput_qps"] > 0 and c["requests"] == expected, name
+        assert c["requests_per_question"] == round(expected / wl["questions"], 3), name
+        assert c["completion_tokens"] == expected * wl["max_tokens"] == c["answer_tokens"] * expected, name
     cfg = data["configs"]
+    # One prompt shows each of a question's pages once: its image tokens are its distinct pages', not its uses.
+    (per_page,) = data["model"]["image_tokens_per_page"]
+    for name in ONE_PROMPT:
+        assert cfg[name]["image_tokens"] == wl["question_page_uses"] * per_page < wl["page_uses"] * per_page
     # The vision encoder runs only where pixels are sent; no cache can serve the baselines.
     assert all(cfg[n]["vit_forwards_per_question"] > 0 for n in {"no_cache"} | PIXELS_HASHED)
     assert all(cfg[n]["vit_forwards_per_question"] == 0 for n in CONFIGS - {"no_cache"} - PIXELS_HASHED)
@@ -53,17 +63,24 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     assert all(cfg[n]["image_hit_rate"] > 0 and cfg[n]["prefix_bound_hit_rate"] > 0 for n in PIXELS_HASHED)
     # The floor prefilled every image prefix: it hits all that block granularity allows, its prefix bound, which
     # is at least the all-warm position oracle (that one stops at the block holding the last image's end).
-    floor = cfg["floor"]
-    assert floor["image_hit_rate"] == floor["prefix_bound_hit_rate"] >= floor["position_oracle_hit_rate"] > 0.5
-    assert floor["warm_up"]["prefixes_prefilled"] > 0
-    assert len(data["targets"]) == 8 and all("met" in t for t in data["targets"].values())
+    for floor in (cfg["floor"], cfg["floor_one_prompt"]):
+        assert floor["image_hit_rate"] == floor["prefix_bound_hit_rate"] >= floor["position_oracle_hit_rate"] > 0.5
+        assert floor["warm_up"]["prefixes_prefilled"] > 0
+    # 8 targets with a threshold, 3 reported for one prompt; no 128-token config in --quick, so no second column.
+    assert len(data["targets"]) == 11 and all("met" in t for t in data["targets"].values())
+    assert [n for n, t in data["targets"].items() if t["met"] is None] == [
+        "throughput mmrag_one_prompt / vllm_llamaindex", "throughput mmrag_one_prompt / vllm_images_first",
+        "TTFT p50 mmrag_one_prompt / floor_one_prompt"]
     # The exact layouts' costs next to the canonical one: per_page sends one prompt per page, so more requests.
     layouts = data["layouts"]
     assert layouts["best"] in {"mmrag_warm", "mmrag_global", "mmrag_per_page"}
     assert layouts["mmrag_per_page"]["requests"] > layouts["mmrag_warm"]["requests"] == cfg["mmrag_warm"]["requests"]
     assert cfg["mmrag_global"]["requests"] == cfg["mmrag_warm"]["requests"]
-    assert {f"{a} / {b}" for a in ("mmrag", "mmrag_warm") for b in ("vllm_llamaindex", "vllm_images_first", "floor")
-            } == set(data["comparisons"])
+    users_and_floor = ("vllm_llamaindex", "vllm_images_first", "floor")
+    assert {f"{a} / {b}" for a in ("mmrag", "mmrag_warm") for b in users_and_floor} | {
+        f"mmrag_one_prompt / {b}" for b in (*users_and_floor, "floor_one_prompt", "mmrag_warm")
+    } == set(data["comparisons"])
+    assert data["layouts"]["mmrag_one_prompt"]["requests"] < layouts["mmrag_warm"]["requests"]
     machine = data["machine"]
     assert machine["cpu_model"] != "unknown" and machine["dtype"] == data["model"]["dtype"]
     assert set(machine["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
@@ -72,7 +89,7 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     assert {"cold_prefill_share", "params_total_m", "dtype"} <= set(data["model"])
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
-    assert "| mmrag_warm |" in proc.stdout  # the table goes to stdout
+    assert "| mmrag_warm |" in proc.stdout and "| mmrag_one_prompt |" in proc.stdout  # the table goes to stdout
 
 
 def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_report_short_and_long_ttft(tmp_path):
@@ -137,6 +154,88 @@ def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_disti
         assert all(1 <= len(s.pages) <= 2 and len(set(s.pages)) == len(s.pages) for s in q.subs)
     uses = a.page_uses()
     assert uses[0] > uses[19]  # Zipf: the first page is the most popular
+
+
+def test_one_prompt_shows_a_questions_pages_once_most_asked_first_then_names_them_the_subs_and_the_question():
+    import pytest
+
+    from bench.corpus import BenchCorpus, BenchPage, CorpusSpec
+    from bench.runner import CONFIGS as SPECS
+    from bench.runner import Keys, question_plans
+    from bench.workload import Question, SubQuestion
+    from core.keys import ImageKey, ResolutionPolicy
+    from rag.order import PagePopularity
+
+    by_page = {i: ImageKey(f"{i + 1:064x}", "0" * 8, ResolutionPolicy(3136, 200704)) for i in range(3)}
+    keys = Keys(by_page, {k: 256 for k in by_page.values()})
+    pages = [BenchPage(i, f"page {i}", f"p{i}.png", f"{i + 1:064x}", (i,)) for i in range(3)]
+    corpus = BenchCorpus(Path("/no-images-needed"), CorpusSpec(pages=3), pages, [])
+    spec = {c.name: c for c in SPECS}
+    first = Question(0, (SubQuestion("Q0.1: a?", (2,)), SubQuestion("Q0.2: b?", (1,))), 0.0)
+    second = Question(1, (SubQuestion("Q1.1: c?", (0, 2)), SubQuestion("Q1.2: d?", (2, 1)),
+                          SubQuestion("Q1.3: e?", (1,))), 0.0)
+    popularity = PagePopularity()  # one per configuration run, as one per process
+    question_plans(first, spec["mmrag_one_prompt"], keys, corpus, 128, popularity)
+    (plan,) = question_plans(second, spec["mmrag_one_prompt"], keys, corpus, 128, popularity)
+
+    # 5 page uses, 3 pages, each once. Pages 1 and 2 have been asked 3 times each, page 0 once: it goes last,
+    # though it is the first sub-question's best hit.
+    assert plan.images == (by_page[1], by_page[2], by_page[0])
+    assert plan.text.splitlines() == [
+        "Images, in the order shown:",
+        "Image 1: [doc-1.pdf, page 2]", "Image 2: [doc-2.pdf, page 3]", "Image 3: [doc-0.pdf, page 1]",
+        "Answer each of these sub-questions from the images, citing pages by their labels:",
+        "1. Q1.1: c?", "2. Q1.2: d?", "3. Q1.3: e?",
+        "Question: Q1.1: c? Q1.2: d? Q1.3: e?"]
+    assert plan.sampling.max_tokens == plan.sampling.min_tokens == 128  # exactly the answer length
+    per_sub = question_plans(second, spec["mmrag_warm"], keys, corpus, 128)
+    assert [len(p.images) for p in per_sub] == [2, 2, 1]
+    with pytest.raises(ValueError, match="PagePopularity"):
+        question_plans(second, spec["floor_one_prompt"], keys, corpus, 128)
+
+
+def test_the_report_states_each_ratio_and_target_at_both_answer_lengths():
+    from collections import defaultdict
+    from dataclasses import replace
+
+    from bench.report import comparisons, long_answer, markdown_tables, targets
+    from bench.runner import BASE_CONFIGS, CONFIGS as SPECS, LONG_ANSWER_CONFIGS, long_answer_name
+
+    # The 128-token configurations: the named ones, otherwise the same, full run only, on the first questions.
+    base = {c.name: c for c in BASE_CONFIGS}
+    long = [c for c in SPECS if c.max_tokens == 128]
+    assert [c.name for c in long] == [long_answer_name(n) for n in base if n in LONG_ANSWER_CONFIGS]
+    for c in long:
+        name = c.name.removesuffix("@128")
+        assert c.full_only and c.questions
+        assert replace(c, name=name, max_tokens=None, questions=None, full_only=False) == base[name]
+
+    def summary(qps: float, ttft: float, tokens: int, questions: int) -> dict:
+        return defaultdict(float, throughput_qps=qps, ttft_p50_s=ttft, answer_tokens=tokens, questions=questions)
+
+    short = {"mmrag": 2.0, "mmrag_warm": 3.0, "mmrag_one_prompt": 4.0, "vllm_llamaindex": 1.0,
+             "vllm_images_first": 1.0, "floor": 5.0, "floor_one_prompt": 8.0}
+    configs = {n: summary(q, 1 / q, 4, 80) for n, q in short.items()}
+    configs |= {long_answer_name(n): summary(q / 10, 2 / q, 128, 40) for n, q in short.items() if n != "mmrag"}
+    configs["mmrag_warm@128"]["throughput_qps"] = 0.15  # half its short ratio to vllm_llamaindex
+    data = {"configs": configs, "comparisons": comparisons(configs), "targets": targets(configs),
+            "long_answer": long_answer(configs), "workload": {"max_tokens": 4},
+            "machine": {"cpu_model": "cpu", "cpu_family_model_stepping": "6/1/1", "cpus": 2, "cpu_flags": {},
+                        "dtype": "bfloat16"}}
+    assert data["comparisons"]["mmrag_warm / vllm_llamaindex"]["throughput"] == 3.0
+    assert data["comparisons"]["mmrag_warm@128 / vllm_llamaindex@128"]["throughput"] == 1.5
+    assert "mmrag@128 / floor@128" not in data["comparisons"]
+    t = data["targets"]
+    assert t["throughput mmrag_warm / vllm_llamaindex @128"] == {
+        "measured": 1.5, "target": ">= 5.0", "met": False, "config": "mmrag_warm@128", "answer_tokens": 128}
+    assert t["TTFT p50 mmrag_one_prompt / floor_one_prompt @128"]["met"] is None  # reported, no threshold
+    assert "hit rate best exact layout / position oracle @128" not in t  # not all exact layouts ran at 128
+    assert data["long_answer"]["questions"] == 40
+    table = markdown_tables(data)
+    assert "| mmrag_warm / vllm_llamaindex | 3.00 | 1.50 | 0.33 | 0.33 |" in table
+    assert "| mmrag / floor | 0.40 | – | 2.50 | – |" in table
+    assert "128 tokens: the workload's first 40 questions." in table
+    assert "| throughput mmrag_one_prompt / vllm_llamaindex @128 | 4.000 | report | – |" in table
 
 
 def _prompt(keys: tuple[str, ...], text: tuple[int, ...]) -> PromptImages:

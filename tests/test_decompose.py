@@ -27,6 +27,7 @@ from rag.decompose import (
     sub_question_schema,
     validate_sub_questions,
 )
+from core.engine import EngineWrapper
 from serving.engine.prompt import SYSTEM_PROMPTS
 
 RULE_CASES = [
@@ -157,7 +158,8 @@ async def test_the_length_limit_is_a_setting():
 
 @pytest.mark.engine
 async def test_guided_decoding_makes_the_random_model_reply_schema_valid_json(inprocess_engine):
-    model = ModelDecomposer(inprocess_engine, max_n=4, max_len=200)
+    # Room for the longest reply the schema allows (a random model writes long strings); the default bound cuts it.
+    model = ModelDecomposer(inprocess_engine, max_n=4, max_len=200, max_tokens=4 * (2 * 200 + 8) + 32)
     completion = await model.propose(QUESTION)
     # The random weights chose every token, the grammar the shape. strict=False: xgrammar lets raw control
     # characters into length-bounded strings (see validate_sub_questions); JSON parsers disagree on those.
@@ -172,7 +174,41 @@ async def test_the_random_models_ungrounded_reply_falls_back_to_the_rules(inproc
     assert inprocess_engine.random_weights
     decomposition = await Decomposer(inprocess_engine).decompose(QUESTION)
     assert decomposition.source == "rules"
-    assert decomposition.rejected_reason.startswith("ungrounded: sub-question ")
+    # Its sub-questions share no word with the question, or run past the bound (MMRAG_DECOMPOSE_MAX_TOKENS).
+    assert decomposition.rejected_reason.startswith(("ungrounded: sub-question ", "truncated: the reply stopped"))
+    assert decomposition.sub_questions == RuleDecomposer().split(QUESTION)
+
+
+class CountingEngine(EngineWrapper):
+    """The session engine, counting the requests it is sent."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.completions = []
+
+    async def generate(self, plan, **kwargs):
+        completion = await self.inner.generate(plan, **kwargs)
+        self.completions.append(completion)
+        return completion
+
+
+@pytest.mark.engine
+async def test_a_question_the_rules_find_single_part_costs_no_model_request(inprocess_engine):
+    engine = CountingEngine(inprocess_engine)
+    single = await Decomposer(engine).decompose("What does the architecture diagram show?")
+    assert (single.sub_questions, single.source, engine.completions) == (["What does the architecture diagram show?"],
+                                                                          "rules", [])
+    await Decomposer(engine).decompose(QUESTION)  # compound: the model is asked, once
+    assert len(engine.completions) == 1 and engine.completions[0].usage.completion_tokens <= 160
+
+
+@pytest.mark.engine
+async def test_the_fixed_length_stand_in_decodes_exactly_its_tokens_then_the_rules_split(inprocess_engine):
+    engine = CountingEngine(inprocess_engine)
+    decomposition = await Decomposer(engine, fixed_tokens=24).decompose(QUESTION)
+    (completion,) = engine.completions
+    assert completion.usage.completion_tokens == 24 and completion.finish_reason == "length"
+    assert decomposition.source == "rules" and decomposition.rejected_reason.startswith("truncated")
     assert decomposition.sub_questions == RuleDecomposer().split(QUESTION)
 
 
@@ -180,7 +216,7 @@ def test_the_model_is_asked_greedily_without_images_under_the_sub_question_schem
     plan = ModelDecomposer(engine=None, max_n=4, max_len=200).plan(QUESTION)  # type: ignore[arg-type]
     assert (plan.images, plan.text, plan.system_prompt_id) == ((), QUESTION, "decompose")
     assert "decompose" in SYSTEM_PROMPTS
-    assert plan.sampling.temperature == 0.0
+    assert plan.sampling.temperature == 0.0 and plan.sampling.max_tokens == 160  # bounded: MMRAG_DECOMPOSE_MAX_TOKENS
     assert json.loads(plan.sampling.json_schema) == {
         "type": "object",
         "properties": {"sub_questions": {

@@ -114,11 +114,13 @@ async def test_a_client_that_closes_the_stream_stops_its_engine_work(long_answer
 
 
 async def test_max_tokens_bounds_every_completion_of_the_answer(client, http):
-    full = (await http.post("/v1/ask", json={"question": RETRY})).json()
-    completions = len(full["sub_answers"]) + (len(full["sub_answers"]) > 1)  # a synthesis over several
-    short = await client.chat.completions.create(model="mmrag", max_tokens=1, temperature=0.7,
-                                                 messages=[{"role": "user", "content": RETRY}])
-    assert short.usage.completion_tokens <= completions < full["usage"]["completion_tokens"]
+    for mode in ("one_prompt", "per_sub_question"):  # the mode from the request, as the openai client sends it
+        full = (await http.post("/v1/ask", json={"question": RETRY, "answer_mode": mode})).json()
+        completions = len(full.get("sub_answers", [None])) + (len(full.get("sub_answers", ())) > 1)
+        short = await client.chat.completions.create(model="mmrag", max_tokens=1, temperature=0.7,
+                                                     messages=[{"role": "user", "content": RETRY}],
+                                                     extra_body={"answer_mode": mode})
+        assert short.usage.completion_tokens <= completions < full["usage"]["completion_tokens"], mode
 
 
 async def test_an_image_resent_in_a_later_turn_is_not_encoded_again_and_its_kv_is_reused(client, api_server):

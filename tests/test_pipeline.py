@@ -12,7 +12,8 @@ from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.pipeline import build_plans, cite, fit_pages, plan_prompts, synthesis_plan
+from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, one_prompt_plan, one_prompt_text,
+                       plan_prompts, synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
@@ -26,27 +27,83 @@ async def pipeline(engine_settings, ingested, inprocess_engine):
     await p.searcher.client.close()
 
 
-async def test_a_two_part_question_gets_sub_questions_pages_and_citations(pipeline):
-    answer = await pipeline.ask("What is the retry limit and the timeout of the ingest service?")
+async def test_a_two_part_question_is_answered_in_one_prompt_over_its_sub_questions_pages(pipeline_with):
+    p = pipeline_with("canonical")
+    answer = await p.ask(TWO_PART)
     out = answer.to_json()
     assert out["sub_question_source"] == "rules"  # the random model's JSON is never grounded
-    assert len(out["sub_questions"]) == 2
+    assert len(out["sub_questions"]) == 2 and out["answer_mode"] == "one_prompt" and "sub_answers" not in out
     assert out["citations"] and all({"page_id", "doc", "page", "score"} == c.keys() for c in out["citations"])
     scores = [c["score"] for c in out["citations"]]
     assert scores == sorted(scores, reverse=True)
-    assert len(out["sub_answers"]) == 2
-    assert out["usage"]["image_tokens"] > 0 and out["model"]["random_weights"] is True
+    (plan,) = p.submitted  # one request: no sub-answers, no synthesis
+    # Every cited page is shown once, labelled as the answer cites it; both sub-questions are listed.
+    keys = {ImageKey.parse(k) for k in {c.image_key for c in answer.citations}}
+    assert set(plan.images) == keys and len(plan.images) == len(keys)
+    assert all(f"[{c['doc']}, page {c['page']}]" in plan.text for c in out["citations"])
+    assert all(f"{i}. {q}" in plan.text for i, q in enumerate(answer.sub_questions, 1))
+    assert plan.text.endswith(f"Question: {TWO_PART}") and plan.system_prompt_id == "default"
+    assert out["usage"]["image_tokens"] == 247 * len(keys) and out["model"]["random_weights"] is True
+    assert 0 < out["usage"]["completion_tokens"] <= 8
     # Where the time went, every stage that ran, in order.
     timings = out["timings"]
-    assert list(timings) == ["decompose_s", "retrieve_s", "sub_answers_s", "synthesis_s"]
-    assert all(v >= 0 for v in timings.values()) and timings["sub_answers_s"] > 0 and timings["synthesis_s"] > 0
+    assert list(timings) == ["decompose_s", "retrieve_s", "answer_s"]
+    assert all(v >= 0 for v in timings.values()) and timings["answer_s"] > 0
 
 
-async def test_sub_questions_sharing_a_page_share_its_prefix(pipeline):
+async def test_per_sub_question_answers_each_within_its_own_length_then_synthesises(pipeline_with):
+    p = pipeline_with("canonical", sub_answer_max_tokens=3)
+    answer = await p.ask(TWO_PART, answer_mode="per_sub_question")
+    out = answer.to_json()
+    assert out["answer_mode"] == "per_sub_question" and len(out["sub_answers"]) == 2
+    *plans, synthesis = p.submitted
+    assert [x.sampling.max_tokens for x in plans] == [3, 3] and synthesis.sampling.max_tokens == 8
+    assert synthesis.system_prompt_id == "synthesize"
+    assert list(out["timings"]) == ["decompose_s", "retrieve_s", "sub_answers_s", "synthesis_s"]
+    assert out["timings"]["sub_answers_s"] > 0 and out["timings"]["synthesis_s"] > 0
+    # A question may ask for a shorter answer, never a longer one; sub-answers stay within both.
+    await p.ask(TWO_PART, answer_mode="per_sub_question", max_tokens=2)
+    assert [x.sampling.max_tokens for x in p.submitted[3:]] == [2, 2, 2]
+    await p.ask(TWO_PART, max_tokens=100)
+    assert p.submitted[-1].sampling.max_tokens == 8
+
+
+async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with):
+    # fp32, greedy: the answer from the prefix cache is the answer computed cold, token for token.
+    p = pipeline_with("canonical")
+    await p.engine.reset_prefix_cache()
+    cold = await p.ask(TWO_PART)
+    warm = await p.ask(TWO_PART)
+    assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64
+    assert warm.answer == cold.answer and warm.usage.completion_tokens == cold.usage.completion_tokens
+
+
+async def test_auto_answers_per_sub_question_when_the_pages_do_not_fit_one_prompt_and_says_why(pipeline_with):
+    p = pipeline_with("canonical", max_images_per_prompt=2, top_k=2)
+    answer = (await p.ask(TWO_PART)).to_json()
+    assert answer["answer_mode"] == "per_sub_question" and len(answer["sub_answers"]) == 2
+    assert "over MMRAG_MAX_IMAGES_PER_PROMPT=2" in answer["answer_mode_reason"]
+    # Forced, one prompt drops the lowest-ranked pages it has no room for, and says which.
+    forced = await p.ask(TWO_PART, answer_mode="one_prompt")
+    assert len(p.submitted[-1].images) == 2 and forced.extra["answer_mode"] == "one_prompt"
+    assert forced.extra["pages_left_out"] and len(forced.citations) == 2
+    # A page budget: one prompt over the best two, the others left out, never cited.
+    budget = pipeline_with("canonical", one_prompt_pages=2)
+    two = await budget.ask(TWO_PART)
+    assert two.extra["answer_mode"] == "one_prompt" and len(budget.submitted[-1].images) == 2
+    assert {ImageKey.parse(c.image_key) for c in two.citations} == set(budget.submitted[-1].images)
+    assert two.extra["pages_left_out"]
+    # A context too small for every page with the answer: the same fallback.
+    q = pipeline_with("canonical", max_model_len=900)
+    assert "over MMRAG_MAX_MODEL_LEN=900" in (await q.ask(TWO_PART)).extra["answer_mode_reason"]
+
+
+async def test_sub_questions_sharing_a_page_share_its_prefix(pipeline_with):
     # Both sub-questions retrieve the design review's first page (and the architecture page): canonical order
     # puts the shared pages first in both plans, and the scheduler sends the second after the first's prefill.
-    await pipeline.engine.reset_prefix_cache()
-    answer = await pipeline.ask("What is the retry limit and the timeout of the ingest service?")
+    p = pipeline_with("canonical")
+    await p.engine.reset_prefix_cache()
+    answer = await p.ask(TWO_PART, answer_mode="per_sub_question")
     assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
 
 
@@ -180,18 +237,18 @@ async def test_every_layout_but_naive_renders_the_images_before_the_text(pipelin
 
 @pytest.fixture
 async def pipeline_with(engine_settings, pipeline):
-    """A pipeline wired for a layout (MMRAG_LAYOUT) on the session engine and index, recording every plan it
-    submits (to the real scheduler)."""
+    """A pipeline wired for a layout (MMRAG_LAYOUT) and other settings on the session engine and index,
+    recording every plan it submits (to the real scheduler)."""
 
-    def build(layout: str):
-        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, "layout": layout})
+    def build(layout: str, **settings):
+        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, "layout": layout, **settings})
         p, _ = wiring.pipeline(settings, pipeline.engine, client=pipeline.searcher.client)
         p.submitted = []
         scheduled = p.submit
 
-        async def submit(plan: PromptPlan):
+        async def submit(plan: PromptPlan, **kwargs):
             p.submitted.append(plan)
-            return await scheduled(plan)
+            return await scheduled(plan, **kwargs)
 
         p.submit = submit
         return p
@@ -200,7 +257,7 @@ async def pipeline_with(engine_settings, pipeline):
 
 
 async def test_the_global_layout_answers_with_pages_in_the_popularity_order(pipeline_with):
-    p = pipeline_with("global")
+    p = pipeline_with("global", answer_mode="per_sub_question")
     await p.engine.reset_prefix_cache()
     answer = await p.ask(TWO_PART)
     *plans, synthesis = p.submitted
@@ -229,3 +286,57 @@ async def test_the_per_page_layout_answers_from_one_prompt_per_page_and_one_synt
     assert all(f"from [{c.doc}, page {c.page}]" in synthesis.text for c in answer.citations)
     # A page both sub-questions retrieved leads two prompts: the second reuses the first one's KV.
     assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
+
+
+# --- one prompt: which pages, in which order, and when it does not fit ----------------------------------------
+
+
+def test_the_union_keeps_each_sub_questions_best_pages_first_and_each_page_once():
+    a1, a2, a3 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("a.pdf", 3, 0.7)
+    b1, b2 = page_hit("b.pdf", 1, 0.95), page_hit("b.pdf", 2, 0.6)
+    image = page_hit("question.png", 1).image_key
+    assert union_pages([[a1, a2, a3], [b1, a1, b2]]) == [a1, b1, a2, a3, b2]
+    assert union_pages([[a1, a2], [b1]], besides=(a1.image_key, image)) == [b1, a2]  # shown as the question's
+
+
+def test_auto_picks_one_prompt_when_it_fits_in_the_popularity_order_else_per_sub_question():
+    a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.95)
+    pop = PagePopularity()
+    for _ in range(3):
+        pop.observe([a2.image_key])
+    hits = [[a1, a2], [b1, a1]]
+    fits = lambda pages: None  # noqa: E731
+    choice = choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=pop)
+    assert choice.mode is AnswerMode.ONE_PROMPT and choice.pages[0] == a2 and set(choice.pages) == {a1, a2, b1}
+    assert [p.image_key for p in choice.pages] == pop.order([a1.image_key, a2.image_key, b1.image_key])
+    two = lambda pages: None if len(pages) <= 2 else f"{len(pages)} images"  # noqa: E731
+    fallback = choose_answer(AnswerMode.AUTO, hits, misfit=two, popularity=pop)
+    assert (fallback.mode, fallback.why, fallback.pages) == (AnswerMode.PER_SUB_QUESTION, "3 images", ())
+    forced = choose_answer(AnswerMode.ONE_PROMPT, hits, misfit=two, popularity=pop)
+    assert set(forced.pages) == {a1, b1} and forced.left_out == (a2,)  # each sub-question's best page kept
+    assert choose_answer(AnswerMode.PER_SUB_QUESTION, hits, misfit=fits, popularity=pop).mode is \
+        AnswerMode.PER_SUB_QUESTION
+    per_page = choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=pop, layout=Layout.PER_PAGE)
+    assert per_page.mode is AnswerMode.PER_SUB_QUESTION and "per_page" in per_page.why
+
+
+def test_the_one_prompt_labels_every_image_then_lists_the_sub_questions_and_asks_last():
+    a1, b3 = page_hit("a.pdf", 1), page_hit("b.pdf", 3)
+    image = page_hit("question.png", 1).image_key
+    plan = one_prompt_plan("Q?", ["q1", "q2"], [b3, a1], max_tokens=9, images=(image,))
+    assert plan.images == (image, b3.image_key, a1.image_key) and plan.sampling.max_tokens == 9
+    assert plan.text == ("Images, in the order shown:\nImage 1: sent with the question\nImage 2: [b.pdf, page 3]\n"
+                         "Image 3: [a.pdf, page 1]\nAnswer each of these sub-questions from the images, citing "
+                         "pages by their labels:\n1. q1\n2. q2\nQuestion: Q?")
+    assert one_prompt_text("Q?", ["Q?"], [a1], 0) == "Images, in the order shown:\nImage 1: [a.pdf, page 1]\nQuestion: Q?"
+
+
+def test_one_prompts_page_budget_keeps_each_sub_questions_best_pages_and_leaves_the_rest_out():
+    a1, a2, a3 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("a.pdf", 3, 0.7)
+    b1, b2 = page_hit("b.pdf", 1, 0.95), page_hit("b.pdf", 2, 0.6)
+    hits, fits = [[a1, a2, a3], [b1, b2]], lambda pages: None  # noqa: E731
+    for mode in (AnswerMode.AUTO, AnswerMode.ONE_PROMPT):
+        choice = choose_answer(mode, hits, misfit=fits, popularity=PagePopularity(), max_pages=3)
+        assert choice.mode is AnswerMode.ONE_PROMPT and set(choice.pages) == {a1, b1, a2}
+        assert choice.left_out == (b2, a3)  # not shown, so not cited (the pipeline lists them in pages_left_out)
+    assert len(choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=PagePopularity()).pages) == 5

@@ -259,8 +259,9 @@ async def test_tenants_never_share_kv_prefixes_on_a_vllm_serve_replica(engine_se
         await engine.close()
 
 
-async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch):
-    """What reaches the engine from a tenant's question: every plan with the tenant's salt."""
+@pytest.mark.parametrize("mode", ["one_prompt", "per_sub_question"])
+async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch, mode):
+    """What reaches the engine from a tenant's question, in either answer mode: every plan with its salt."""
     services = tenant_server["app"].state.services
     seen: list[PromptPlan] = []
     generate = services.engine.generate
@@ -273,8 +274,9 @@ async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch)
     for tenant in TENANTS:
         assert services.tenants[tenant].pipeline.searcher.collection == f"mmrag_pages--{tenant}"
         seen.clear()
-        r = await tenant_server["http"][tenant].post("/v1/ask", json={"question": "What does the figure show?"})
-        assert r.status_code == 200, r.text
+        r = await tenant_server["http"][tenant].post("/v1/ask", json={
+            "question": "What does the figure show and what is the trend?", "answer_mode": mode})
+        assert r.status_code == 200 and r.json()["answer_mode"] == mode, r.text
         assert seen and {p.cache_salt for p in seen} == {f"tenant-{tenant}"}
 
 

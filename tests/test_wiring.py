@@ -45,6 +45,8 @@ def test_the_decomposer_and_searcher_defaults_are_the_settings_defaults(defaults
     decomposer = inspect.signature(Decomposer).parameters
     assert decomposer["max_n"].default == defaults.max_sub_questions
     assert decomposer["max_question_chars"].default == defaults.max_question_chars
+    assert decomposer["max_tokens"].default == defaults.decompose_max_tokens
+    assert decomposer["fixed_tokens"].default == defaults.decompose_fixed_tokens
     assert inspect.signature(check_question).parameters["limit"].default == defaults.max_question_chars
     assert inspect.signature(PageSearcher).parameters["top_k"].default == defaults.top_k
 
@@ -158,3 +160,15 @@ def test_the_decomposer_asks_the_model_unless_its_weights_are_random(defaults, s
     engine = SimpleNamespace(random_weights=random_weights)  # the one attribute the choice reads
     decomposer = wiring.decomposer(defaults.model_copy(update={"decomposer": setting}), engine)
     assert (decomposer.model is not None) is asks_model
+
+
+def test_the_answer_modes_are_one_list_in_settings_the_api_and_the_cli():
+    from typing import get_args
+
+    from mmrag.cli import ANSWER_MODES
+    from rag.plans import AnswerMode
+    from serving.api.schemas import AnswerModeName
+
+    names = tuple(m.value for m in AnswerMode)
+    assert get_args(Settings.model_fields["answer_mode"].annotation) == names == ANSWER_MODES
+    assert get_args(AnswerModeName) == names

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from core.keys import UnknownTierError
 from core.settings import Settings
 from serving.api.errors import ApiError, error_body
 
@@ -20,6 +21,18 @@ CHAT_ROUTE = "/v1/chat/completions"
 # The document upload route (serving/api/routers/documents.py): its body may be a whole file, which the route
 # itself bounds by MMRAG_MAX_UPLOAD_BYTES as it streams the file to disk.
 UPLOAD_ROUTES = ("/v1/documents",)
+
+
+def check_tier(tier: str | None, settings: Settings) -> None:
+    """An unknown resolution tier (a question's, an upload's, an ingest's) is refused before any work, naming
+    the configured ones."""
+    if tier is None:
+        return
+    try:
+        settings.tier_table.policy(tier)
+    except UnknownTierError as exc:
+        raise ApiError(400, "unknown_tier", str(exc), "ask for one of the configured tiers, or leave `tier` out "
+                       "for the standard one") from exc
 
 
 def base64_length(nbytes: int) -> int:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.api.schemas import TIER_DESCRIPTION, Citation
+from serving.api.schemas import ANSWER_MODE_DESCRIPTION, MAX_TOKENS_DESCRIPTION, TIER_DESCRIPTION, AnswerModeName, Citation
 
 MODEL_ID = "mmrag"
 
@@ -64,13 +64,13 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = Field(default=False, strict=True, description="Answer as server-sent "
                          "`chat.completion.chunk` events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(default=None, description="Options of a streamed answer.")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens each completion of the answer "
-                                   "generates; at most MMRAG_ANSWER_MAX_TOKENS, which is the default.")
+    max_tokens: int | None = Field(default=None, ge=1, description=MAX_TOKENS_DESCRIPTION)
     temperature: float | None = Field(default=None, ge=0, le=2, description="Accepted and ignored: answers "
                                       "are greedy (temperature 0), so that an answer over documents does not "
                                       "vary run to run.")
-    # Not OpenAI's: the openai client sends it as `extra_body={"tier": "low"}`.
+    # Not OpenAI's: the openai client sends them as `extra_body={"tier": "low", "answer_mode": "one_prompt"}`.
     tier: str | None = Field(default=None, description="mmrag's own: " + TIER_DESCRIPTION)
+    answer_mode: AnswerModeName | None = Field(default=None, description="mmrag's own: " + ANSWER_MODE_DESCRIPTION)
 
 
 # --- responses -------------------------------------------------------------------------------------------

@@ -82,13 +82,24 @@ class QuestionImageData(BaseModel):
 
 STREAM_DESCRIPTION = (
     "Answer with server-sent events (`text/event-stream`) instead of one JSON body: the sub-questions, the "
-    "citations, each sub-answer as it finishes, the answer's tokens as they are generated, then `done` with the "
+    "citations, each sub-answer as it finishes (per sub-question), the answer's tokens as they are generated, then `done` with the "
     "whole answer (the non-streamed body). Errors found before the stream starts are the usual JSON error.")
 TIER_DESCRIPTION = (
     "Resolution tier to show the pages in (MMRAG_TIERS, e.g. `low`: 2x2-pooled, a quarter of the image tokens; "
     "`high`: more pixels). A page not stored in it is encoded on demand from its source (counted in "
     "`usage.vision_encodes`), or when its source is gone served in the nearest stored tier (`tier.fell_back`). "
     "Absent: `standard`, as ingested. The question's own images stay in `standard`.")
+
+
+AnswerModeName = Literal["auto", "one_prompt", "per_sub_question"]
+ANSWER_MODE_DESCRIPTION = (
+    "How the retrieved pages become the answer: `one_prompt` (one prompt over the union of the sub-questions' "
+    "pages, each page once, one decode), `per_sub_question` (a prompt per sub-question, each sub-answer "
+    "within MMRAG_SUB_ANSWER_MAX_TOKENS, then a synthesis), or `auto` (one prompt when the union fits "
+    "MMRAG_MAX_IMAGES_PER_PROMPT images and MMRAG_MAX_MODEL_LEN tokens, else per sub-question). Absent: "
+    "MMRAG_ANSWER_MODE. The answer's `answer_mode` says which one served.")
+MAX_TOKENS_DESCRIPTION = ("Most tokens the answer generates; at most MMRAG_ANSWER_MAX_TOKENS, which is the default "
+                          "(a larger value is served at that).")
 
 
 class AskRequest(BaseModel):
@@ -101,6 +112,8 @@ class AskRequest(BaseModel):
     conversation_id: str | None = Field(default=None, pattern=CONVERSATION_ID, description=CONVERSATION_ID_DESCRIPTION)
     stream: bool = Field(default=False, description=STREAM_DESCRIPTION)
     tier: str | None = Field(default=None, max_length=64, description=TIER_DESCRIPTION)
+    answer_mode: AnswerModeName | None = Field(default=None, description=ANSWER_MODE_DESCRIPTION)
+    max_tokens: int | None = Field(default=None, ge=1, description=MAX_TOKENS_DESCRIPTION)
 
 
 class Citation(_Response):
@@ -138,10 +151,12 @@ class SubAnswer(_Response):
 
 class Timings(_Response):
     """Where the answer's time went, in seconds of wall time, stage by stage (a stage that did not run is
-    absent: no pages found, or one sub-answer and so no synthesis)."""
+    absent: no pages found; one prompt, so no sub-answers; or one sub-answer and so no synthesis)."""
 
     decompose_s: float = Field(description="Splitting the question (a model request, or the rules).")
     retrieve_s: float = Field(description="The batched Qdrant search of every sub-question.")
+    answer_s: float | None = Field(default=None, description="`one_prompt`: the one prompt over every page, "
+                                   "scheduler queueing, prefill and decode included.")
     sub_answers_s: float | None = Field(default=None, description="Every sub-question's (or page's) prompt, "
                                         "scheduler queueing, prefill and decode included, all at once.")
     synthesis_s: float | None = Field(default=None, description="The final prompt over the sub-answers.")
@@ -167,8 +182,14 @@ class AskResponse(_Response):
     citations: list[Citation] = Field(description="Every retrieved page once, best score first.")
     usage: Usage = Field(description="Token and cache accounting over every completion of this answer.")
     model: ModelInfo = Field(description="The model that answered.")
+    answer_mode: Literal["one_prompt", "per_sub_question"] | None = Field(
+        default=None, description="The answer mode that served (see the request's `answer_mode`); absent when no "
+        "page was found.")
+    answer_mode_reason: str | None = Field(
+        default=None, description="`auto` that answered per sub-question: why one prompt did not fit.")
     sub_answers: list[SubAnswer] | None = Field(
-        default=None, description="Each sub-question's own answer; absent when no page was found."
+        default=None, description="`per_sub_question`: each sub-question's own answer; absent in one prompt and "
+        "when no page was found."
     )
     timings: Timings | None = Field(default=None, description="Seconds per stage of this answer.")
     conversation_id: str | None = Field(default=None, description="The conversation holding this question's images: "
@@ -180,7 +201,8 @@ class AskResponse(_Response):
         default=None, description="The question's images, as shown first in its prompts; absent when it had none.")
     pages_left_out: list[str] | None = Field(
         default=None, description="Retrieved pages no prompt showed, as `[document, page N]`, best first: the "
-        "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images). Not cited.")
+        "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images), or a forced "
+        "`one_prompt` had no room for them. Not cited.")
 
 
 # --- documents and pages ---------------------------------------------------------------------------------
@@ -276,13 +298,15 @@ class AskEvent(_Response):
     JSON>`. Which fields an event carries depends on its `event`."""
 
     event: Literal["sub_questions", "citations", "sub_answer", "token", "done", "error"] = Field(
-        description="`sub_questions` (after decomposition), `citations` (after retrieval), `sub_answer` (one per "
-        "prompt, as each finishes), `token` (a piece of the final answer, as generated; the pieces concatenate "
+        description="`sub_questions` (after decomposition), `citations` (after retrieval), `sub_answer` "
+        "(`per_sub_question` only: one per prompt, as each finishes), `token` (a piece of the final answer, as generated; the pieces concatenate "
         "to `done.answer.answer`), `done` (last: the whole answer), or `error` (last: the answer failed after "
         "the stream had started).")
     sub_questions: list[str] | None = Field(default=None, description="`sub_questions`: the sub-questions.")
     sub_question_source: str | None = Field(default=None, description="`sub_questions`: who split the question.")
-    citations: list[Citation] | None = Field(default=None, description="`citations`: every retrieved page.")
+    citations: list[Citation] | None = Field(default=None, description="`citations`: every page shown.")
+    answer_mode: str | None = Field(default=None, description="`citations`: the answer mode that will answer "
+                                    "(`one_prompt` or `per_sub_question`).")
     sub_question: str | None = Field(default=None, description="`sub_answer`: the sub-question answered.")
     page: str | None = Field(default=None, description="`sub_answer`, per-page layout: the page it is about.")
     text: str | None = Field(default=None, description="`token`: the next piece of the answer's text.")

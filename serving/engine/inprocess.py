@@ -28,6 +28,7 @@ def sampling_params(plan: PromptPlan) -> Any:
     spec = plan.sampling
     return SamplingParams(
         max_tokens=spec.max_tokens,
+        min_tokens=spec.min_tokens,
         temperature=spec.temperature,
         stop=list(spec.stop) or None,
         structured_outputs=StructuredOutputsParams(json=spec.json_schema) if spec.json_schema else None,

@@ -85,6 +85,8 @@ def sampling_fields(plan: PromptPlan) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_tokens": spec.max_tokens, "temperature": spec.temperature}
     if spec.stop:
         fields["stop"] = list(spec.stop)
+    if spec.min_tokens:
+        fields["min_tokens"] = spec.min_tokens  # vLLM's extra sampling parameter
     if spec.json_schema:
         fields["structured_outputs"] = {"json": spec.json_schema}  # vLLM's StructuredOutputsParams
     return fields

@@ -21,7 +21,7 @@ from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
 from serving.api.errors import ApiError
-from serving.api.routers.ask import check_tier
+from serving.api.limits import check_tier
 from serving.api.routers.ingest import SharedPathRoute, public_job
 from serving.api.schemas import (
     INVALID_REQUEST,
@@ -73,7 +73,7 @@ async def upload(request: Request, services: TenantDep,
                  tiers: list[str] = Form(default=[], max_length=8, description="Resolution tiers (MMRAG_TIERS) "
                                          "to encode its pages in too, beside MMRAG_INGEST_TIERS.")) -> dict:
     for tier in tiers:
-        check_tier(tier, services)
+        check_tier(tier, services.settings)
     path, size, sha = await asyncio.to_thread(_store_upload, file.file, file.filename or "", services.jobs.uploads,
                                               services.settings.max_upload_bytes)
     job = services.jobs.submit_upload(path, tiers)

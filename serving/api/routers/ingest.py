@@ -7,7 +7,7 @@ from starlette.exceptions import HTTPException
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, Job as IngestJob, JobsPage, Paged
 from serving.api.errors import ApiError, hide_paths
-from serving.api.routers.ask import check_tier
+from serving.api.limits import check_tier
 from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestRequest, error_responses
 from serving.ingest_jobs import InvalidPathError, Job, PathOutsideRootError
 
@@ -42,7 +42,7 @@ STATUS_ERRORS = error_responses({404: "No ingest job has this id (`unknown_job`)
              response_model=IngestJob, responses=START_ERRORS)
 async def start(body: IngestRequest, request: Request, services: TenantDep) -> dict:
     for tier in body.tiers:
-        check_tier(tier, services)
+        check_tier(tier, services.settings)
     try:
         job = services.jobs.submit(body.paths, recursive=body.recursive, tiers=body.tiers)
     except PathOutsideRootError as exc:

@@ -10,8 +10,6 @@ cache. Citations end the answer's text as footnotes and come structured in `cita
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import secrets
 import time
@@ -20,12 +18,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from serving.api.answering import Question, from_base64, respond
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.errors import ApiError
 from serving.api.limits import CHAT_ROUTE
 from serving.api.openai_schemas import (MODEL_ID, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatMessage, ImagePart, ModelList, TextPart)
-from serving.api.routers.ask import ASK_ERRORS, ask_with_images, check_count, check_tier, from_base64, respond
+from serving.api.routers.ask import ASK_ERRORS
 from serving.api.schemas import UNAUTHORIZED, error_responses
 from serving.api.services import Services
 
@@ -73,14 +72,12 @@ CHUNKS = {"description": "The answer, or with `stream` true server-sent events: 
              response_model=ChatCompletion, responses={**CHAT_ERRORS, 200: CHUNKS})
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: TenantDep
                            ) -> ChatCompletion | StreamingResponse:
-    question = _question(body.messages)
-    check_tier(body.tier, services)
-    blobs = _images(body.messages, services)
-    services = _bounded(services, body.max_tokens)
+    question = Question(_question(body.messages), images=_images(body.messages, services), tier=body.tier,
+                        answer_mode=body.answer_mode, max_tokens=body.max_tokens)
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": MODEL_ID}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    answered = await respond(request, services, body.stream, lambda emit: ask_with_images(
-        services, question, None, blobs, None, emit, tier=body.tier), render=lambda events: _chunks(events, head, include_usage))
+    answered = await respond(request, services, question, stream=body.stream,
+                             render=lambda events: _chunks(events, head, include_usage))
     if isinstance(answered, StreamingResponse):
         return answered
     return ChatCompletion.model_validate({
@@ -140,7 +137,7 @@ def _question(messages: list[ChatMessage]) -> str:
                    "end the messages with `{\"role\": \"user\", \"content\": \"<question>\"}`")
 
 
-def _images(messages: list[ChatMessage], services: Services) -> list[bytes]:
+def _images(messages: list[ChatMessage], services: Services) -> tuple[bytes, ...]:
     """The images of every user message, oldest first, each distinct URL once (a resent history repeats them)."""
     urls: dict[str, str] = {}  # url -> where it first came
     for i, message in enumerate(messages):
@@ -152,17 +149,4 @@ def _images(messages: list[ChatMessage], services: Services) -> list[bytes]:
         if not url.startswith("data:"):
             raise ApiError(400, "invalid_image", f"{where}: not a data URL (remote images are not fetched)",
                            "send the image inline as `data:image/png;base64,<base64>`")
-    check_count(len(urls), services)
-    return [from_base64(url, where, services.settings.max_image_bytes) for url, where in urls.items()]
-
-
-def _bounded(services: Services, max_tokens: int | None) -> Services:
-    """The services with a pipeline whose answers generate at most ``max_tokens`` per completion (never more
-    than the server's MMRAG_ANSWER_MAX_TOKENS). A shallow copy: engine, searcher, popularity and token counts
-    stay the process's own."""
-    config = services.pipeline.config
-    if max_tokens is None or max_tokens >= config.max_tokens:
-        return services
-    pipeline = copy.copy(services.pipeline)
-    pipeline.config = dataclasses.replace(config, max_tokens=max_tokens)
-    return dataclasses.replace(services, pipeline=pipeline)
+    return tuple(from_base64(url, where, services.settings.max_image_bytes) for url, where in urls.items())

@@ -1,0 +1,262 @@
+"""How a question's retrieved pages become prompt plans: pure functions over hits, testable without an engine.
+
+Two answer modes (:class:`AnswerMode`, MMRAG_ANSWER_MODE), both exact (the model sees whole pages, nothing is
+approximated) and both citing every page they show:
+
+- **one prompt** (:func:`choose_answer`, :func:`one_prompt_plan`): decomposition drives retrieval only. ONE
+  prompt shows the union of the sub-questions' pages, each once, the pages asked most across questions first
+  (rag/order.PagePopularity), then lists the pages by label, the sub-questions and the question. A figure two
+  sub-questions share is prefilled once inside the prompt, with no cache lookup at all, and the answer is one
+  decode: what a question costs is one request, as in a one-shot RAG, with its leading pages' KV from the
+  prefix cache.
+- **per sub-question** (:func:`plan_prompts`, :func:`synthesis_plan`): one plan per sub-question (or per page
+  with the per_page layout), each sub-answer decoded, then a text-only synthesis decoded after all of them.
+  Three sequential-ish decodes per question where one prompt has one; kept for what it gives a real model:
+  a focused view of a few pages per sub-question.
+
+``auto`` answers in one prompt when the union fits one (MMRAG_MAX_IMAGES_PER_PROMPT images, MMRAG_MAX_MODEL_LEN
+tokens with the answer), and per sub-question when it does not.
+
+The layouts (``Layout``) shape the per-sub-question plans: which prompt prefixes recur.
+
+- canonical: one plan per sub-question (its pages + the sub-question), pages in the canonical order of the
+  batch, so sub-questions that retrieve the same figure share its KV prefix;
+- global: the same plans, pages in the process-wide popularity order (rag/order.PagePopularity), so a pair
+  of pages renders the same way across requests and the second page hits wherever the pair recurs;
+- per_page: one plan per (sub-question, page), each starting with its page, so every page leads a prompt
+  and every reuse of a page can hit;
+- naive (the benchmark's baseline): pages in retrieval-score order, the question before them.
+
+Images sent with the question (already encoded and stored by the caller) lead every prompt of that question
+in every mode and layout, before its pages; pages make room for them, lowest score first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+
+from core.engine import Layout, PromptPlan, SamplingSpec
+from core.keys import ImageKey
+from rag.answer import Citation
+from rag.order import PagePopularity, canonical_order
+from retrieval.search import Hit
+
+
+class AnswerMode(str, enum.Enum):
+    """How the retrieved pages become the answer (MMRAG_ANSWER_MODE; per question: ``answer_mode``)."""
+
+    # One prompt when the union of the sub-questions' pages fits one, else per sub-question.
+    AUTO = "auto"
+    # One prompt over the union of the pages; pages that do not fit it are left out (lowest ranks first).
+    ONE_PROMPT = "one_prompt"
+    # One prompt per sub-question (or per page), then a synthesis over the sub-answers.
+    PER_SUB_QUESTION = "per_sub_question"
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedPrompt:
+    """One plan and what the synthesis needs to label its answer."""
+
+    plan: PromptPlan
+    sub_question: int  # index into the sub-questions
+    page: Hit | None = None  # per-page layout: the page the plan is about
+
+
+# --- one prompt --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class AnswerChoice:
+    """The mode that answers a question and, for one prompt, what it shows."""
+
+    mode: AnswerMode  # ONE_PROMPT or PER_SUB_QUESTION, never AUTO
+    pages: tuple[Hit, ...] = ()  # one prompt: its pages, in prompt order
+    left_out: tuple[Hit, ...] = ()  # one prompt: retrieved pages it had no room for
+    why: str = ""  # auto that answers per sub-question: why one prompt did not fit
+
+
+# A candidate set of pages -> None when one prompt over them fits, else why not (for the answer to say).
+Misfit = Callable[[Sequence[Hit]], str | None]
+
+
+def union_pages(hits: Sequence[Sequence[Hit]], *, besides: Sequence[ImageKey] = ()) -> list[Hit]:
+    """Every distinct page the sub-questions retrieved, once, ranked for keeping: each sub-question's best page,
+    then each one's second best, and so on (a page seen earlier keeps its first place). A page that is one of
+    the question's own images (``besides``) is shown as that image, not again."""
+    ranked = [_distinct_pages(hs) for hs in hits]
+    seen = set(besides)
+    out = []
+    for rank in range(max((len(r) for r in ranked), default=0)):
+        for pages in ranked:
+            if rank < len(pages) and pages[rank].image_key not in seen:
+                seen.add(pages[rank].image_key)
+                out.append(pages[rank])
+    return out
+
+
+def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfit: Misfit,
+                  popularity: PagePopularity, layout: Layout = Layout.CANONICAL,
+                  images: Sequence[ImageKey] = (), max_pages: int = 0) -> AnswerChoice:
+    """The mode for this question's pages. ``auto``: one prompt when the union fits (``misfit`` says), else per
+    sub-question, as with the per_page layout, whose point is one page per prompt. One prompt shows at most
+    ``max_pages`` pages (0: all), the best-ranked of :func:`union_pages` (each sub-question's best first); a
+    forced one prompt that does not fit drops the lowest-ranked pages until it does. One prompt's pages go in
+    the popularity order, so the pages most asked across questions lead it and its prefix recurs."""
+    if requested is AnswerMode.PER_SUB_QUESTION:
+        return AnswerChoice(AnswerMode.PER_SUB_QUESTION)
+    if requested is AnswerMode.AUTO and layout is Layout.PER_PAGE:
+        return AnswerChoice(AnswerMode.PER_SUB_QUESTION, why="MMRAG_LAYOUT=per_page shows one page per prompt")
+    pages = union_pages(hits, besides=images)
+    kept = min(len(pages), max_pages) if max_pages else len(pages)
+    why = misfit(pages[:kept])
+    if why is not None and requested is AnswerMode.AUTO:
+        return AnswerChoice(AnswerMode.PER_SUB_QUESTION, why=why)
+    while kept and misfit(pages[:kept]) is not None:
+        kept -= 1
+    by_key = {p.image_key: p for p in pages[:kept]}
+    ordered = tuple(by_key[k] for k in popularity.order(by_key))
+    return AnswerChoice(AnswerMode.ONE_PROMPT, ordered, tuple(pages[kept:]))
+
+
+def one_prompt_text(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], n_images: int,
+                    hits: Sequence[Sequence[Hit]] = ()) -> str:
+    """The text after the images: what each image is (the question's own, then pages by label, the form the
+    answer cites them in; a page whose image is in several documents by each of its places, from ``hits``),
+    the sub-questions when there are several, and the question last."""
+    places: dict[ImageKey, dict[str, None]] = {p.image_key: {page_label(p): None} for p in pages}
+    for hit in (h for hs in hits for h in hs):
+        if hit.image_key in places:
+            places[hit.image_key][page_label(hit)] = None
+    lines = ["Images, in the order shown:"]
+    lines += [f"Image {i}: sent with the question" for i in range(1, n_images + 1)]
+    lines += [f"Image {i}: {', also '.join(places[p.image_key])}" for i, p in enumerate(pages, n_images + 1)]
+    if len(sub_questions) > 1:
+        lines.append("Answer each of these sub-questions from the images, citing pages by their labels:")
+        lines += [f"{i}. {s}" for i, s in enumerate(sub_questions, 1)]
+    lines.append(f"Question: {question}")
+    return "\n".join(lines)
+
+
+def one_prompt_plan(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
+                    images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> PromptPlan:
+    """The one prompt: the question's images, then ``pages`` in the order given, then :func:`one_prompt_text`.
+    The default system prompt and layout, as warm-up's single-page prompts: its first page hits their KV."""
+    keys = tuple(dict.fromkeys((*images, *(p.image_key for p in pages))))
+    return PromptPlan(keys, one_prompt_text(question, sub_questions, pages, len(images), hits),
+                      sampling=SamplingSpec(max_tokens=max_tokens))
+
+
+# --- per sub-question --------------------------------------------------------------------------------------
+
+
+def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
+                 layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None,
+                 images: Sequence[ImageKey] = ()) -> list[PlannedPrompt]:
+    """The per-sub-question plans of one question, in sub-question order; a sub-question without pages gets
+    none, unless the question brought ``images``: those lead every plan (a page that is one of them is not shown
+    twice).
+
+    Per-page layout: one plan per (sub-question, distinct page), pages in retrieval-score order. It changes
+    what the model sees: no prompt shows two pages together, so a comparison across pages happens only in
+    the synthesis, from the sub-answers' text; and it costs a request and its decode tokens per page
+    instead of per sub-question (plus the synthesis, now even for a one-sub-question question with several
+    pages).
+
+    ``popularity`` (the global layout only, where it is required) is read, not updated: the caller observes
+    each sub-question's pages first (``Pipeline.ask`` does), so the order includes this question.
+    """
+    sampling = SamplingSpec(max_tokens=max_tokens)
+    lead = tuple(images)
+
+    def plan(i: int, pages: Sequence[ImageKey], page: Hit | None = None) -> PlannedPrompt:
+        keys = tuple(dict.fromkeys((*lead, *pages)))
+        return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
+
+    if layout is Layout.PER_PAGE:
+        planned = []
+        for i, hs in enumerate(hits):
+            if pages := _distinct_pages(hs):
+                planned += [plan(i, (h.image_key,), h) for h in pages]
+            elif lead:
+                planned.append(plan(i, ()))
+        return planned
+    keyed = [[h.image_key for h in hs] for hs in hits]
+    if layout is Layout.CANONICAL:
+        orders = canonical_order(keyed)
+    elif layout is Layout.GLOBAL:
+        if popularity is None:
+            raise ValueError("the global layout orders pages by a PagePopularity: pass popularity=")
+        orders = [popularity.order(k) for k in keyed]
+    else:
+        orders = [list(dict.fromkeys(k)) for k in keyed]
+    return [plan(i, order) for i, order in enumerate(orders) if order or lead]
+
+
+def build_plans(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
+                layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None) -> list[PromptPlan]:
+    """The plain plans of :func:`plan_prompts` (what the benchmark replays)."""
+    return [p.plan for p in plan_prompts(sub_questions, hits, max_tokens=max_tokens, layout=layout,
+                                         popularity=popularity)]
+
+
+def synthesis_plan(question: str, planned: Sequence[PlannedPrompt], answers: Sequence[str], max_tokens: int
+                   ) -> PromptPlan:
+    """One text prompt over the sub-answers, numbered by sub-question; a per-page answer names its page
+    (``Answer 1 from [doc.pdf, page 3]: ...``), the form the answers cite pages in."""
+    lines = [f"Question: {question}"]
+    for i, (_, group) in enumerate(groupby(zip(planned, answers), key=lambda row: row[0].sub_question), 1):
+        rows = list(group)
+        lines.append(f"Sub-question {i}: {rows[0][0].plan.text}")
+        lines += [f"Answer {i}{_source(p.page)}: {a.strip()}" for p, a in rows]
+    return PromptPlan(images=(), text="\n".join(lines), system_prompt_id="synthesize",
+                      sampling=SamplingSpec(max_tokens=max_tokens))
+
+
+# --- pages -------------------------------------------------------------------------------------------------
+
+
+def fit_pages(hits: Sequence[Sequence[Hit]], *, room: int, layout: Layout) -> tuple[list[list[Hit]], list[Hit]]:
+    """Each sub-question's hits cut to the ``room`` best-scored distinct pages one prompt has left beside the
+    question's own images, and the hits cut. A per-page prompt shows one page: any room fits them all."""
+    if room < 0:
+        raise ValueError(f"{-room} more question images than a prompt holds (MMRAG_MAX_IMAGES_PER_PROMPT)")
+    if layout is Layout.PER_PAGE and room > 0:
+        return [list(hs) for hs in hits], []
+    shown: list[list[Hit]] = []
+    cut: list[Hit] = []
+    for hs in hits:
+        best = {h.image_key for h in sorted(_distinct_pages(hs), key=lambda h: -h.score)[:room]}
+        shown.append([h for h in hs if h.image_key in best])
+        cut += [h for h in hs if h.image_key not in best]
+    return shown, cut
+
+
+def _distinct_pages(hits: Sequence[Hit]) -> list[Hit]:
+    """Each image key once, at its first (best-scored) hit: the same page in two documents is one prompt."""
+    first: dict[ImageKey, Hit] = {}
+    for hit in hits:
+        first.setdefault(hit.image_key, hit)
+    return list(first.values())
+
+
+def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
+    """Every retrieved page once, with its best score, best first."""
+    best: dict[tuple[str, int], Hit] = {}
+    for hit in (h for hs in hits for h in hs):
+        k = (hit.doc, hit.page)
+        if k not in best or hit.score > best[k].score:
+            best[k] = hit
+    ranked = sorted(best.values(), key=lambda h: (-h.score, h.doc, h.page))
+    return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
+
+
+def page_label(page: Hit | Citation) -> str:
+    """A page as answers cite it: ``[doc.pdf, page 3]``."""
+    return f"[{page.doc}, page {page.page}]"
+
+
+def _source(page: Hit | None) -> str:
+    return f" from {page_label(page)}" if page is not None else ""

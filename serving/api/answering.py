@@ -1,0 +1,181 @@
+"""The one answer service below the routes: POST /v1/ask (JSON or its event stream), /v1/ask/upload and
+/v1/chat/completions each turn their body into a :class:`Question` and call :func:`respond`; how the answer is
+rendered (JSON, server-sent events, OpenAI chunks) is all that stays with them.
+
+Here: the checks made before any work (image count, tier), the question's images (sent, or its
+conversation's), admission (429 when full; a client that leaves cancels its question), the pipeline's answer,
+and the stream's life (errors before the first event are the JSON error with its status; after, a last
+``error`` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ingestion.loaders import ImageTooLargeError, IngestError
+from rag.answer import Answer
+from rag.pipeline import Emit, stream_events
+from serving.api.admission import ClientGone
+from serving.api.conversations import QuestionImage, UnknownConversationError
+from serving.api.errors import ApiError, api_error_of, error_body, hide_paths
+from serving.api.limits import base64_length, check_tier
+from serving.api.services import Services
+
+# A streamed answer's events (rag/pipeline.py) -> the response body (a route's rendering).
+Render = Callable[[AsyncIterator[dict]], AsyncIterator[str]]
+
+
+@dataclass(slots=True, frozen=True)
+class Question:
+    """One question as every route asks it."""
+
+    text: str
+    docs: list[str] | None = None
+    images: tuple[bytes, ...] = ()  # image files, undecoded
+    conversation_id: str | None = None
+    tier: str | None = None
+    answer_mode: str | None = None  # None: MMRAG_ANSWER_MODE
+    max_tokens: int | None = None  # None: MMRAG_ANSWER_MAX_TOKENS, which also bounds it
+
+
+async def respond(request: Request, services: Services, question: Question, *, stream: bool, render: Render
+                  ) -> dict | StreamingResponse:
+    """The answer as JSON (``Answer.to_json()``), or with ``stream`` its events rendered by ``render``.
+    Refused before any work when the question asks for more images than a prompt takes or an unknown tier."""
+    check(question, services)
+    if stream:
+        return await _stream(request, services, question, render)
+    return (await _admitted(services, request, question, None)).to_json()
+
+
+def check(question: Question, services: Services) -> None:
+    settings = services.settings
+    most = min(settings.max_question_images, settings.max_images_per_prompt)
+    if len(question.images) > most:
+        raise ApiError(400, "too_many_images", f"{len(question.images)} images sent; a question takes at most "
+                       f"{most} (the lower of MMRAG_MAX_QUESTION_IMAGES={settings.max_question_images} and "
+                       f"MMRAG_MAX_IMAGES_PER_PROMPT={settings.max_images_per_prompt}, the images one prompt holds)",
+                       "send fewer images, or ask about them in separate questions")
+    check_tier(question.tier, settings)
+
+
+async def answer(services: Services, question: Question, emit: Emit | None) -> Answer:
+    """The pipeline's answer over the question's images (encoded once, stored, remembered in its conversation)."""
+    images, forwards = await _images_of(services, question)
+    for image in images:  # the scheduler admits plans by their image tokens
+        services.pipeline.token_counts.record(image.key, image.tokens)
+    result = await services.pipeline.ask(question.text, docs=question.docs, images=[i.key for i in images],
+                                         tier=question.tier, on_event=emit, answer_mode=question.answer_mode,
+                                         max_tokens=question.max_tokens)
+    result.usage.vision_encodes += forwards
+    if images:
+        result.extra["conversation_id"] = services.conversations.remember(images, question.conversation_id)
+        result.extra["question_images"] = [{"image_key": str(i.key), "image_tokens": i.tokens} for i in images]
+    return result
+
+
+async def _images_of(services: Services, question: Question) -> tuple[list[QuestionImage], int]:
+    """The question's images (sent, or those of its conversation) and the vision forwards they cost. A vision
+    service that is down raises VisionServiceError, which errors.py answers with 503 `vision_unavailable`."""
+    if not question.images:
+        if question.conversation_id is None:
+            return [], 0
+        try:
+            return list(services.conversations.recall(question.conversation_id)), 0
+        except UnknownConversationError as exc:
+            raise ApiError(404, "unknown_conversation", str(exc)) from exc
+    try:
+        return await services.question_images.prepare(question.images)
+    except ImageTooLargeError as exc:
+        raise ApiError(413, "image_too_large", str(exc)) from exc
+    except IngestError as exc:
+        raise ApiError(400, "invalid_image", str(exc)) from exc
+
+
+async def _admitted(services: Services, watched: Request | _Leaving, question: Question, emit: Emit | None
+                    ) -> Answer:
+    """The answer, admitted: refused at once when full (429); cancelled, its plans and engine requests with
+    it, when ``watched`` (the request, or a stream's :class:`_Leaving`) says the client left. Admission counts
+    every outcome in the answers metric."""
+    async with services.admission.admit():
+        return await services.admission.until_disconnect(watched, answer(services, question, emit))
+
+
+async def _stream(request: Request, services: Services, question: Question, render: Render) -> StreamingResponse:
+    """The answer as events. Errors until retrieval is done (429, a bad question, an unknown document, a
+    missing page) are still the JSON error with its status: the stream starts after it; one after that (the
+    engine failing) is a last `error` event. A client that leaves cancels the question as without streaming:
+    :class:`_Leaving` tells ``until_disconnect`` of it."""
+    leaving = _Leaving(request)
+    events = stream_events(lambda emit: _admitted(services, leaving, question, emit), stop=leaving.stop)
+    head = []
+    async for event in events:
+        head.append(event)
+        if event["event"] in ("citations", "done"):
+            break
+
+    async def answer_events() -> AsyncIterator[dict]:
+        try:
+            for event in head:
+                yield event
+            async for event in events:
+                yield event
+        except ClientGone:
+            pass  # nobody reads the rest
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            error = api_error_of(exc) or ApiError(500, "answer_failed", f"{type(exc).__name__}: {exc}",
+                                                  "ask again; if it fails again, see the server log")
+            yield {"event": "error",
+                   **error_body(error.kind, hide_paths(request, error.message), hide_paths(request, error.fix))}
+
+    return StreamingResponse(render(answer_events()), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Leaving:
+    """What ``until_disconnect`` watches for a streamed answer: the request's disconnect, or the end of the
+    response's stream before its last event (Starlette ends it when it sees the client leave), the first of
+    the two. Both mean nobody reads on, and the question is cancelled and counted as such."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.ended = asyncio.Event()
+
+    def stop(self, task: asyncio.Task) -> None:
+        self.ended.set()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # ClientGone, read: nobody else will
+
+    async def receive(self) -> dict:
+        message = asyncio.ensure_future(self.request.receive())
+        ended = asyncio.ensure_future(self.ended.wait())
+        try:
+            await asyncio.wait({message, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            message.cancel()
+            ended.cancel()
+        return message.result() if message.done() and not message.cancelled() else {"type": "http.disconnect"}
+
+
+def from_base64(data: str, where: str, max_bytes: int) -> bytes:
+    """An image's bytes from base64 or a base64 data URL; its length is checked before anything is decoded."""
+    if data.startswith("data:"):
+        header, _, data = data.partition(",")
+        if not header.endswith(";base64"):
+            raise ApiError(400, "invalid_image", f"{where}: a data URL without `;base64`",
+                           "send `data:<media type>;base64,<base64>` or the bare base64")
+    if len(data) > base64_length(max_bytes):
+        raise ApiError(413, "image_too_large", f"{where}: {len(data):,} base64 characters, over the "
+                       f"{base64_length(max_bytes):,} of an image of MMRAG_MAX_IMAGE_BYTES={max_bytes:,} bytes",
+                       "downscale or recompress the image, or raise MMRAG_MAX_IMAGE_BYTES")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(400, "invalid_image", f"{where} is not base64 ({exc})",
+                       "send the image file's bytes in standard base64 (A-Z a-z 0-9 + /, padded with =)") from exc
