@@ -52,7 +52,10 @@ COMPARISONS = (*((n, d) for n in ("mmrag", "mmrag_warm") for d in _USERS_AND_FLO
 COLORS = {"no_cache": "#9ca3af", "vision_cache": "#6b7280", "apc_naive": "#f28e2b", "vllm_llamaindex": "#e15759",
           "vllm_images_first": "#ff9d9a", "mmrag": "#2f6db5", "mmrag_warm": "#1f4e8c", "mmrag_budget": "#59a14f",
           "mmrag_global": "#76b7b2", "mmrag_per_page": "#b07aa1", "mmrag_one_prompt": "#17becf",
-          "floor": "#1f2a44", "floor_one_prompt": "#3b4a6b", "mixed": "#edc948", "mixed_tiered": "#9c755f"}
+          "floor": "#1f2a44", "floor_one_prompt": "#3b4a6b", "mixed": "#edc948", "mixed_tiered": "#9c755f",
+          # mmrag bench --e2e's sides
+          "llamaindex": "#e15759", "llamaindex_subq": "#ff9d9a", "mmrag_every_page": "#76b7b2",
+          "mmrag_per_sub_question": "#b07aa1", "mmrag_model_decomposer": "#59a14f"}
 
 # On the mixed-resolution corpus and workload, each against ``mixed``: the scheduler's short queue, and the
 # pages under the standard tier's bounds and pooled 2x2.
@@ -437,3 +440,45 @@ def _plot_ratios(ax: Any, data: dict) -> None:
     ax.invert_yaxis()
     ax.set_title("throughput ratio (× faster)")
     ax.legend(fontsize=8)
+
+
+# --- mmrag bench --e2e ---------------------------------------------------------------------------------------
+
+
+def plot_e2e(data: dict, out: Path) -> None:
+    """`mmrag bench --e2e`'s figures: questions/s, TTFT p50 and generated tokens per question, per side at each
+    answer length (the sides that ran at every length; the candidates at the reference length are in the JSON)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    e2e = data["e2e"]
+    lengths = list(e2e["by_length"])
+    sides = [s for s in e2e["by_length"][lengths[0]] if all(s in e2e["by_length"][n] for n in lengths)]
+    fig = Figure(figsize=(15.0, 4.8), dpi=100)
+    panels = (("questions_per_s", "questions / s, × llama-index one-shot's (higher is better)"),
+              ("ttft_p50_s", "TTFT p50 of the streamed answer, s"),
+              ("generation_tokens_per_question", "generated tokens / question"))
+    width = 0.8 / len(sides)
+
+    def value(length: str, side: str, field_name: str) -> float:
+        rows = e2e["by_length"][length]
+        v = rows[side].get(field_name) or 0.0
+        if field_name == "questions_per_s":  # as a ratio: the floor at 4 tokens would flatten every other bar
+            return v / (rows.get("llamaindex", {}).get(field_name) or 1.0)
+        return v
+
+    for ax, (field_name, title) in zip(fig.subplots(1, 3), panels):
+        for i, side in enumerate(sides):
+            values = [value(n, side, field_name) for n in lengths]
+            ax.bar(np.arange(len(lengths)) + (i - (len(sides) - 1) / 2) * width, values, width, label=side,
+                   color=COLORS.get(side, "#bab0ac"))
+        ax.set_xticks(np.arange(len(lengths)), [f"{n} answer tokens" for n in lengths])
+        ax.set_title(title, fontsize=10)
+        ax.set_yscale("log")
+    fig.axes[0].legend(fontsize=8)
+    meta = data["meta"]
+    fig.suptitle(f"mmrag bench --e2e — {data['model']['name']} ({meta['dtype']}), "
+                 f"{e2e['spec']['questions']} questions, {e2e['spec']['concurrency']} in flight; {meta['cpu']}, "
+                 f"{meta['cpus']} cores", fontsize=11)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(out))

@@ -1,6 +1,7 @@
-"""`mmrag bench`: eleven serving configurations on one model and one workload, in one invocation (the
-baselines users run instead, mmrag's ablations and exact layouts, and the floor: bench/runner.py CONFIGS), and
-in the full run four more on pages of mixed sizes.
+"""`mmrag bench`: thirteen serving configurations on one model and one workload, in one invocation (the
+baselines users run instead, mmrag's ablations, exact layouts and one-prompt answers, and the floors:
+bench/runner.py CONFIGS), and in the full run four more on pages of mixed sizes and six again at 128 answer
+tokens.
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -46,7 +47,7 @@ def bench(
     rate: Annotated[float | None, typer.Option(help="Poisson arrivals at this many questions/s instead of the "
                                                "closed loop.")] = None,
     zipf: Annotated[float, typer.Option(help="Zipf exponent of page popularity.")] = 1.0,
-    max_tokens: Annotated[int | None, typer.Option(help=f"Answer tokens per sub-question (default {MAX_TOKENS}). "
+    max_tokens: Annotated[int | None, typer.Option(help=f"Answer tokens per engine request (default {MAX_TOKENS}). "
                                                    "With --e2e: the answer length, only this one (default: 4, "
                                                    "128 and 512 in one run).")] = None,
     seed: Annotated[int, typer.Option(help="Corpus and workload seed.")] = 0,
@@ -137,7 +138,7 @@ def bench(
     if e2e:
         _bench_e2e(settings, tiny=tiny, depth=depth, quick=quick, pages=n_pages, questions=n_questions,
                    concurrency=concurrency,
-                   max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out)
+                   max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out, plot_out=plot_out)
         return
     max_tokens = max_tokens or MAX_TOKENS
     t_start = time.perf_counter()
@@ -218,7 +219,8 @@ def bench(
 
 def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: int, questions: int,
                concurrency: int,
-               max_tokens: int | None, zipf: float, seed: int, json_out: Path | None) -> None:
+               max_tokens: int | None, zipf: float, seed: int, json_out: Path | None,
+               plot_out: Path | None = None) -> None:
     """`mmrag bench --e2e`: mmrag serve, the floor and two llama-index pipelines on one vllm serve replica, at
     each answer length (``max_tokens``: only that one)."""
     from dataclasses import replace
@@ -262,6 +264,12 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
         },
     }
     _write_json(json_out, data)
+    if plot_out:
+        from bench.report import plot_e2e
+
+        plot_out.parent.mkdir(parents=True, exist_ok=True)
+        plot_e2e(data, plot_out)
+        err.print(f"wrote {plot_out}")
     typer.echo(_e2e_table(result))
     err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
 

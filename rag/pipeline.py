@@ -29,7 +29,7 @@ from rag.decompose import Decomposer
 from rag.order import PagePopularity
 from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, one_prompt_plan,
                        one_prompt_text, page_label, plan_prompts, synthesis_plan)
-from rag.tiers import TierSource
+from rag.tiers import TieredHits, TierSource
 from retrieval.search import Hit, PageSearcher
 
 NO_PAGES_ANSWER = "No relevant pages were found in the ingested documents for this question."
@@ -115,9 +115,39 @@ class Pipeline:
             run.emit({"event": "citations", "citations": []})
             run.text(NO_PAGES_ANSWER)
             return run.clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], Usage()))
+        usage = Usage()
+        hits, cut, tiered = await self._pages(retrieved, images, tier, usage)
+        choice = choose_answer(requested, hits, popularity=self.popularity, layout=self.config.layout,
+                               images=images, max_pages=self.config.one_prompt_pages,
+                               misfit=lambda pages: self._misfit(question, subs, pages, hits, images, limit))
+        if choice.left_out:  # one prompt had no room for them: neither shown nor cited
+            dropped = {p.image_key for p in choice.left_out}
+            cut += [h for hs in hits for h in hs if h.image_key in dropped]
+            hits = [[h for h in hs if h.image_key not in dropped] for hs in hits]
+        citations = cite(hits)
+        run.emit({"event": "citations", "answer_mode": choice.mode.value,
+                  "citations": self._answer("", decomposition, citations, usage).to_json()["citations"]})
+        extra: dict = {"answer_mode": choice.mode.value, **({"answer_mode_reason": choice.why} if choice.why else {})}
+        if choice.mode is AnswerMode.ONE_PROMPT:
+            text = await self._one_prompt(run, subs, choice, hits, images, limit, usage)
+        else:
+            text, extra["sub_answers"] = await self._per_sub_question(run, subs, hits, images, limit, usage)
+        answer = self._answer(text, decomposition, citations, usage)
+        answer.extra.update(extra)
+        shown = {(c.doc, c.page) for c in citations}
+        if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
+            answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
+        if tiered is not None:
+            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
+        return run.clock.stamp(answer)
+
+    async def _pages(self, retrieved: list[list[Hit]], images: Sequence[ImageKey], tier: str | None, usage: Usage
+                     ) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
+        """Each sub-question's pages that a prompt has room for beside the question's images (and those cut),
+        in the asked tier (its on-demand encodes counted in ``usage``), their token counts recorded for the
+        scheduler and their use counted in the popularity order."""
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
-        usage = Usage()
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None
         if tiered is not None:
             hits = tiered.hits
@@ -126,33 +156,7 @@ class Pipeline:
             self.token_counts.record(hit.image_key, hit.image_tokens)
         for hs in hits:
             self.popularity.observe(h.image_key for h in hs)
-        choice = choose_answer(requested, hits, popularity=self.popularity, layout=self.config.layout,
-                               images=images, max_pages=self.config.one_prompt_pages,
-                               misfit=lambda pages: self._misfit(question, subs, pages, hits, images, limit))
-        if choice.left_out:  # a forced one prompt that had no room for them: neither shown nor cited
-            dropped = {p.image_key for p in choice.left_out}
-            cut += [h for hs in hits for h in hs if h.image_key in dropped]
-            hits = [[h for h in hs if h.image_key not in dropped] for hs in hits]
-        citations = cite(hits)
-        run.emit({"event": "citations", "answer_mode": choice.mode.value,
-                  "citations": self._answer("", decomposition, citations, usage).to_json()["citations"]})
-        if choice.mode is AnswerMode.ONE_PROMPT:
-            text = await self._one_prompt(run, subs, choice, hits, images, limit, usage)
-            extra = {}
-        else:
-            text, sub_answers = await self._per_sub_question(run, subs, hits, images, limit, usage)
-            extra = {"sub_answers": sub_answers}
-        answer = self._answer(text, decomposition, citations, usage)
-        answer.extra["answer_mode"] = choice.mode.value
-        if choice.why:
-            answer.extra["answer_mode_reason"] = choice.why
-        answer.extra.update(extra)
-        shown = {(c.doc, c.page) for c in citations}
-        if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
-            answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
-        if tiered is not None:
-            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
-        return run.clock.stamp(answer)
+        return hits, cut, tiered
 
     def _misfit(self, question: str, subs: Sequence[str], pages: Sequence[Hit], hits: list[list[Hit]],
                 images: Sequence[ImageKey], max_tokens: int) -> str | None:

@@ -74,6 +74,19 @@ def sample_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def reference_store(tmp_path_factory: pytest.TempPathFactory, sample_corpus: Path, tiny_model: Path):
+    """The snapshot (feature entries, points) of one uninterrupted CLI ingest of the sample corpus, vision batch
+    size 1 (batching may round differently): what every interrupted-then-resumed ingest must end as. Made once
+    for the three tests that kill an ingest (CLI, `mmrag serve`, a job) and compare."""
+    from tests.test_ingest import cli_env, run_cli, snapshot
+
+    data = tmp_path_factory.mktemp("reference-ingest")
+    assert run_cli("ingest", str(sample_corpus), env=cli_env(data, tiny_model, MMRAG_VISION_BATCH_SIZE="1")
+                   ).returncode == 0
+    return snapshot(data)
+
+
 # --- the engine: one vLLM per test session --------------------------------------------------------------
 
 ENGINE_ENV = dict(

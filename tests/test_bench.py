@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.runner import llamaindex_messages, page_caption
 from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
 
@@ -28,18 +30,28 @@ CONFIG_FIELDS = {
 }
 
 
-def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_path):
+MIXED = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One `mmrag bench --quick --tiny` run with the mixed-resolution configurations named too (--configs brings in
+    what --quick leaves out): one process and one engine start for both tests below."""
+    tmp_path = tmp_path_factory.mktemp("bench")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
-           "--json", str(out), "--plot", str(png)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+           "--configs", ",".join(sorted(CONFIGS | MIXED)), "--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"data": json.loads(out.read_text()), "png": png, "stdout": proc.stdout}
 
-    data = json.loads(out.read_text())
-    assert set(data["configs"]) == CONFIGS
+
+def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_run):
+    data, png, proc_stdout = bench_run["data"], bench_run["png"], bench_run["stdout"]
+    assert set(data["configs"]) == CONFIGS | MIXED
     wl = data["workload"]
-    for name, c in data["configs"].items():
+    for name, c in {n: c for n, c in data["configs"].items() if n in CONFIGS}.items():
         assert CONFIG_FIELDS <= set(c), (name, CONFIG_FIELDS - set(c))
         # One engine request per sub-question; per_page: one per (sub-question, distinct page); one prompt: one
         # per question. Every request decodes exactly the answer length.
@@ -89,26 +101,17 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(tmp_pa
     assert {"cold_prefill_share", "params_total_m", "dtype"} <= set(data["model"])
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
-    assert "| mmrag_warm |" in proc.stdout and "| mmrag_one_prompt |" in proc.stdout  # the table goes to stdout
+    assert "| mmrag_warm |" in proc_stdout and "| mmrag_one_prompt |" in proc_stdout  # the table goes to stdout
 
 
-def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_report_short_and_long_ttft(tmp_path):
-    out = tmp_path / "mixed.json"
-    env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
-    names = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
-    cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
-           "--configs", ",".join(sorted(names)), "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-    data = json.loads(out.read_text())
-    assert set(data["configs"]) == names  # --configs brings in what --quick leaves out
+def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_report_short_and_long_ttft(bench_run):
+    data, names = bench_run["data"], MIXED
     policies = data["model"]["mixed_policies"]
     tokens = policies["full"]["image_tokens_per_page"]
     assert max(tokens) / min(tokens) >= 16
     assert max(policies["standard"]["image_tokens_per_page"]) <= 256  # the A4 page scaled to the standard tier
     assert policies["pooled"]["policy"].endswith("-pool2")
-    cfg = data["configs"]
+    cfg = {n: c for n, c in data["configs"].items() if n in MIXED}
     base, tiered = cfg["mixed"], cfg["mixed_tiered"]
     for c in cfg.values():
         assert c["short_requests"] + c["long_requests"] == c["requests"] == data["workload"]["sub_questions_total"]
@@ -127,7 +130,7 @@ def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_rep
     ratios = data["mixed_resolution"]
     assert set(ratios) == {f"{n} / mixed" for n in names - {"mixed"}}
     assert {"short_ttft_p50_s", "short_ttft_p99_s", "throughput_qps"} <= set(ratios["mixed_tiered / mixed"])
-    assert "| mixed_tiered |" in proc.stdout
+    assert "| mixed_tiered |" in bench_run["stdout"]
 
 
 def test_the_bench_model_is_shallower_where_the_engine_runs_fp32():

@@ -39,11 +39,11 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mmrag.bench_cmd", "--e2e", "--tiny", "--questions", "3", "--pages", "6",
-         "--concurrency", "2", "--max-tokens", str(LENGTH), "--json", str(out)],
+         "--concurrency", "2", "--max-tokens", str(LENGTH), "--json", str(out), "--plot", str(data / "e2e.png")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    return {"data": json.loads(out.read_text()), "stdout": proc.stdout}
+    return {"data": json.loads(out.read_text()), "stdout": proc.stdout, "png": data / "e2e.png"}
 
 
 def sides(e2e_run) -> dict[str, dict]:
@@ -133,7 +133,8 @@ def test_targets_are_listed_and_printed_with_met_booleans(e2e_run):
     assert runs["estimated"] > 0 and runs["took"] > 0
 
 
-def test_the_run_records_the_machine_and_dtype(e2e_run):
+def test_the_run_records_the_machine_and_dtype_and_plots_every_side(e2e_run):
+    assert e2e_run["png"].stat().st_size > 10_000
     meta = e2e_run["data"]["meta"]
     assert meta["cpu"] and meta["dtype"] in ("float32", "bfloat16")
     assert meta["llama_index"]["llama-index-llms-openai-like"]

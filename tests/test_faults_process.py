@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from tests.conftest import API_KEY, ENGINE_ENV, free_port
-from tests.test_ingest import assert_same_features, cli_env, run_cli, snapshot
+from tests.test_ingest import assert_same_features, cli_env, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 MMRAG = Path(sys.executable).parent / "mmrag"
@@ -223,12 +223,6 @@ def _ready(client: httpx.Client) -> bool:
         return False
 
 
-def reference_ingest(data: Path, corpus: Path, tiny_model: Path):
-    """An uninterrupted CLI ingest of ``corpus`` into ``data``: the snapshot an interrupted one must end as."""
-    assert run_cli("ingest", str(corpus), env=cli_env(data, tiny_model, MMRAG_VISION_BATCH_SIZE="1")).returncode == 0
-    return snapshot(data)
-
-
 def wait_for_half_the_features(features: Path, expected) -> None:
     """Until an ingest in flight has written half the reference's feature entries: the moment to kill it."""
     deadline = time.monotonic() + 600
@@ -238,8 +232,8 @@ def wait_for_half_the_features(features: Path, expected) -> None:
 
 
 def test_kill_9_of_mmrag_serve_mid_ingest_leaves_no_engine_process_and_a_rerun_ends_with_the_uninterrupted_corpus(
-        tmp_path, sample_corpus, tiny_model, reap):
-    expected = reference_ingest(tmp_path / "reference", sample_corpus, tiny_model)
+        tmp_path, sample_corpus, tiny_model, reap, reference_store):
+    expected = reference_store
 
     data = tmp_path / "data"
     env = serve_env(data, tiny_model, sample_corpus)

@@ -8,7 +8,7 @@ import sqlite3
 import time
 
 from tests.test_faults_process import (  # noqa: F401 - reap is a fixture
-    engine_processes, gone_after, mmrag_serve, reap, reference_ingest, serve_env, wait_for_half_the_features)
+    engine_processes, gone_after, mmrag_serve, reap, serve_env, wait_for_half_the_features)
 from tests.test_ingest import assert_same_features, snapshot
 
 
@@ -21,8 +21,8 @@ def _wait(client, job_id: str) -> dict:
 
 
 def test_a_job_cut_by_kill_9_resumes_after_a_restart_and_ends_with_the_uninterrupted_index(
-        tmp_path, sample_corpus, tiny_model, reap):  # noqa: F811
-    expected = reference_ingest(tmp_path / "reference", sample_corpus, tiny_model)
+        tmp_path, sample_corpus, tiny_model, reap, reference_store):  # noqa: F811
+    expected = reference_store
 
     data = tmp_path / "data"
     env = serve_env(data, tiny_model, sample_corpus)
