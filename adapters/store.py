@@ -13,16 +13,16 @@ import logging
 import os
 import re
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 import safetensors.torch
 from safetensors import SafetensorError
 
-from core.keys import ImageKey
+from adapters.files import write_atomically
+from core.keys import ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
 from core.payload import STALE_PAGES_FIX, EncoderScope
 
@@ -107,38 +107,61 @@ class StaleFeaturesError(FeatureStoreError):
     upgrade): refused, since feeding them degrades answers without any error."""
 
 
-class ScopedFeatureStore:
-    """A store that serves only the keys of one encoder. The engines read through it (mmrag/wiring.py), so
-    whatever names a page — retrieval, ``--pages``, warm-up — tokens of another encoder never reach a prompt."""
+class OutOfScopeWriteError(ValueError):
+    """Tokens offered under a key of another encoder than the store's scope: a key that does not name the encoder
+    that made its tokens would let two encoders' tokens share one key (the first writer wins). A bug of the
+    caller, so it is not a FeatureStoreError (which fails one file or request and is retried)."""
 
-    def __init__(self, store: FeatureStore, scope: EncoderScope) -> None:
+
+class ScopedFeatureStore:
+    """A store that reads and writes only the keys of one encoder: its version under its policy, or under one of
+    ``tiers`` (the same tower under another resolution policy). The engines read through it (mmrag/wiring.py),
+    so whatever names a page — retrieval, ``--pages``, warm-up — tokens of another encoder never reach a prompt;
+    writers store through it, so no tokens are filed under a key their encoder did not mint."""
+
+    def __init__(self, store: FeatureStore, scope: EncoderScope, *, tiers: Iterable[ResolutionPolicy] = ()) -> None:
         self.inner = store
         self.scope = scope
+        self.policies = frozenset({scope.policy, *tiers})
         self.backend = store.backend
         self.stats = store.stats
 
+    def covers(self, key: ImageKey) -> bool:
+        return key.encoder_version == self.scope.version and key.policy in self.policies
+
     def get(self, key: ImageKey) -> EncodedImage | None:
-        if not self.scope.covers(key):
+        if not self.covers(key):
             raise StaleFeaturesError(
                 f"the image tokens {key} were made by another vision encoder than the configured one "
-                f"({self.scope}); refusing to feed them: {STALE_PAGES_FIX}"
+                f"({self._described()}); refusing to feed them: {STALE_PAGES_FIX}"
             )
         return self.inner.get(key)
 
     def put(self, key: ImageKey, value: EncodedImage) -> None:
+        if not self.covers(key):
+            raise OutOfScopeWriteError(
+                f"refusing to store image tokens under {key}: this store holds the tokens of encoder "
+                f"{self._described()} only. Key tokens with the encoder that made them (`encoder.key_for("
+                f"content_hash)`, or that encoder's `with_policy(policy)` for a tier); `ImageKey.in_policy` is for "
+                "looking stored tokens up, never for a key to write under"
+            )
         self.inner.put(key, value)
 
     def contains(self, key: ImageKey) -> bool:
-        return self.scope.covers(key) and self.inner.contains(key)
+        return self.covers(key) and self.inner.contains(key)
 
     def keys(self) -> Iterator[ImageKey]:
-        return (k for k in self.inner.keys() if self.scope.covers(k))
+        return (k for k in self.inner.keys() if self.covers(k))
 
     def size(self, key: ImageKey) -> int | None:
         return self.inner.size(key)
 
     def delete(self, key: ImageKey) -> int:
         return self.inner.delete(key)
+
+    def _described(self) -> str:
+        others = sorted(str(p) for p in self.policies - {self.scope.policy})
+        return str(self.scope) + (f" and its tiers {', '.join(others)}" if others else "")
 
 
 class _BlobStore:
@@ -319,19 +342,9 @@ class RedisFeatureStore(_BlobStore):
 
 
 def _write_atomically(path: Path, blob: bytes) -> None:
-    """Write beside the target, fsync, then rename: a reader (or a run killed half-way) sees either no entry or
-    the whole entry, never a torn file; a failed write (the disk full half-way) removes its temp file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """A reader (or a run killed half-way) sees either no entry or the whole entry, never a torn file; a failed
+    write (the disk full half-way) removes its temp file, whose name carries our PID for the orphan sweep."""
+    write_atomically(path, blob, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
 
 
 def _without_password(url: str) -> str:

@@ -4,8 +4,8 @@ Only the vision tower and its projector (the "merger") of a supported checkpoint
 registry, ``adapters/families.py``, says how for each family), never the language model, so ingestion can run
 on machines that could not hold the LLM. Its output is exactly what the VLM's own vision path computes; vLLM
 takes it as ``image_embeds`` + ``image_grid_thw`` and skips its encoder. The :class:`EncoderVersion` names the
-weights, the processor config and the salt that produced the tokens, so cached tokens are never reused across
-encoders.
+weights, the processor config, the preprocessing implementation and the salt that produced the tokens, so cached
+tokens are never reused across encoders.
 
 A pooled policy (``ResolutionPolicy.pool`` 2) averages each 2x2 square of merged tokens after the projector
 (:func:`pool_grid`): a quarter of the tokens, still a grid, whose ``image_grid_thw`` (t, h/2, w/2) gives vLLM
@@ -17,6 +17,7 @@ merged tokens form no grid, and M-RoPE can only position the rows and columns of
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from safetensors import safe_open
@@ -175,14 +177,80 @@ class VisionCheckpoint:
                    read_image_processor_config(model_dir))
 
     def version(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
+        preprocessing = checkpoint_preprocessing(self.model_dir, _canonical(self.processor_config))
+        return self._version(salt, dtype, device_kind, preprocessing)
+
+    def version_before_preprocessing(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
+        """The version this encoder had before versions covered the preprocessing implementation: the one pages
+        ingested then carry, by which `mmrag index check` names them old (`mmrag reencode` migrates them)."""
+        return self._version(salt, dtype, device_kind, None)
+
+    def _version(self, salt: str, dtype: torch.dtype, device_kind: str, preprocessing: str | None) -> EncoderVersion:
         return encoder_version(self.state, self.processor_config, salt=salt, dtype=dtype, device_kind=device_kind,
-                               family_config=self.family.versioned_config(self.config.vision_config))
+                               family_config=self.family.versioned_config(self.config.vision_config),
+                               preprocessing=preprocessing)
 
 
 def encoder_version_of(model_path: str | Path, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
     """The version a :class:`VisionEncoder` with these arguments would have, without building the tower (an
     API host computes the version of pages encoded on a GPU host without needing that GPU)."""
     return VisionCheckpoint.load(model_path).version(salt=salt, dtype=dtype, device_kind=device_kind)
+
+
+def encoder_version_before_preprocessing_of(model_path: str | Path, *, salt: str, dtype: torch.dtype,
+                                            device_kind: str) -> EncoderVersion:
+    """:meth:`VisionCheckpoint.version_before_preprocessing` of a checkpoint: the version its pages carry when an
+    mmrag from before the version covered preprocessing ingested them."""
+    return VisionCheckpoint.load(model_path).version_before_preprocessing(salt=salt, dtype=dtype,
+                                                                         device_kind=device_kind)
+
+
+# The preprocessing fingerprint's fixed inputs. One probe policy for every encoder policy: the version is shared by
+# all tiers of one tower (a tier's key differs in its policy only, core/keys.py Tiers), and the policy is in the
+# key already; what the probes must expose is the implementation. The sizes make the processor upscale one probe
+# to min_pixels, downscale one to max_pixels and resize one within the bounds, each to another aspect ratio, so
+# that resampling, antialiasing, rounding and normalisation all move some value.
+PROBE_POLICY = ResolutionPolicy(56 * 56, 112 * 112)
+_PROBE_SIZES = ((37, 23), (203, 131), (90, 61))  # (width, height)
+
+
+def probe_images() -> list[Image.Image]:
+    """The probe images: a texture with edges at every scale, from integer arithmetic alone (no file, no download,
+    no random generator whose stream could change with numpy), so every host and version makes the same bytes."""
+    images = []
+    for width, height in _PROBE_SIZES:
+        y, x = np.mgrid[0:height, 0:width]
+        channels = [(x * (7 + c) + y * (13 - c) + (x * y) % (17 + 2 * c) * 11 + (x // 5 + y // 3) % 2 * 97) % 256
+                    for c in range(3)]
+        images.append(Image.fromarray(np.stack(channels, axis=-1).astype(np.uint8), "RGB"))
+    return images
+
+
+def preprocessing_fingerprint(processor: Any) -> str:
+    """What of the image processor changes tokens beyond its config: its class, and the pixel values and grids it
+    makes of the probe images, as exact float32 bytes.
+
+    ``AutoImageProcessor`` picks the torchvision ("fast") or the PIL ("slow") implementation of one class by whether
+    torchvision imports, and a transformers upgrade may change resizing; either puts other pixels, hence other
+    tokens, under the same weights and config. The class enters without its backend suffix: the backend's effect
+    is in the pixels, so two hosts whose backends make the same pixels share a version, and any pixel that
+    differs splits it. The bytes are exact rather than rounded: rounding each of thousands of values still flips
+    those that sit near a rounding boundary, so it would not make hosts whose arithmetic differs agree; it would
+    only let small differences in resizing pass unseen.
+    """
+    batch = processor(images=probe_images(), return_tensors="pt")
+    pixels = torch.as_tensor(batch["pixel_values"]).to(torch.float32).contiguous()
+    h = hashlib.sha256(f"{list(pixels.shape)}|{torch.as_tensor(batch['image_grid_thw']).tolist()}\n".encode())
+    h.update(pixels.reshape(-1).view(torch.uint8).numpy())
+    return f"{_processor_class(processor)}:{h.hexdigest()}"
+
+
+@functools.lru_cache(maxsize=16)
+def checkpoint_preprocessing(model_dir: Path, processor_config: str) -> str:
+    """:func:`preprocessing_fingerprint` of the processor the checkpoint loads (under :data:`PROBE_POLICY`), once
+    per process for a checkpoint and config (``processor_config``: its canonical JSON, part of the cache key so
+    an edited config is fingerprinted again): a few small images through the processor at start-up, then free."""
+    return preprocessing_fingerprint(_auto_processor(model_dir, PROBE_POLICY))
 
 
 def visual_weight_files(model_dir: Path, family: VisionFamily) -> tuple[str, dict[str, Path]]:
@@ -248,28 +316,33 @@ def encoder_version(
     dtype: torch.dtype,
     family_config: dict[str, Any],
     device_kind: str = "cpu",
+    preprocessing: str | None,
 ) -> EncoderVersion:
     """sha256 over the tower's tensors (name, dtype, shape, bytes), the processor config, salt, compute
-    dtype and device kind, and the family's token-changing vision config fields (``family_config``).
+    dtype and device kind, the family's token-changing vision config fields (``family_config``) and the
+    preprocessing implementation (``preprocessing``: :func:`preprocessing_fingerprint`).
 
     The compute dtype and the device kind are included because fp32 and bf16 towers, or CPU and GPU kernels,
     give different tokens for the same image (adapters/hardware.py VisionPlacement). The CPU adds no bytes,
     so CPU versions are the ones computed before the device was configurable.
     Only the tower is hashed: hashing a multi-GB LLM on every start would cost more than loading the tower.
     An empty ``family_config`` (Qwen2-VL) adds no bytes, so Qwen2-VL versions, hence indexed keys, are the
-    ones computed before the family registry existed.
+    ones computed before the family registry existed. ``preprocessing`` None adds no bytes either: that is the
+    version as computed before it covered preprocessing, kept only to recognise pages keyed by it.
     """
     h = hashlib.sha256(b"mmrag-vision-encoder-v1\n")
     for name in sorted(visual_state):
         tensor = visual_state[name].contiguous()
         h.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}\n".encode())
         h.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    h.update(json.dumps(processor_config, sort_keys=True, separators=(",", ":")).encode())
+    h.update(_canonical(processor_config).encode())
     h.update(f"\nsalt={salt}\ndtype={dtype}\n".encode())
     if family_config:
         h.update(json.dumps(family_config, sort_keys=True, separators=(",", ":")).encode())
     if device_kind != "cpu":
         h.update(f"\ndevice={device_kind}\n".encode())
+    if preprocessing is not None:
+        h.update(f"\npreprocessing={preprocessing}\n".encode())
     return EncoderVersion(h.hexdigest()[:_VERSION_HEX])
 
 
@@ -294,11 +367,25 @@ def _checked_family(config: Any, model_dir: Path) -> VisionFamily:
     return family
 
 
-def _build_processor(model_dir: Path, policy: ResolutionPolicy, vision_config: Any):
+def _canonical(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _processor_class(processor: Any) -> str:
+    """The processor's class less its backend suffix (transformers 5: ``...Pil``; 4: ``...Fast``)."""
+    name = type(processor).__name__
+    for backend in ("Pil", "Fast"):
+        name = name.removesuffix(backend)
+    return name
+
+
+def _auto_processor(model_dir: Path, policy: ResolutionPolicy) -> Any:
     # The same class AutoProcessor (hence vLLM's pixel path) picks, so pixel and token inputs agree.
-    processor = AutoImageProcessor.from_pretrained(
-        model_dir, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels
-    )
+    return AutoImageProcessor.from_pretrained(model_dir, min_pixels=policy.min_pixels, max_pixels=policy.max_pixels)
+
+
+def _build_processor(model_dir: Path, policy: ResolutionPolicy, vision_config: Any):
+    processor = _auto_processor(model_dir, policy)
     if (processor.patch_size, processor.merge_size) != (vision_config.patch_size, vision_config.spatial_merge_size):
         raise ValueError(
             f"{model_dir}: the image processor (patch {processor.patch_size}, merge {processor.merge_size}) does "

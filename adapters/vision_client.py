@@ -47,13 +47,17 @@ class VisionServiceInfo:
     dtype: str
 
     def to_json(self) -> dict:
-        return {"encoder_version": self.version, "policy": {"min_pixels": self.policy.min_pixels,
-                                                            "max_pixels": self.policy.max_pixels},
-                "family": self.family, "device": self.device, "dtype": self.dtype}
+        # The whole policy, pooling included: it is part of every key the service makes (-pool2), so a client
+        # that dropped it would key pages under a policy the service never encodes.
+        policy = {"min_pixels": self.policy.min_pixels, "max_pixels": self.policy.max_pixels, "pool": self.policy.pool}
+        return {"encoder_version": self.version, "policy": policy, "family": self.family, "device": self.device,
+                "dtype": self.dtype}
 
     @classmethod
     def of_json(cls, body: dict) -> VisionServiceInfo:
-        policy = ResolutionPolicy(body["policy"]["min_pixels"], body["policy"]["max_pixels"])
+        # A service from before pooling existed sends no "pool": it encoded unpooled.
+        policy = ResolutionPolicy(body["policy"]["min_pixels"], body["policy"]["max_pixels"],
+                                  body["policy"].get("pool", 1))
         return cls(EncoderVersion(body["encoder_version"]), policy, body["family"], body["device"], body["dtype"])
 
 

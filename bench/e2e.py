@@ -93,8 +93,10 @@ from bench.corpus import BenchCorpus
 from bench.workload import zipf_probabilities
 from core.engine import Completion, Engine, PromptPlan, Usage
 from core.settings import Settings
+from devkit.ports import free_port
 from rag.decompose import Decomposer, MMRAGQuestionGenerator, RuleDecomposer
 from serving.engine.config import EngineConfig
+from serving.readiness import ServerStartError, answers_200, wait_until_ready
 from serving.vllm_launch import ServerHandle, start_server
 
 if TYPE_CHECKING:
@@ -278,15 +280,12 @@ DRAIN_WAIT_S = 1.5  # the app drains scheduler waits into its histogram every se
 
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """Every sample of ``url``/metrics, summed over labels (one replica or one app: the labels are constant)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from serving.metrics import parse_samples, sample_total
 
     resp = await client.get(f"{url}/metrics")
     resp.raise_for_status()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    samples = parse_samples(resp.text)
+    return {name: sample_total(samples, name) for name in samples}
 
 
 def delta(before: dict[str, float], after: dict[str, float], names: Sequence[str]) -> dict[str, float]:
@@ -313,14 +312,6 @@ def engine_breakdown(d: dict[str, float], questions: int) -> dict:
 
 DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM serves its cache-reset routes only with it
 RESETS = ("reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_replica(model_path: Path, config: EngineConfig, log_path: Path) -> ServerHandle:
@@ -368,19 +359,13 @@ def start_mmrag_serve(env: dict[str, str], log_path: Path, timeout_s: float = 60
         proc = subprocess.Popen([sys.executable, "-m", "mmrag", "serve"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0) as client:
-        while True:  # uvicorn binds after the lifespan (services + warm-up) has finished
-            if proc.poll() is not None or time.monotonic() > deadline:
-                handle.stop()
-                raise E2EError(f"mmrag serve did not become ready (exit code {proc.returncode}); log {log_path}:\n"
-                               f"{handle.log_tail(30)}")
-            try:
-                if client.get(f"{handle.url}/readyz").status_code == 200:
-                    return handle
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    try:  # uvicorn binds after the lifespan (services + warm-up) has finished
+        wait_until_ready(answers_200(f"{handle.url}/readyz", timeout_s=5.0), timeout_s=timeout_s, what="mmrag serve",
+                         proc=proc, log=lambda: f"Log {log_path}:\n{handle.log_tail(30)}")
+    except ServerStartError as exc:
+        handle.stop()
+        raise E2EError(str(exc)) from None
+    return handle
 
 
 # --- the run's inputs ----------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ is the figure that carries over to one replica per machine.
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from adapters.checkpoint import ModelSource
 from adapters.store import DiskFeatureStore
 from core.engine import PromptPlan, SamplingSpec
 from core.keys import ImageKey
+from devkit.ports import free_port
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
@@ -58,7 +58,7 @@ class ReplicaBenchInputs:
 
 def replica_engine(model: ModelSource, store_dir: Path, config: EngineConfig) -> InProcessEngine:
     """What each replica runs (module-level, so Ray can pickle it by reference)."""
-    return InProcessEngine.start(model, FeatureProvider(DiskFeatureStore(store_dir)), config)
+    return InProcessEngine.start(model, FeatureProvider.unscoped(DiskFeatureStore(store_dir)), config)
 
 
 def workload_plans(workload: Workload, by_page: dict[int, ImageKey]) -> list[PromptPlan]:
@@ -111,13 +111,11 @@ def run_replicas(inputs: ReplicaBenchInputs) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    with socket.socket() as sock:  # Serve's HTTP proxy (unused here) on a free port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     config = RayServeConfig(address="", replicas=inputs.replicas, queue_bound=inputs.queue_bound, replica_cpus=1.0,
                             replica_gpus=0.0,
                             max_ongoing_requests=inputs.engine_config.max_num_seqs + inputs.queue_bound,
-                            http_host="127.0.0.1", http_port=port, vision_max_replicas=1)
+                            # Serve's HTTP proxy, unused here, on a free port
+                            http_host="127.0.0.1", http_port=free_port(), vision_max_replicas=1)
     t = time.perf_counter()
     cluster_s = connect(config, num_cpus=inputs.replicas + 2)
     handle = deploy_engine(config, partial(replica_engine, inputs.model, inputs.store_dir, inputs.engine_config))

@@ -5,6 +5,11 @@ Every component that names cached image tokens or KV — ingestion, the feature 
 uuid *verbatim* as the cache key of the image (it replaces the content hash), so the string must carry
 everything that changes the tokens: the page content, the encoder and the resolution policy (pooling included).
 :class:`Tiers` names the configured policies (resolution tiers): one page has a key per tier it is stored in.
+
+Only encoders mint keys (``VisionEncoder.key_for`` / ``RemoteVisionEncoder.key_for``): a key names the encoder
+that made its tokens, so one made anywhere else could file one encoder's tokens under another's version, where
+the first writer wins. Everything else reads keys back (:meth:`ImageKey.parse`) or looks stored tokens up
+(:meth:`ImageKey.in_policy`); tests/test_key_owner.py holds the source tree to it.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ class ImageKey:
         return cls(ContentHash(content), EncoderVersion(encoder), policy)
 
     def in_policy(self, policy: ResolutionPolicy) -> ImageKey:
-        """The same page from the same encoder under another policy (another tier)."""
+        """The same page from the same encoder under another policy (another tier): a lookup of what that encoder
+        stored, never a key to store under (that is the encoder's ``key_for``: the store refuses other keys)."""
         return replace(self, policy=policy)
 
 

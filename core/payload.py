@@ -62,10 +62,13 @@ class EncoderScope:
         return f"{self.version}/{self.policy}"
 
 
+# `mmrag reencode` comes first: it is the command for exactly this case (only the image tokens are stale, not the
+# text or the vectors), and it costs one vision forward per page where re-ingesting also re-embeds and re-OCRs.
 STALE_PAGES_FIX = (
-    "re-ingest those documents with the configured model (`mmrag ingest PATH...`), or set MMRAG_MODEL / "
-    "MMRAG_ENCODER_SALT / MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS back to what encoded them (`mmrag index check` "
-    "lists the encoders)"
+    "run `mmrag reencode` (`mmrag reencode --dry-run` first says how many pages and forwards; with tenants, once "
+    "per `--tenant`): it re-encodes their image tokens for the configured encoder and keeps their text and "
+    "vectors. Or re-ingest those documents (`mmrag ingest PATH...`), or set MMRAG_MODEL / MMRAG_ENCODER_SALT / "
+    "MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS back to what encoded them (`mmrag index check` lists the encoders)"
 )
 
 

@@ -5,6 +5,8 @@ Build it at the CLI/app entry (``Settings()``), never at import time, and pass i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import re
 from pathlib import Path
 from typing import Literal
@@ -14,6 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
 
+
+if TYPE_CHECKING:
+    from core.scope import TenantScope
 
 DEFAULT_TENANT = "default"
 _TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -207,10 +212,10 @@ class Settings(BaseSettings):
         check_tenant(tenant)
         return self.qdrant_collection if tenant == DEFAULT_TENANT else f"{self.qdrant_collection}--{tenant}"
 
-    def for_tenant(self, tenant: str) -> Settings:
-        """These settings with the tenant's collection as MMRAG_QDRANT_COLLECTION: what the CLI's ``--tenant``
-        and each tenant's pipeline in the server use."""
-        return self.model_copy(update={"qdrant_collection": self.tenant_collection(tenant)})
+    def scoped(self, scope: TenantScope) -> Settings:
+        """These settings with the scope's collection as MMRAG_QDRANT_COLLECTION, for the builders that read
+        it (index, searcher, ingestor); the scope itself goes to what needs the rest of it."""
+        return self.model_copy(update={"qdrant_collection": scope.collection})
 
     @property
     def resolution_policy(self) -> ResolutionPolicy:

@@ -1,1 +1,2 @@
-"""Development kit: the sample corpus and the tiny random-weight model builder. Product code never imports it."""
+"""Development kit: the sample corpus, the tiny random-weight model builder, and free ports for the servers tests
+and benchmarks start. Product code never imports it."""

@@ -29,7 +29,7 @@ from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
-from adapters.store import FeatureStore, FeatureStoreError
+from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
 from adapters.vision import VisionEncoder
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ class Ingestor:
         return all(self.store.contains(k) for p in have for k in self._tier_keys(p.image_key))
 
     def _tier_keys(self, key: ImageKey) -> list[ImageKey]:
-        return [key, *(key.in_policy(e.policy) for e in self.tier_encoders)]
+        # Each tier's key is its encoder's: the key names the encoder whose tokens it holds.
+        return [key, *(e.key_for(key.content_hash) for e in self.tier_encoders)]
 
     def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport) -> list:
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
@@ -172,8 +173,9 @@ class Ingestor:
             return
         t0 = time.perf_counter()
         encoded = encoder.encode([p.image for p in missing.values()])
+        writer = ScopedFeatureStore(self.store, EncoderScope(encoder.version, encoder.policy))  # its keys only
         for key, value in zip(missing, encoded):
-            self.store.put(key, value)
+            writer.put(key, value)
         report.encoded += len(missing)
         report.stage_seconds["encode"] += time.perf_counter() - t0
 

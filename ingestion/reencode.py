@@ -1,9 +1,10 @@
 """`mmrag reencode`: give every indexed page the image tokens of the configured vision encoder, in place.
 
-After a model or projector upgrade (or a changed MMRAG_ENCODER_SALT or pixel bound) the pages' image keys name
-the old encoder, and serving excludes them (core/payload.py, EncoderScope). Only their image tokens are stale:
-their text, OCR and vectors are not, so this renders each stale page's image again from its source file,
-encodes it, and switches the page's payload to the new key, without loading any embedder.
+After a model or projector upgrade (or a changed MMRAG_ENCODER_SALT, pixel bound or image preprocessing, or
+keys minted before the encoder version covered preprocessing) the pages' image keys name the old encoder, and
+serving excludes them (core/payload.py, EncoderScope). Only their image tokens are stale: their text, OCR and
+vectors are not, so this renders each stale page's image again from its source file, encodes it, and switches the
+page's payload to the new key, without loading any embedder.
 
 Per batch of pages, in this order, so a run killed at any point and run again ends exactly where an
 uninterrupted run ends:
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.qdrant import PageIndex
-from adapters.store import FeatureStore, FeatureStoreError
+from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
 from adapters.vision import VisionEncoder
 from core.keys import ImageKey, Tiers
 from core.pages import RenderedPage
@@ -89,11 +90,12 @@ class ReencodeReport:
 
 def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: Tiers) -> ReencodeReport:
     """What a run would do, from the index and the store alone (nothing is rendered or encoded): the stale
-    pages per old encoder, and the vision forwards they need (a page's new key is its indexed content hash
-    under ``scope``; a changed source file, found only by a run, needs none)."""
+    pages per old encoder, and the vision forwards they need: one per distinct content hash that ``scope``'s
+    encoder has stored no tokens for (a changed source file, found only by a run, needs none). The store's keys
+    are listed rather than keys made up for ``scope``: only an encoder mints keys, and a dry run loads none."""
     report, stale = _plan(index, scope, dry_run=True)
-    report.encoded = sum(not store.contains(k) for k in {ImageKey(p.content_hash, scope.version, scope.policy)
-                                                          for p in stale})
+    stored = {k.content_hash for k in ScopedFeatureStore(store, scope).keys()}
+    report.encoded = len({p.content_hash for p in stale} - stored)
     report.unreferenced_entries = _unreferenced(index, store, tiers)
     return report
 
@@ -126,6 +128,8 @@ class Reencoder:
         self.store = store
         self.index = index
         self.scope = EncoderScope(encoder.version, encoder.policy)
+        # Tokens are stored through the encoder's scope: a key it did not mint is refused, not filed.
+        self._writer = ScopedFeatureStore(store, self.scope)
         # Only the image is needed, and OCR does not change it (nor its content hash): skip tesseract.
         self._render_settings = settings.model_copy(update={"ocr": False})
 
@@ -202,7 +206,7 @@ class Reencoder:
         failed: dict[ImageKey, str] = {}
         for key, value in zip(missing, self.encoder.encode([p.image for p in missing.values()])):
             try:
-                self.store.put(key, value)
+                self._writer.put(key, value)
             except FeatureStoreError as exc:
                 failed[key] = str(exc)
         report.encoded += len(missing)

@@ -17,6 +17,7 @@ from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
 if TYPE_CHECKING:
     from adapters.qdrant import PageIndex
     from core.payload import PagePayload
+    from core.scope import TenantScope
 
 
 class PageNotFoundError(LookupError):
@@ -77,7 +78,7 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
     if not question.strip():
         raise ArgumentError("the question is empty: ask something, e.g. mmrag ask \"What does the chart show?\"")
     refs = parse_page_refs(pages_spec) if pages_spec else None
-    settings = Settings().for_tenant(tenant)
+    settings, scope = wiring.for_tenant(tenant)
     if tier is not None:
         if refs is not None:
             raise ArgumentError("--tier applies to retrieved pages; leave it out with --pages")
@@ -98,15 +99,17 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
             index.client.close()
     model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
-    return asyncio.run(_ask(settings, model, question, pages, docs, tier))
+    return asyncio.run(_ask(settings, scope, model, question, pages, docs, tier))
 
 
-async def _ask(settings: Settings, model, question: str, pages, docs, tier: str | None) -> Answer:
+async def _ask(settings: Settings, scope: TenantScope, model, question: str, pages, docs, tier: str | None
+               ) -> Answer:
     engine = wiring.engine(settings, model)
     try:
         if pages is not None:
-            return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens)
-        pipeline, _ = wiring.pipeline(settings, engine)
+            return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens,
+                                           cache_salt=scope.cache_salt)
+        pipeline, _ = wiring.pipeline(settings, engine, scope=scope)
         try:
             return await pipeline.ask(question, docs=docs, tier=tier)
         finally:
@@ -115,9 +118,11 @@ async def _ask(settings: Settings, model, question: str, pages, docs, tier: str 
         await engine.close()
 
 
-def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> WarmReport:
-    """Warm the running engine replicas (MMRAG_ENGINE_URLS): never a throwaway engine in this process."""
-    settings = Settings()
+def warm_pages(*, top: int | None, pages_spec: str | None, share: float, tenant: str = DEFAULT_TENANT
+               ) -> WarmReport:
+    """Warm the running engine replicas (MMRAG_ENGINE_URLS) with the tenant's pages, under its cache salt (only
+    its questions can hit them): never a throwaway engine in this process."""
+    settings, scope = wiring.for_tenant(tenant)
     model = wiring.resolve_model(settings)
     engine = wiring.engine(settings, model, allow_inprocess=False)
     index = open_page_index(settings)
@@ -126,18 +131,18 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float) -> Warm
             payloads = lookup_pages(index, parse_page_refs(pages_spec))
         else:
             payloads = index.pages()
-        scope = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
-        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads if scope.covers(p.image_key))
+        encoder = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
+        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads if encoder.covers(p.image_key))
         if not pages_spec:
             candidates = candidates[:top] if top else candidates
     finally:
         index.client.close()
-    return asyncio.run(_warm(engine, candidates, share))
+    return asyncio.run(_warm(engine, candidates, share, scope.cache_salt))
 
 
-async def _warm(engine, candidates: list[WarmCandidate], share: float) -> WarmReport:
+async def _warm(engine, candidates: list[WarmCandidate], share: float, cache_salt: str) -> WarmReport:
     try:
-        return await warm(engine, candidates, share=share)
+        return await warm(engine, candidates, share=share, cache_salt=cache_salt)
     finally:
         await engine.close()
 

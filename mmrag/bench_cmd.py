@@ -289,21 +289,17 @@ def _floor_pipeline(env: dict[str, str]):
 def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed: int,
                     json_out: Path | None) -> None:
     """`mmrag bench --transfer`: the vision-service-to-engine paths, per page of the bench corpus."""
-    import socket
-
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
     from bench.runner import machine_info
     from bench.transfer import run_transfer, transfer_table
+    from devkit.ports import free_port
 
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     result = run_transfer(model.path, [corpus.image(p) for p in corpus.pages], redis_url=settings.redis_url,
-                          port=port, log=lambda m: err.print(escape(m)))
+                          port=free_port(), log=lambda m: err.print(escape(m)))
     data = {"transfer": result, "model": bench_model.describe(spec),
             "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(),
                      "python": platform.python_version()}}

@@ -150,7 +150,7 @@ def ingest(
     if warm_after:
         from mmrag import ask_cmd
 
-        out["warm"] = ask_cmd.warm_pages(top=None, pages_spec=None, share=0.5).to_json()
+        out["warm"] = ask_cmd.warm_pages(top=None, pages_spec=None, share=0.5, tenant=tenant).to_json()
     if as_json:
         typer.echo(json.dumps(out))
     else:
@@ -199,15 +199,16 @@ def warm(
     pages: Annotated[str | None, typer.Option("--pages", help="Warm these pages: DOC:PAGE[,DOC:PAGE...].")] = None,
     share: Annotated[float, typer.Option(help="Share of each replica's KV cache warm-up may fill.")] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    tenant: TenantOption = "default",
 ) -> None:
     """Prefill the running engine's prefix cache with the pages most likely to be asked about.
 
     Targets the replicas in MMRAG_ENGINE_URLS (see `mmrag engine serve`); pages that do not fit in the
-    KV budget are reported.
+    KV budget are reported. With --tenant, that tenant's pages under its cache salt (only its questions hit them).
     """
     from mmrag import ask_cmd
 
-    report = ask_cmd.warm_pages(top=top, pages_spec=pages, share=share)
+    report = ask_cmd.warm_pages(top=top, pages_spec=pages, share=share, tenant=tenant)
     if as_json:
         typer.echo(json.dumps(report.to_json()))
     else:
@@ -270,10 +271,9 @@ def index_check(
     Pages of another encoder (after a model upgrade or a changed MMRAG_ENCODER_SALT) are never served.
     Exit code 1 if there are any.
     """
-    from core.settings import Settings
-    from mmrag import index_cmd
+    from mmrag import index_cmd, wiring
 
-    result = index_cmd.check(Settings().for_tenant(tenant))
+    result = index_cmd.check(wiring.for_tenant(tenant)[0])
     if as_json:
         typer.echo(json.dumps(result.to_json()))
     else:

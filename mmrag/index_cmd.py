@@ -2,7 +2,9 @@
 
 A page's image tokens are usable only by the encoder that made them (its ImageKey names the encoder version
 and the resolution policy); after a model or projector upgrade, or a changed MMRAG_ENCODER_SALT or pixel
-bound, the old pages are excluded from serving until they are re-ingested. This shows how many that is.
+bound, the old pages are excluded from serving until they are re-encoded (`mmrag reencode`). This shows how many
+that is, and which of them carry an old key format: the configured encoder's own keys from before its version
+covered the preprocessing implementation (adapters/vision.py preprocessing_fingerprint).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ class EncoderPages:
     pages: int
     documents: int
     servable: bool  # the configured model's encoder made these pages
+    old_format: bool = False  # ... under a version from before it covered preprocessing: an old key format
 
     def to_json(self) -> dict[str, Any]:
         return {"encoder_version": self.encoder.version, "policy": str(self.encoder.policy), "pages": self.pages,
-                "documents": self.documents, "servable": self.servable}
+                "documents": self.documents, "servable": self.servable, "old_format": self.old_format}
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +48,10 @@ class IndexCheck:
     def stale_pages(self) -> int:
         return sum(e.pages for e in self.encoders if not e.servable)
 
+    @property
+    def old_format_pages(self) -> int:
+        return sum(e.pages for e in self.encoders if e.old_format)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "serving": {"encoder_version": self.serving.version, "policy": str(self.serving.policy),
@@ -58,9 +65,11 @@ class IndexCheck:
 
 def check(settings: Settings) -> IndexCheck:
     """Pages per (encoder version, resolution policy) in the index, against the configured model's encoder.
-    Reads the tower's weights to hash them (no forward) and every page payload (no vectors)."""
+    Reads the tower's weights to hash them (no forward; twice: today's version and the one before it covered
+    preprocessing) and every page payload (no vectors)."""
     model = wiring.resolve_model(settings)
     serving = wiring.encoder_scope(settings, model)
+    before_preprocessing = wiring.encoder_scope(settings, model, before_preprocessing=True)
     index = wiring.read_index(settings)
     try:
         pages = index.pages() if index.client.collection_exists(settings.qdrant_collection) else []
@@ -70,7 +79,7 @@ def check(settings: Settings) -> IndexCheck:
     docs: dict[EncoderScope, set[str]] = defaultdict(set)
     for page in pages:
         docs[EncoderScope.of(page.image_key)].add(page.doc_id)
-    encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving)
+    encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving, scope == before_preprocessing)
                 for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
     return IndexCheck(serving, wiring.model_family(model), encoders)
 
@@ -82,8 +91,12 @@ def print_check(result: IndexCheck, console: Console) -> None:
         table.add_column(column, justify="right" if column in ("pages", "documents") else "left")
     for e in result.encoders:
         table.add_row(e.encoder.version, str(e.encoder.policy), str(e.pages), str(e.documents),
-                      "yes" if e.servable else "[red]no[/]")
+                      "yes" if e.servable else "[red]no, old key format[/]" if e.old_format else "[red]no[/]")
     console.print(table)
+    if result.old_format_pages:
+        console.print(f"{result.old_format_pages} pages carry keys this encoder minted before its version covered "
+                      "preprocessing (the image processor's class and output): their tokens may differ from what it "
+                      "makes now")
     if result.stale_pages:
         console.print(f"[yellow]{result.stale_pages} of {result.pages} pages cannot be served[/] (never retrieved "
                       f"nor fed to the model): {STALE_PAGES_FIX}")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from core.settings import DEFAULT_TENANT, Settings
+from core.settings import DEFAULT_TENANT
 from mmrag import wiring
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: bool,
         tiers: Sequence[str] = (), tenant: str = DEFAULT_TENANT) -> IngestReport:
     """``tiers`` (``--tier``): resolution tiers to encode the pages in besides MMRAG_INGEST_TIERS."""
-    settings = Settings().for_tenant(tenant)
+    settings, _ = wiring.for_tenant(tenant)
     if tiers:
         from mmrag.ask_cmd import check_tier
 
@@ -64,7 +64,7 @@ def print_report(report: IngestReport, console: Console) -> None:
 
 
 def reset_index(console: Console, tenant: str = DEFAULT_TENANT) -> None:
-    settings = Settings().for_tenant(tenant)
+    settings, _ = wiring.for_tenant(tenant)
     index = wiring.page_index(settings, wiring.text_embedder(settings).dim)
     try:
         index.reset()
@@ -74,7 +74,7 @@ def reset_index(console: Console, tenant: str = DEFAULT_TENANT) -> None:
 
 
 def stats(tenant: str = DEFAULT_TENANT) -> dict:
-    settings = Settings().for_tenant(tenant)
+    settings, _ = wiring.for_tenant(tenant)
     index = wiring.read_index(settings)
     try:
         pages = index.count() if index.client.collection_exists(settings.qdrant_collection) else 0

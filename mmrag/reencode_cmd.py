@@ -31,9 +31,11 @@ def reencode(
 ) -> None:
     """Re-encode the pages another vision encoder made, for the configured one.
 
-    After a model or projector upgrade, or a changed MMRAG_ENCODER_SALT,
-    MMRAG_MIN_PIXELS or MMRAG_MAX_PIXELS, those pages are never served
-    (`mmrag index check` counts them). This renders each one again from its
+    After a model or projector upgrade, a changed MMRAG_ENCODER_SALT,
+    MMRAG_MIN_PIXELS or MMRAG_MAX_PIXELS, or another image preprocessing
+    (a transformers upgrade, torchvision installed or removed; also keys
+    from before the encoder version covered preprocessing), those pages are
+    never served (`mmrag index check` counts them). This renders each one again from its
     source file, encodes it, stores its tokens, and only then switches the
     page to the new key. Text and vectors stay as they are: no embedder loads.
 
@@ -46,9 +48,9 @@ def reencode(
 
     Exit code 1 if any page could not be re-encoded (all others are).
     """
-    from core.settings import Settings
+    from mmrag import wiring
 
-    settings = Settings().for_tenant(tenant)
+    settings, _ = wiring.for_tenant(tenant)
     report = run(settings, dry_run=dry_run, show_progress=not as_json or sys.stderr.isatty())
     if as_json:
         typer.echo(json.dumps(report.to_json()))

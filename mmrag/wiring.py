@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from adapters.vision import VisionEncoder
     from adapters.vision_client import RemoteVisionEncoder
     from core.keys import ResolutionPolicy
+    from core.scope import TenantScope
     from ingestion.pipeline import Ingestor
     from rag.decompose import Decomposer
     from rag.pipeline import Pipeline, PipelineConfig
@@ -98,23 +99,27 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | Re
                          dtype=getattr(torch, placement.dtype), device=placement.device)
 
 
-_scopes: dict[tuple[str, str], EncoderScope] = {}
+_scopes: dict[tuple[str, str, bool], EncoderScope] = {}
 
 
-def encoder_scope(settings: Settings, model: ModelSource) -> EncoderScope:
-    """The encoder whose image tokens the configured model serves: its version (weights, processor, salt,
-    device kind, dtype) under the configured resolution policy. Reads the tower's weights to hash them
+def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessing: bool = False) -> EncoderScope:
+    """The encoder whose image tokens the configured model serves: its version (weights, processor config and
+    implementation, salt, device kind, dtype) under the configured resolution policy. Reads the tower's weights to hash them
     (builds no module, needs no GPU even for MMRAG_VISION_DEVICE=cuda), once per process for the same
     settings: `mmrag ask` needs it for both its engine and its retrieval.
 
     With MMRAG_VISION_URL it is the service's own (GET /v1/info): its device kind and dtype, which this host
     cannot know, are part of the version, and its keys are the ones ingestion stored; when the service does
-    not answer at start-up, the version computed here, with a warning."""
-    cache_key = (str(model.path), settings.model_dump_json())
+    not answer at start-up, the version computed here, with a warning.
+
+    ``before_preprocessing``: the scope the same encoder had before its version covered the preprocessing
+    implementation, i.e. the keys pages ingested then carry (`mmrag index check` names them old); always computed
+    here, since a vision service reports today's version only."""
+    cache_key = (str(model.path), settings.model_dump_json(), before_preprocessing)
     if cache_key in _scopes:
         return _scopes[cache_key]
     info = None
-    if settings.vision_url:
+    if settings.vision_url and not before_preprocessing:
         from adapters.vision_client import VisionServiceError, service_info
 
         try:
@@ -134,11 +139,12 @@ def encoder_scope(settings: Settings, model: ModelSource) -> EncoderScope:
     else:
         import torch
 
-        from adapters.vision import encoder_version_of
+        from adapters.vision import encoder_version_before_preprocessing_of, encoder_version_of
 
         placement = vision_placement(settings, require_device=False)
-        version = encoder_version_of(model.path, salt=settings.encoder_salt, dtype=getattr(torch, placement.dtype),
-                                     device_kind=placement.kind)
+        version_of = encoder_version_before_preprocessing_of if before_preprocessing else encoder_version_of
+        version = version_of(model.path, salt=settings.encoder_salt, dtype=getattr(torch, placement.dtype),
+                             device_kind=placement.kind)
         _scopes[cache_key] = EncoderScope(version, settings.resolution_policy)
     return _scopes[cache_key]
 
@@ -265,8 +271,9 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
     if settings.engine_url_list:
         from serving.engine.remote import RemoteEngine
 
-        return RemoteEngine(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
-                            queue_bound=settings.ray_affinity_queue_bound)
+        # Refuses a replica that serves another checkpoint (a fine-tune under the same name), at start-up.
+        return RemoteEngine.connect(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
+                                    queue_bound=settings.ray_affinity_queue_bound)
     if not allow_inprocess:
         require_engine_urls(settings)
     from serving.engine.inprocess import InProcessEngine
@@ -301,38 +308,68 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
                           one_prompt_pages=settings.one_prompt_pages)
 
 
-def decomposer(settings: Settings, engine: Engine) -> Decomposer:
-    """MMRAG_DECOMPOSER: ``auto`` asks the model unless its weights are random."""
+def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None) -> Decomposer:
+    """MMRAG_DECOMPOSER: ``auto`` asks the model unless its weights are random. Its requests carry the
+    scope's cache salt."""
     from rag.decompose import Decomposer
 
     ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
     return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
                       max_question_chars=settings.max_question_chars, max_tokens=settings.decompose_max_tokens,
-                      fixed_tokens=settings.decompose_fixed_tokens)
+                      fixed_tokens=settings.decompose_fixed_tokens,
+                      cache_salt=(scope or tenant_scope(settings)).cache_salt)
 
 
-def pipeline(settings: Settings, engine: Engine, *, client=None, encoder: EncoderScope | None = None,
-             store: FeatureStore | None = None, tower: Tower | None = None) -> tuple[Pipeline, Scheduler]:
-    """The pipeline over the configured index, its plans going through one prefix-aware scheduler. It
-    retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens are fed.
+def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = None, client=None,
+             encoder: EncoderScope | None = None, store: FeatureStore | None = None, tower: Tower | None = None
+             ) -> tuple[Pipeline, Scheduler]:
+    """The pipeline of ``scope`` (default: the default tenant's), its plans going through one prefix-aware
+    scheduler. It retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens
+    are fed.
 
     The caller owns the engine and closes ``pipeline.searcher.client``. ``store``: the one the engine reads, where
     pages asked for in a tier they lack are stored once encoded (default: the configured one). ``tower``: the
     process's vision tower (vision_tower), which those tier encodes run on (default: one of the pipeline's own).
+    Other tenants' pipelines share the scheduler and tiers (``scoped_pipeline``).
     """
-    from rag.pipeline import Pipeline
     from rag.tiers import PageTiers
     from serving.scheduler import Scheduler
 
     model = resolve_model(settings)
+    scope = scope or tenant_scope(settings)
     encoder = encoder or encoder_scope(settings, model)
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
-    pipe = Pipeline(decomposer(settings, engine), searcher(settings, client=client, encoder=encoder), engine,
-                    config=pipeline_config(settings), submit=scheduler.submit, token_counts=counts,
-                    tiers=PageTiers(settings, store or feature_store(settings),
-                                    tier_encoder(settings, tower or vision_tower(settings, model))))
+    tiers = PageTiers(settings, store or feature_store(settings),
+                      tier_encoder(settings, tower or vision_tower(settings, model)))
+    pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
+                           search=searcher(settings.scoped(scope), client=client, encoder=encoder))
     return pipe, scheduler
+
+
+def scoped_pipeline(settings: Settings, scope: TenantScope, engine: Engine, *, submit, counts: ImageTokenCounts,
+                    tiers, search: PageSearcher) -> Pipeline:
+    """One tenant's pipeline over process-wide parts (engine, the scheduler's ``submit``, token counts, tiers):
+    ``search`` reads the scope's collection, and the scope's salt goes on every plan and decomposition request.
+    A new pipeline per tenant, so a field added to Pipeline is never shared between tenants by accident."""
+    from rag.pipeline import Pipeline
+
+    return Pipeline(decomposer(settings, engine, scope), search, engine, config=pipeline_config(settings),
+                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt)
+
+
+def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScope:
+    """The tenant's scope (core/scope.py): built here, handed to all that acts for the tenant."""
+    from core.scope import TenantScope
+
+    return TenantScope.of(settings, tenant)
+
+
+def for_tenant(tenant: str, settings: Settings | None = None) -> tuple[Settings, TenantScope]:
+    """A CLI command's ``--tenant``: the settings reading the tenant's collection, and its scope (salt, roots)."""
+    settings = settings if settings is not None else Settings()
+    scope = tenant_scope(settings, tenant)
+    return settings.scoped(scope), scope
 
 
 # The vision tower of a process, built on its first use (a server whose work never needs one loads none).
@@ -379,7 +416,14 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
     tower = vision_tower(settings, model)
-    pipe, scheduler = pipeline(settings, metered, encoder=encoder, store=store, tower=tower)
+    keys = TenantKeys.from_settings(settings)
+    scopes = {t: tenant_scope(settings, t) for t in {DEFAULT_TENANT, *keys.tenants}}
+
+    def scope_of(tenant: str) -> TenantScope:  # a job resumed for a tenant since removed still has its scope
+        return scopes[tenant] if tenant in scopes else tenant_scope(settings, tenant)
+
+    pipe, scheduler = pipeline(settings, metered, scope=scopes[DEFAULT_TENANT], encoder=encoder, store=store,
+                               tower=tower)
     metrics.register_store(store)
     metrics.set_tiers(settings.tier_table)
     if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
@@ -391,57 +435,53 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         metrics.register_remote_replicas(settings.engine_url_list)
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
-    keys = TenantKeys.from_settings(settings)
 
     def make_index(tenant: str) -> PageIndex:
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
-        return page_index(settings.for_tenant(tenant), pipe.searcher.text_embedder.dim,
+        return page_index(settings.scoped(scope_of(tenant)), pipe.searcher.text_embedder.dim,
                           client=LoopBridge(client, loop))
 
     def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
-        job_settings = settings.for_tenant(tenant)
+        job_settings = settings.scoped(scope_of(tenant))
         if tiers:  # a job's own tiers, beside MMRAG_INGEST_TIERS (checked by the route)
             job_settings = job_settings.model_copy(update={"ingest_tiers": ",".join((settings.ingest_tiers, *tiers))})
         return ingestor(job_settings, model=model, store=store, index=make_index(tenant), encoder=tower(),
                         text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder)
 
-    jobs = IngestJobs(settings.ingest_root, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
-                      uploads=settings.data_dir / "uploads", make_index=make_index, store=store,
+    jobs = IngestJobs(scope_of, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
+                      make_index=make_index, store=store,
                       referenced=lambda index: index.referenced_keys(settings.qdrant_collection),
                       tiers=settings.tier_table)
     conversations = Conversations(max_entries=settings.max_conversations, ttl_s=settings.conversation_ttl_s)
     root = Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
-                    owns_engine=engine_ is None, keys=keys,
+                    owns_engine=engine_ is None, keys=keys, scope=scopes[DEFAULT_TENANT],
                     admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
                     question_images=QuestionImages(settings, store, lambda: tower().view()),
                     conversations=conversations.for_tenant(DEFAULT_TENANT))
-    root.tenants.update({t: tenant_view(root, t, jobs, conversations) for t in keys.tenants})
+    root.tenants.update({t: tenant_view(root, scopes[t], jobs, conversations) for t in keys.tenants})
     return root
 
 
-def tenant_view(root: Services, tenant: str, jobs: IngestJobs, conversations: Conversations) -> Services:
-    """The tenant's services: its collection searched and read, its jobs and conversations, its plans salted
-    (serving/api/tenants.py); engine, scheduler, store and embedders stay the process's one."""
-    import copy
+def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversations: Conversations) -> Services:
+    """The tenant's services: its own pipeline (its collection searched, its salt on every plan), pages, jobs
+    and conversations, all from its scope; engine, scheduler, store, tiers and embedders stay the process's one."""
     import dataclasses
 
     from adapters.qdrant import AsyncPageReader
-    from serving.api.tenants import SaltedEngine, cache_salt, salted
 
-    if tenant == DEFAULT_TENANT:
+    if scope.tenant == DEFAULT_TENANT:
         return root
-    settings, base = root.settings.for_tenant(tenant), root.pipeline
-    pipe = copy.copy(base)
-    pipe.searcher = searcher(settings, client=base.searcher.client, encoder=base.searcher.encoder,
-                             text=base.searcher.text_embedder, image=base.searcher.image_embedder)
-    salt = cache_salt(tenant)
-    pipe.submit = salted(base.submit, salt)
-    pipe.decomposer = decomposer(settings, SaltedEngine(root.engine, salt))
-    return dataclasses.replace(root, tenant=tenant, pipeline=pipe,
-                               pages=AsyncPageReader(base.searcher.client, settings.qdrant_collection),
-                               jobs=jobs.for_tenant(tenant), conversations=conversations.for_tenant(tenant),
+    base = root.pipeline
+    search = searcher(root.settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
+                      text=base.searcher.text_embedder, image=base.searcher.image_embedder)
+    pipe = scoped_pipeline(root.settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
+                           tiers=base.tiers, search=search)
+    return dataclasses.replace(root, scope=scope, pipeline=pipe,
+                               pages=AsyncPageReader(base.searcher.client, scope.collection),
+                               jobs=jobs.for_tenant(scope.tenant),
+                               conversations=conversations.for_tenant(scope.tenant),
                                tenants={})
 
 

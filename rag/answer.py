@@ -61,13 +61,14 @@ class Answer:
         }
 
 
-async def answer_over_pages(engine: Engine, question: str, pages: list[PagePayload], *, max_tokens: int
-                            ) -> Answer:
-    """One prompt over explicitly chosen pages, in the order given."""
+async def answer_over_pages(engine: Engine, question: str, pages: list[PagePayload], *, max_tokens: int,
+                            cache_salt: str = "") -> Answer:
+    """One prompt over explicitly chosen pages, in the order given, under ``cache_salt`` (the tenant's)."""
     plan = PromptPlan(
         images=tuple(p.image_key for p in pages),
         text=question,
         sampling=SamplingSpec(max_tokens=max_tokens),
+        cache_salt=cache_salt,
     )
     completion = await engine.generate(plan)
     return Answer(

@@ -443,13 +443,14 @@ class ModelDecomposer:
     """
 
     def __init__(self, engine: Engine, *, max_n: int = 4, max_len: int = 200, max_tokens: int = 160,
-                 fixed_tokens: int = 0) -> None:
+                 fixed_tokens: int = 0, cache_salt: str = "") -> None:
         if max_tokens < 1 or fixed_tokens < 0:
             raise ValueError(f"max_tokens must be at least 1 and fixed_tokens at least 0, got {max_tokens} and "
                              f"{fixed_tokens}")
         self.engine = engine
         self.max_n = max_n
         self.max_len = max_len
+        self.cache_salt = cache_salt  # the tenant's (core/scope.py): its prompts share KV with its own only
         if fixed_tokens:
             self.sampling = SamplingSpec(max_tokens=fixed_tokens, min_tokens=fixed_tokens, temperature=0.0)
         else:
@@ -457,7 +458,8 @@ class ModelDecomposer:
                                          json_schema=json.dumps(sub_question_schema(max_n, max_len)))
 
     def plan(self, question: str) -> PromptPlan:
-        return PromptPlan(images=(), text=question, system_prompt_id="decompose", sampling=self.sampling)
+        return PromptPlan(images=(), text=question, system_prompt_id="decompose", sampling=self.sampling,
+                          cache_salt=self.cache_salt)
 
     async def propose(self, question: str) -> Completion:
         """The model's raw reply (schema-shaped JSON text when the engine honours guided decoding)."""
@@ -492,9 +494,11 @@ class Decomposer:
         max_question_chars: int = MAX_QUESTION_CHARS,
         max_tokens: int = 160,
         fixed_tokens: int = 0,
+        cache_salt: str = "",
     ) -> None:
         self.model = (ModelDecomposer(engine, max_n=max_n, max_len=max_len, max_tokens=max_tokens,
-                                      fixed_tokens=fixed_tokens) if engine is not None else None)
+                                      fixed_tokens=fixed_tokens, cache_salt=cache_salt)
+                      if engine is not None else None)
         self.rules = RuleDecomposer(max_n=max_n)
         self.max_question_chars = max_question_chars
 

@@ -60,16 +60,18 @@ class Pipeline:
     """``submit`` is where plans go (the scheduler's submit when serving; ``engine.generate`` by default);
     ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens.
 
-    The pipeline holds the process's one :class:`PagePopularity` (the wiring builds one pipeline per process)
-    and observes every sub-question's retrieved pages before planning: one prompt orders its pages by it, and
-    so does the global layout.
+    The wiring builds one pipeline per tenant scope (core/scope.py): ``searcher`` reads the tenant's collection,
+    ``cache_salt`` goes on every plan it submits. Each holds its tenant's :class:`PagePopularity` and observes
+    every sub-question's retrieved pages before planning: one prompt orders its pages by it, and so does the
+    global layout.
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
     """
 
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
                  config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
-                 token_counts: ImageTokenCounts | None = None, tiers: TierSource | None = None) -> None:
+                 token_counts: ImageTokenCounts | None = None, tiers: TierSource | None = None,
+                 cache_salt: str = "") -> None:
         self.decomposer = decomposer
         self.searcher = searcher
         self.engine = engine
@@ -77,6 +79,7 @@ class Pipeline:
         self.submit = submit or engine.generate
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.tiers = tiers
+        self.cache_salt = cache_salt  # the tenant's (core/scope.py): on every plan this pipeline submits
         self.popularity: PagePopularity = PagePopularity()
 
     def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
@@ -213,6 +216,7 @@ class Pipeline:
     def _submit(self, plan: PromptPlan, streamed_to: _Run | None) -> Awaitable[Completion]:
         """The plan submitted; its text streamed as the answer's tokens when it is the answer and the question
         is streamed (a submit that never streams, such as a test's recorder, need not take ``on_text``)."""
+        plan = dataclasses.replace(plan, cache_salt=self.cache_salt)
         if self.config.fixed_length:
             plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling,
                                                                           min_tokens=plan.sampling.max_tokens))

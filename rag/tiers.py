@@ -1,9 +1,11 @@
 """A question's resolution tier: its retrieved pages' image tokens under the tier it asks for.
 
-Indexed pages carry the key of the ``standard`` tier; another tier's key is the same content hash and encoder
-under that tier's policy (``ImageKey.in_policy``). A page whose tokens in the asked tier are not stored yet is
-encoded on demand, once, from its source file (the page image is at hand: the index names the file and page),
-and the forward is counted in the answer's ``usage.vision_encodes``. Only when it cannot be (its source is gone
+Indexed pages carry the key of the ``standard`` tier; their tokens in another tier are looked up under the same
+content hash and encoder with that tier's policy (``ImageKey.in_policy``). A page whose tokens in the asked tier
+are not stored yet is encoded on demand, once, from its source file (the page image is at hand: the index names
+the file and page), and the forward is counted in the answer's ``usage.vision_encodes``. What an encoder makes is
+stored under that encoder's own key (``key_for``), through a store scoped to it: the key names the encoder that
+made the tokens, not the one the index names. Only when it cannot be (its source is gone
 or renders another image, or the tower is not in this process: MMRAG_VISION_URL) does the page fall back to
 the nearest tier whose tokens are stored, and the answer says so (``tier.fell_back``).
 """
@@ -20,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from core.keys import ImageKey, ResolutionPolicy, Tiers
+from adapters.store import ScopedFeatureStore
+from core.keys import ContentHash, ImageKey, ResolutionPolicy, Tiers
 from core.pages import EncodedImage
+from core.payload import EncoderScope
 from core.settings import Settings
 from retrieval.search import Hit
 
@@ -50,7 +54,10 @@ class TierSource(Protocol):
 
 
 class TierEncoder(Protocol):
+    version: str
     policy: ResolutionPolicy
+
+    def key_for(self, content_hash: ContentHash) -> ImageKey: ...
 
     def encode(self, images: list[Image.Image]) -> list[EncodedImage]: ...
 
@@ -107,7 +114,8 @@ class PageTiers:
         images: dict[ImageKey, Image.Image] = {}
         served: dict[ImageKey, tuple[ImageKey, int]] = {}
         for hit in hits:
-            want = hit.image_key.in_policy(policy)
+            content = hit.image_key.content_hash
+            want = hit.image_key.in_policy(policy) if encoder is None else encoder.key_for(content)
             if self.store.contains(want):  # another question encoded it while this one waited
                 served[hit.image_key] = (want, self._stored_tokens(want))
                 continue
@@ -119,9 +127,11 @@ class PageTiers:
             except PageUnavailableError as exc:
                 served[hit.image_key] = self._fallback(hit, policy, str(exc), result)
         if images:
+            writer = ScopedFeatureStore(self.store, EncoderScope(encoder.version, encoder.policy))
             for key, value in zip(images, encoder.encode(list(images.values())), strict=True):
-                self.store.put(key.in_policy(policy), value)
-                served[key] = (key.in_policy(policy), value.num_tokens)
+                mine = encoder.key_for(key.content_hash)
+                writer.put(mine, value)
+                served[key] = (mine, value.num_tokens)
             result.vision_encodes += len(images)
         return served
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.markup import escape
+
+from serving.metrics import parse_samples, sample_total
 
 QUESTIONS = [
     "What is the retry limit and the timeout of the ingest service?",
@@ -20,12 +21,8 @@ out = Console()
 
 
 def totals(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
+    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    return {name: sample_total(samples, name) for name in samples}
 
 
 def rate(num: float, den: float) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 from adapters.qdrant import PageIndex
 from adapters.store import FeatureStore
 from core.keys import ImageKey, Tiers, doc_id_for
+from core.scope import TenantScope
 from core.settings import DEFAULT_TENANT
 from ingestion.pipeline import Ingestor
 
@@ -114,17 +115,17 @@ class IngestJobs:
     feature store.
 
     Each job belongs to a tenant (``for_tenant`` gives a tenant's view): it writes the tenant's collection
-    (``make_index(tenant)``), reads server-side paths under ``root/<tenant>`` (the default tenant: ``root``)
-    and stores uploads under ``uploads/tenants/<tenant>`` (the default tenant: ``uploads``).
+    (``make_index(tenant)``), reads server-side paths under its scope's ``root`` and stores uploads under its
+    scope's ``uploads`` (``scope_of(tenant)``, core/scope.py).
     ``referenced``: the feature keys any tenant's pages reference (what a deletion must keep, with those pages'
     entries in the other ``tiers``)."""
 
-    def __init__(self, root: Path | None, make_ingestor: Callable[[str, tuple[str, ...]], Ingestor], *,
-                 state: Path, uploads: Path,
+    def __init__(self, scope_of: Callable[[str], TenantScope], make_ingestor: Callable[[str, tuple[str, ...]], Ingestor],
+                 *, state: Path,
                  make_index: Callable[[str], PageIndex], store: FeatureStore,
                  referenced: Callable[[PageIndex], set[ImageKey]], tiers: Tiers) -> None:
-        self.root = root.resolve() if root else None
-        self.uploads = uploads.resolve()
+        self._scope_of = scope_of
+        self.uploads = scope_of(DEFAULT_TENANT).uploads  # the default tenant's; the others' are under it
         self._make_ingestor = make_ingestor
         self._make_index = make_index
         self._referenced = referenced
@@ -147,12 +148,10 @@ class IngestJobs:
         return TenantJobs(self, tenant)
 
     def root_of(self, tenant: str) -> Path | None:
-        if self.root is None or tenant == DEFAULT_TENANT:
-            return self.root
-        return self.root / tenant
+        return self._scope_of(tenant).root
 
     def uploads_of(self, tenant: str) -> Path:
-        return self.uploads if tenant == DEFAULT_TENANT else self.uploads / "tenants" / tenant
+        return self._scope_of(tenant).uploads
 
     def allowed(self, raw: list[str], tenant: str = DEFAULT_TENANT) -> list[Path]:
         root = self.root_of(tenant)

@@ -251,8 +251,12 @@ class Metrics:
                 self._scheduler_last[field] = now
 
     def set_tiers(self, tiers: Tiers) -> None:
-        """Name the ``tier`` label by the configured tiers (Settings.tier_table) instead of by policy."""
+        """Name the ``tier`` label by the configured tiers (Settings.tier_table) instead of by policy; each
+        tier's series exists from now on, at 0, so its dashboard panel and rate() have a start before any
+        plan asks for that tier."""
         self._tiers = tiers
+        for name in tiers.policies:
+            self._tier_per_request.labels(name)
 
     # -- warm set --
 
@@ -326,6 +330,24 @@ class Metrics:
         if self._replicas is not None:
             self._replicas.close()
             self._replicas = None
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name (``_total``, ``_bucket``...) -> [(labels, value)]
+
+
+def parse_samples(text: str) -> Samples:
+    """Prometheus text exposition (any /metrics: ours, a vLLM replica's, the vision service's) parsed by
+    prometheus_client's own parser: sample name -> [(labels, value)]. Raises ValueError on text it cannot read."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def sample_total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
+    return sum(v for have, v in samples.get(name, []) if labels.items() <= have.items())
 
 
 def public_labels(labels: Mapping[str, str]) -> dict[str, str]:

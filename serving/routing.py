@@ -34,8 +34,9 @@ def prefix_path(plan: PromptPlan) -> Path:
 
 
 def route_key(plan: PromptPlan) -> str:
-    """The rendezvous key: the first image (the start of the shared KV prefix), else the system prompt."""
-    return str(plan.images[0]) if plan.images else f"system:{plan.system_prompt_id}"
+    """The rendezvous key: the salt and the first image (the start of the shared KV prefix), else the salt and
+    the system prompt. The default tenant's salt is empty, so its keys are what they always were."""
+    return plan.cache_salt + (str(plan.images[0]) if plan.images else f"system:{plan.system_prompt_id}")
 
 
 def rendezvous_order(key: str, replicas: Iterable[str]) -> list[str]:

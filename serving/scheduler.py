@@ -1,20 +1,27 @@
 """Prefix-aware scheduling of prompt plans in front of the engine.
 
-The sub-question plans of all in-flight requests enter one queue. A policy orders the queue — FCFS, LPM
-(longest prefix already sent first) or DFS-weight (SGLang's: walk the trie of image-key prefixes, heavier
-subtrees first, so plans sharing a figure leave back to back). On top of the order:
+The sub-question plans of all in-flight requests enter one queue. Two units decide what runs, kept apart:
 
-- group gating: a plan whose leading image is being prefilled by another in-flight plan waits for that
-  prefill to finish, so it hits the KV the first plan creates instead of computing it a second time;
-- a concurrency limit to the engine, and admission by image tokens in flight (the guard against KV
-  exhaustion);
-- fairness: a plan that has waited ``max_wait_ms`` goes next, whatever the policy says;
-- above ``queue_cap`` waiting plans, plain FCFS, to bound the policy's own cost;
-- cancellation: a cancelled ``submit`` (its question's client left) takes its plan out of the queue, or
-  cancels its engine request if it is running, so abandoned work frees capacity at once;
-- mixed resolutions (``short_image_tokens``): plans of at most that many image tokens form a queue of their
-  own, served before the long plans, and ``short_reserved`` of the concurrency slots are theirs alone — a
-  short plan never waits for a slot behind long image prefills (each takes seconds on a CPU).
+- the order (pure functions over plain lists of prefix paths, ``routing.prefix_path``: the cache salt and
+  system prompt, then the images): FCFS, LPM (longest prefix already prefilled first) or DFS-weight
+  (SGLang's: walk the trie of prefixes, heavier subtrees first, so plans sharing a figure leave back to back);
+  overdue plans (waited ``max_wait_ms``) are offered first, in arrival order, whatever the policy says; above
+  ``queue_cap`` waiting plans, plain FCFS, to bound the policy's own cost;
+- admission (:class:`Admission`): which of the offered plans may start now —
+  - a concurrency limit to the engine, and the image tokens in flight within a budget (the guard against
+    KV exhaustion);
+  - mixed resolutions (``short_image_tokens``): plans of at most that many image tokens form a queue of
+    their own, offered before the long plans, and ``short_reserved`` of the slots are theirs alone, so a
+    short plan never waits for a slot behind long image prefills (each takes seconds on a CPU);
+  - group gating: a plan whose leading image is being prefilled by another in-flight plan of the same salt
+    waits for that prefill to finish, so it hits the KV the first plan creates instead of computing it again.
+
+Cancellation: a cancelled ``submit`` (its question's client left) takes its plan out of the queue, or cancels
+its engine request if it is running, so abandoned work frees capacity at once.
+
+The rules hold as properties over random arrival streams (tests/test_scheduler_properties.py): a free reserved
+slot is never idle while a short plan waits, no plan waits past ``max_wait_ms`` while a slot it may use is free,
+the budget is never exceeded, and gating never crosses salts.
 
 Why a reserved share and not a bound on the image-token spread in flight: the spread bound is for batches that
 pay for padding (a GPU kernel over ragged lengths); vLLM packs a batch's tokens without padding, so a mixed
@@ -24,8 +31,6 @@ queues have work, bounds a short plan's wait by the short plans ahead of it, and
 ``max_concurrency - short_reserved`` slots of their own (plus ``max_wait_ms`` fairness), so they cannot starve.
 
 ``KVResidency`` estimates the image tokens the engine's prefix cache holds, for serving/metrics.
-
-Ordering functions are pure, over plain lists, and testable without an engine.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from core.engine import Completion, Engine, OnText, PromptPlan
+from serving.routing import Path, prefix_path
 
 T = TypeVar("T")
 Key = Hashable
@@ -51,7 +57,7 @@ class Policy(str, enum.Enum):
     DFS_WEIGHT = "dfs-weight"
 
 
-# --- pure ordering functions over lists of image-key tuples ---------------------------------------------
+# --- pure ordering functions over lists of prefix paths ---------------------------------------------------
 
 
 def order_fcfs(prefixes: Sequence[tuple[Key, ...]]) -> list[int]:
@@ -143,6 +149,7 @@ class SchedulerStats:
 @dataclass(slots=True)
 class _Waiting:
     plan: PromptPlan
+    path: Path  # routing.prefix_path(plan): the salt and system prompt, then the images
     seq: int
     arrival: float
     image_tokens: int
@@ -151,26 +158,138 @@ class _Waiting:
     task: asyncio.Task | None = field(default=None, repr=False)  # the engine request, once dispatched
     on_text: OnText | None = field(default=None, repr=False)  # the caller's, forwarded to the engine
 
+    @property
+    def lead(self) -> Path | None:
+        """The prefix whose KV the plan's followers wait for: salt + system prompt + first image."""
+        return self.path[:2] if len(self.path) > 1 else None
+
+
+class Block(str, enum.Enum):
+    """Why admission keeps a plan waiting (:meth:`Admission.block`)."""
+
+    SLOT = "slot"  # every slot is taken
+    LONG_SLOT = "long_slot"  # the free slots are the short plans' reserved ones
+    BUDGET = "budget"  # its image tokens would overrun the in-flight budget
+    HELD = "held"  # an older overdue plan waits for the budget: nothing younger overtakes it
+    GATED = "gated"  # a plan of the same salt is prefilling its leading image: wait and hit that KV
+
+
+class Admission:
+    """Who may start now, apart from the order plans are offered in (the way SGLang keeps its PrefillAdder
+    apart from its schedule policy). Plain state, no clock and no asyncio, so each rule is testable alone:
+
+    - slots: at most ``max_concurrency`` plans in flight; long plans at most ``max_concurrency - short_reserved``
+      when the short queue is on, so ``short_reserved`` slots are always the short plans';
+    - the image-token budget: the image tokens in flight never exceed ``max_image_tokens_in_flight`` (a plan
+      larger than the budget is refused at submit, so the budget never blocks an idle engine);
+    - fairness: an overdue plan is never gated, and while an overdue plan waits for the budget no younger
+      plan overtakes it, overdue or not (else a stream of smaller plans could keep it out for ever), except a
+      short plan into a free reserved slot: that slot is not one the waiting plan may use unless it is short;
+    - gating: a plan waits while another plan of the same salt and system prompt prefills its leading image
+      for the first time, then hits that KV. Another salt's prefill is never waited for: it can never be reused
+      (its salt is in the first block's hash). A short plan with a reserved slot free is never gated: its
+      prefill is cheap, and the slot exists so that short plans do not wait.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.in_flight = 0
+        self.long_in_flight = 0
+        self.tokens_in_flight = 0
+        self.prefilling: dict[Path, int] = {}  # lead → plans of it in flight and still in prefill
+        self.prefilled: OrderedDict[Path, None] = OrderedDict()  # prefixes some plan finished prefilling
+        self._reserved = config.short_reserved if config.short_image_tokens else 0
+
+    @property
+    def free(self) -> bool:
+        return self.in_flight < self.config.max_concurrency
+
+    @property
+    def reserved_free(self) -> bool:
+        """A short plan's reserved slot is free (there are reserved slots, and fewer short plans run)."""
+        return self.free and self.in_flight - self.long_in_flight < self._reserved
+
+    def block(self, w: _Waiting, *, overdue: bool = False, hold: bool = False) -> Block | None:
+        """Why ``w`` may not start now, or None. ``overdue``: it waited ``max_wait_ms``; ``hold``: an older
+        overdue plan waits for the budget."""
+        if not self.free:
+            return Block.SLOT
+        if not w.short and self.long_in_flight >= self.config.max_concurrency - self._reserved:
+            return Block.LONG_SLOT
+        if self.tokens_in_flight + w.image_tokens > self.config.max_image_tokens_in_flight:
+            return Block.BUDGET
+        reserved = w.short and self.reserved_free
+        if hold and not reserved:
+            return Block.HELD
+        if not overdue and not reserved and self.gated(w):
+            return Block.GATED
+        return None
+
+    def gated(self, w: _Waiting) -> bool:
+        """Another plan is prefilling ``w``'s lead (salt, system prompt, first image) and none has finished it.
+        FCFS, the no-cleverness baseline, never gates."""
+        if self.config.policy is Policy.FCFS or w.lead is None:
+            return False
+        return w.lead in self.prefilling and w.lead not in self.prefilled
+
+    def start(self, w: _Waiting) -> None:
+        self.in_flight += 1
+        self.long_in_flight += not w.short
+        self.tokens_in_flight += w.image_tokens
+        if w.lead is not None:
+            self.prefilling[w.lead] = self.prefilling.get(w.lead, 0) + 1
+
+    def end_prefill(self, w: _Waiting) -> None:
+        """Its KV is in the prefix cache from here on: followers of each of its prefixes may start."""
+        if w.lead is not None:
+            self.prefilling[w.lead] -= 1
+            if not self.prefilling[w.lead]:
+                del self.prefilling[w.lead]
+        for n in range(2, len(w.path) + 1):
+            self.prefilled[w.path[:n]] = None
+            self.prefilled.move_to_end(w.path[:n])
+        while len(self.prefilled) > PREFILLED_TRACKED:
+            self.prefilled.popitem(last=False)
+
+    def finish(self, w: _Waiting) -> None:
+        self.in_flight -= 1
+        self.long_in_flight -= not w.short
+        self.tokens_in_flight -= w.image_tokens
+
+    def matched(self, path: Path) -> int:
+        """Images of ``path`` whose prefix some plan prefilled (LPM's view of what is cached)."""
+        return max((n - 1 for n in range(len(path), 1, -1) if path[:n] in self.prefilled), default=0)
+
+
+PREFILLED_TRACKED = 4096  # prefixes remembered as prefilled; the oldest are forgotten first
+
 
 class Scheduler:
-    """``await scheduler.submit(plan)`` instead of ``await engine.generate(plan)``."""
+    """``await scheduler.submit(plan)`` instead of ``await engine.generate(plan)``.
+
+    Each time capacity may have freed (a submit, a first token, a completion, a wait running out), the plans
+    are offered to :class:`Admission` in this order, and the first it admits starts; until none can:
+    the overdue plans in arrival order, then the rest in the policy's order (above ``queue_cap`` waiting
+    plans, arrival order; with the short queue on, its plans before the long ones).
+    """
 
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig(), *,
-                 image_tokens: Callable[[PromptPlan], int], clock: Callable[[], float] = time.monotonic) -> None:
+                 image_tokens: Callable[[PromptPlan], int], clock: Callable[[], float] = time.monotonic,
+                 call_later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
+        """``clock`` and ``call_later`` (default: the running loop's, on ``time.monotonic``): a test that drives
+        time itself passes its own, and calls :meth:`wake` when its time passes."""
         self.engine = engine
         self.config = config
         self.stats = SchedulerStats()
+        self.admission = Admission(config)
         self._image_tokens = image_tokens
         self._clock = clock
         self._queue: list[_Waiting] = []
         self._seq = itertools.count()
-        self._in_flight = 0
-        self._long_in_flight = 0
-        self._tokens_in_flight = 0
         self.residency: KVResidency | None = None  # set by track_kv
-        self._prefilling: dict[Key, int] = {}  # leading image → plans of it still in prefill
-        self._recent: OrderedDict[tuple[Key, ...], None] = OrderedDict()  # LPM's view of what is cached
         self._tasks: set[asyncio.Task] = set()
+        self._call_later = call_later
+        self._timer: Any = None  # what call_later returned: something with cancel()
 
     @property
     def waiting(self) -> int:
@@ -178,7 +297,7 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.admission.in_flight
 
     def track_kv(self, capacity_tokens: int) -> KVResidency:
         """Estimate, from here on, the image tokens resident in a prefix cache of this many tokens."""
@@ -195,7 +314,8 @@ class Scheduler:
                 "in-flight budget: lower top-k or max_pixels, or raise the budget"
             )
         short = 0 < self.config.short_image_tokens and tokens <= self.config.short_image_tokens
-        item = _Waiting(plan, next(self._seq), self._clock(), tokens, short, loop.create_future(), on_text=on_text)
+        item = _Waiting(plan, prefix_path(plan), next(self._seq), self._clock(), tokens, short,
+                        loop.create_future(), on_text=on_text)
         self._queue.append(item)
         self.stats.submitted += 1
         self._dispatch()
@@ -213,88 +333,89 @@ class Scheduler:
             item.task.cancel()  # _run's finally frees its capacity and dispatches the next plan
             self.stats.cancelled_running += 1
 
+    def wake(self) -> None:
+        """Offer the queue again (the timer's callback: a gated plan's wait ran out)."""
+        self._timer = None
+        self._dispatch()
+
     # The dispatcher runs synchronously at every event that can free capacity: a submit, a first token,
-    # a completion. No background loop, so nothing to start or stop.
+    # a completion, and the one timer below. No background loop, so nothing to start or stop.
     def _dispatch(self) -> None:
-        while self._queue and self._in_flight < self.config.max_concurrency:
+        while self._queue and self.admission.free:
             item = self._next()
             if item is None:
-                return
+                break
             self._queue.remove(item)
             self._start(item)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        """With a slot free and plans waiting, wake when the first of them becomes overdue: a plan that was
+        gated may then start (no other event need come; fairness must not wait for one)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._queue or not self.admission.free:
+            return
+        due = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - self._clock()
+        if due > 0:
+            self._timer = (self._call_later or asyncio.get_running_loop().call_later)(due, self.wake)
 
     def _next(self) -> _Waiting | None:
         now = self._clock()
         overdue = [w for w in self._queue if (now - w.arrival) * 1000 >= self.config.max_wait_ms]
-        if overdue:
-            self.stats.fairness_overrides += 1
-            candidates = overdue  # already in arrival order
-        elif len(self._queue) > self.config.queue_cap:
+        rest = [w for w in self._queue if (now - w.arrival) * 1000 < self.config.max_wait_ms]
+        if len(self._queue) > self.config.queue_cap:
             self.stats.fcfs_fallbacks += 1
-            candidates = self._queue
-        else:
-            candidates = [self._queue[i] for i in self._order([w.plan.images for w in self._queue])]
-            if self.config.short_image_tokens:
-                candidates.sort(key=lambda w: not w.short)  # stable: the short queue first, each in policy order
-        long_slots = self.config.max_concurrency - (self.config.short_reserved if self.config.short_image_tokens else 0)
-        for w in candidates:
-            if not w.short and self._long_in_flight >= long_slots:
-                self.stats.long_held += 1
-                continue
-            if self._tokens_in_flight and self._tokens_in_flight + w.image_tokens > self.config.max_image_tokens_in_flight:
-                continue
-            if w not in overdue and self._gated(w):
-                self.stats.gated += 1
-                continue
-            return w
+        elif rest:
+            rest = [rest[i] for i in self._order([w.path for w in rest])]
+        if self.config.short_image_tokens:
+            rest.sort(key=lambda w: not w.short)  # stable: the short queue first, each in policy order
+        hold = False  # an overdue plan waits for the budget: nothing younger overtakes it
+        for w in overdue:
+            why = self.admission.block(w, overdue=True, hold=hold)
+            if why is None:
+                self.stats.fairness_overrides += 1
+                return w
+            hold = hold or why is Block.BUDGET
+        for w in rest:
+            why = self.admission.block(w, hold=hold)
+            if why is None:
+                return w
+            self.stats.long_held += why is Block.LONG_SLOT
+            self.stats.gated += why is Block.GATED
         return None
 
-    def _order(self, prefixes: list[tuple[Key, ...]]) -> list[int]:
+    def _order(self, paths: list[Path]) -> list[int]:
         policy = self.config.policy
         if policy is Policy.DFS_WEIGHT:
-            return order_dfs_weight(prefixes)
+            return order_dfs_weight(paths)
         if policy is Policy.LPM:
-            return order_lpm(prefixes, self._matched)
-        return order_fcfs(prefixes)
-
-    def _gated(self, w: _Waiting) -> bool:
-        """Hold a plan while another plan is prefilling its leading image for the first time.
-
-        Once one prefill of that image finished, its blocks are in the prefix cache and followers can run
-        concurrently. FCFS is the no-cleverness baseline: it never holds a plan back.
-        """
-        if self.config.policy is Policy.FCFS or not w.plan.images:
-            return False
-        lead = w.plan.images[0]
-        return lead in self._prefilling and (lead,) not in self._recent
-
-    def _matched(self, prefix: tuple[Key, ...]) -> int:
-        return max((n for n in range(len(prefix), 0, -1) if prefix[:n] in self._recent), default=0)
+            return order_lpm(paths, self.admission.matched)
+        return order_fcfs(paths)
 
     def _start(self, w: _Waiting) -> None:
-        self._in_flight += 1
-        self._long_in_flight += not w.short
-        self._tokens_in_flight += w.image_tokens
+        self.admission.start(w)
         self.stats.dispatched += 1
         self.stats.short_dispatched += w.short
         self.stats.image_tokens_by_policy += self._by_policy(w)
         self.stats.queue_waits_s.append(self._clock() - w.arrival)
-        lead = w.plan.images[0] if w.plan.images else None
-        if lead is not None:
-            self._prefilling[lead] = self._prefilling.get(lead, 0) + 1
-            self.stats.group_sizes.append(1 + sum(1 for q in self._queue if q.plan.images[:1] == (lead,)))
-        task = w.task = asyncio.get_running_loop().create_task(self._run(w, lead))
+        if w.lead is not None:
+            self.stats.group_sizes.append(1 + sum(1 for q in self._queue if q.lead == w.lead))
+        task = w.task = asyncio.get_running_loop().create_task(self._run(w))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, w: _Waiting, lead: Any) -> None:
+    async def _run(self, w: _Waiting) -> None:
         prefilled = False
 
         def on_first_token() -> None:
             nonlocal prefilled
             if not prefilled:
                 prefilled = True
-                self._end_prefill(lead, w.plan)
+                self._observe(w.plan)  # its images' KV is in the cache from the end of prefill on
+                self.admission.end_prefill(w)
+                self._dispatch()
 
         try:
             # on_text only when asked for: an engine that never streams text need not take it.
@@ -310,23 +431,8 @@ class Scheduler:
                 w.future.set_result(completion)
         finally:
             on_first_token()
-            self._in_flight -= 1
-            self._long_in_flight -= not w.short
-            self._tokens_in_flight -= w.image_tokens
+            self.admission.finish(w)
             self._dispatch()
-
-    def _end_prefill(self, lead: Any, plan: PromptPlan) -> None:
-        self._observe(plan)  # its images' KV is in the cache from the end of prefill on
-        if lead is not None:
-            self._prefilling[lead] -= 1
-            if not self._prefilling[lead]:
-                del self._prefilling[lead]
-        for n in range(1, len(plan.images) + 1):
-            self._recent[plan.images[:n]] = None
-            self._recent.move_to_end(plan.images[:n])
-        while len(self._recent) > 4096:
-            self._recent.popitem(last=False)
-        self._dispatch()
 
     def _observe(self, plan: PromptPlan, other_tokens: int | None = None) -> None:
         if self.residency is not None:

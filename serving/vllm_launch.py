@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from adapters.checkpoint import checkpoint_fingerprint, fingerprint_name
 from serving.engine.config import EngineConfig
 from serving.engine.lifeline import PARENT_PID_VAR, die_with, tie_engine_cores_to_this_process
+# ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.
+from serving.readiness import ServerStartError, answers_200, wait_until_ready
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, port: int) -> list[str]:
-    """The argv that runs one replica through this module."""
+    """The argv that runs one replica of the local checkpoint ``model_path`` through this module.
+
+    The replica serves it under its path, as vLLM would by default, and under a second name that announces
+    the checkpoint's fingerprint, computed here from the files vLLM is handed: how mmrag hosts elsewhere tell
+    it from a fine-tune served under the same name (serving/engine/remote.identify_replica)."""
+    names = [str(model_path), fingerprint_name(checkpoint_fingerprint(model_path))]
     return [sys.executable, "-m", "serving.vllm_launch", "serve", str(model_path),
-            "--host", host, "--port", str(port), *config.serve_flags()]
+            "--host", host, "--port", str(port), "--served-model-name", *names, *config.serve_flags()]
 
 
 def serve_env(config: EngineConfig) -> dict[str, str]:
@@ -93,10 +99,6 @@ def serve_env(config: EngineConfig) -> dict[str, str]:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
-
-
-class ServerStartError(RuntimeError):
-    """A `vllm serve` replica exited or did not become ready; the message carries its log tail."""
 
 
 @dataclass(slots=True)
@@ -119,7 +121,8 @@ class ServerHandle:
 
     def wait_ready(self, timeout: float = 180.0) -> float:
         """Block until the server answers /health; seconds since start. Raises if it dies or times out."""
-        wait_ready(self.url, timeout, handle=self)
+        wait_until_ready(answers_200(f"{self.url}/health"), timeout_s=timeout, what=f"vllm serve at {self.url}",
+                         proc=self.proc, log=lambda: f"Log tail ({self.log_path or 'stderr'}):\n{self.log_tail()}")
         seconds = time.monotonic() - self.started_at
         log.info("vllm serve ready at %s in %.1f s (pid %d)", self.url, seconds, self.proc.pid)
         return seconds
@@ -162,27 +165,6 @@ def start_server(
     with log_path.open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
     return ServerHandle(proc, f"http://{host}:{port}", log_path)
-
-
-def wait_ready(url: str, timeout: float = 180.0, *, handle: ServerHandle | None = None) -> None:
-    """Poll ``url``/health until 200. With a ``handle``, a dead process raises at once with its log tail."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while True:
-            if handle is not None and handle.proc.poll() is not None:
-                raise ServerStartError(
-                    f"vllm serve for {url} exited with code {handle.proc.returncode} before it was ready. "
-                    f"Log tail ({handle.log_path or 'stderr'}):\n{handle.log_tail()}"
-                )
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                tail = f" Log tail ({handle.log_path or 'stderr'}):\n{handle.log_tail()}" if handle else ""
-                raise ServerStartError(f"vllm serve at {url} was not ready after {timeout:.0f} s.{tail}")
-            time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ def fit_to_capacity(
 
 
 async def warm(engine: Engine, candidates: list[WarmCandidate], *, share: float = 0.5, prefix_tokens: int = 64,
-               concurrency: int = 4) -> WarmReport:
+               concurrency: int = 4, cache_salt: str = "") -> WarmReport:
+    """Prefill the chosen pages under ``cache_salt`` (the tenant's whose pages they are: its questions hit
+    them, nobody else's)."""
     capacity = await engine.kv_capacity()
     chosen, rest = fit_to_capacity(candidates, capacity, prefix_tokens=prefix_tokens, share=share)
     report = WarmReport(did_not_fit=[c.key for c in rest], budget_tokens=int(capacity.tokens * share))
@@ -95,7 +97,7 @@ async def warm(engine: Engine, candidates: list[WarmCandidate], *, share: float 
 
     async def one(cand: WarmCandidate) -> None:
         async with gate:
-            await engine.generate(warm_plan(cand.key))
+            await engine.generate(warm_plan(cand.key, cache_salt))
 
     await asyncio.gather(*(one(c) for c in chosen))
     report.seconds = time.perf_counter() - started
@@ -107,5 +109,5 @@ async def warm(engine: Engine, candidates: list[WarmCandidate], *, share: float 
     return report
 
 
-def warm_plan(key: ImageKey) -> PromptPlan:
-    return PromptPlan(images=(key,), text="", sampling=WARM_SAMPLING)
+def warm_plan(key: ImageKey, cache_salt: str = "") -> PromptPlan:
+    return PromptPlan(images=(key,), text="", sampling=WARM_SAMPLING, cache_salt=cache_salt)

@@ -12,19 +12,14 @@ from adapters.hardware import reproducible_numerics  # noqa: E402 - before any m
 reproducible_numerics()
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from devkit.ports import free_port
+from serving.readiness import ServerStartError, wait_until_ready
 
 
 @pytest.fixture(scope="session")
@@ -42,16 +37,18 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import redis
 
     client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def answers_ping() -> bool:
         try:
-            client.ping()
-            break
+            return bool(client.ping())
         except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start within 10 s")
-            time.sleep(0.05)
+            return False
+
+    try:
+        wait_until_ready(answers_ping, timeout_s=10, what="redis-server", proc=proc, interval_s=0.05)
+    except ServerStartError:
+        proc.kill()
+        raise
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
@@ -130,7 +127,7 @@ async def inprocess_engine(engine_settings, ingested):
 
     engine = InProcessEngine.start(
         wiring.resolve_model(engine_settings),
-        FeatureProvider(wiring.feature_store(engine_settings)),
+        FeatureProvider.unscoped(wiring.feature_store(engine_settings)),
         wiring.engine_config(engine_settings),
     )
     yield engine

@@ -175,7 +175,7 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
     shutil.copytree(engine_settings.data_dir / "qdrant", tmp_path / "qdrant")
     settings = engine_settings.model_copy(update={"data_dir": tmp_path, "warm_top": 0})
     dead = RemoteEngine(["http://127.0.0.1:9"], resolve_model(settings),
-                        FeatureProvider(feature_store(engine_settings)))
+                        FeatureProvider.unscoped(feature_store(engine_settings)))
     app = create_app(settings, engine=dead)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

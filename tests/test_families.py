@@ -214,8 +214,8 @@ async def engine(family, model_dir, store):
                           enforce_eager=True, dtype="float32", max_num_seqs=4)
     started = time.perf_counter()
     # No vLLM metrics: they would replace the session engine's `vllm:*` series that later tests read.
-    eng = InProcessEngine.start(ModelSource(model_dir, MODEL_NAMES[family], True), FeatureProvider(store), config,
-                                metrics=False)
+    eng = InProcessEngine.start(ModelSource(model_dir, MODEL_NAMES[family], True), FeatureProvider.unscoped(store),
+                                config, metrics=False)
     print(f"\n{family} engine started in {time.perf_counter() - started:.1f} s")
     yield eng
     await eng.close()

@@ -66,7 +66,7 @@ async def engine(model, stored, tmp_path_factory):
         del os.environ["VLLM_SERVER_DEV_MODE"]
     try:
         handle.wait_ready(timeout=300)
-        eng = RemoteEngine([handle.url], model, FeatureProvider(stored[0]))
+        eng = RemoteEngine([handle.url], model, FeatureProvider.unscoped(stored[0]))
         yield eng
         await eng.close()
     finally:

@@ -30,7 +30,8 @@ from core.engine import Completion, PromptPlan, SamplingSpec
 from core.keys import ImageKey
 from mmrag.wiring import engine_config, feature_store, resolve_model
 from serving.engine.features import FeatureProvider
-from serving.engine.remote import EngineUnavailableError, RemoteEngine, parse_metrics
+from serving.engine.remote import EngineUnavailableError, RemoteEngine
+from serving.metrics import parse_samples, sample_total
 from serving.routing import rendezvous_order
 from serving.vllm_launch import ServerHandle, start_server
 from tests.conftest import free_port
@@ -68,7 +69,7 @@ def keys(engine_settings, ingested) -> list[ImageKey]:
 
 
 def remote(engine_settings, urls: list[str]) -> RemoteEngine:
-    return RemoteEngine(urls, resolve_model(engine_settings), FeatureProvider(feature_store(engine_settings)))
+    return RemoteEngine(urls, resolve_model(engine_settings), FeatureProvider.unscoped(feature_store(engine_settings)))
 
 
 def long_plans(keys: list[ImageKey], home: str, urls: list[str], tag: str) -> list[PromptPlan]:
@@ -110,10 +111,10 @@ class Counters(NamedTuple):
 
 
 async def replica_counters(client: httpx.AsyncClient, url: str) -> Counters:
-    samples = parse_metrics((await client.get(f"{url}/metrics")).text)
+    samples = parse_samples((await client.get(f"{url}/metrics")).text)
 
     def total(name: str, **labels: str) -> int:
-        return int(sum(v for have, v in samples.get(name, []) if labels.items() <= have.items()))
+        return int(sample_total(samples, name, **labels))
 
     return Counters(total("vllm:num_requests_running") + total("vllm:num_requests_waiting"),
                     total("vllm:generation_tokens_total"),
@@ -152,8 +153,8 @@ async def test_a_stalled_replica_is_given_up_after_the_read_timeout_for_the_next
         engine_settings, keys, doomed, vllm_server):
     # SIGSTOP: the kernel still accepts connections for it, but nothing answers (a hung host, a GC-frozen server).
     pair = [doomed.url, vllm_server]
-    engine = RemoteEngine(pair, resolve_model(engine_settings), FeatureProvider(feature_store(engine_settings)),
-                          timeout_s=10.0)
+    engine = RemoteEngine(pair, resolve_model(engine_settings),
+                          FeatureProvider.unscoped(feature_store(engine_settings)), timeout_s=10.0)
     plan = replace(long_plans(keys, doomed.url, pair, "stall")[0], sampling=SamplingSpec(max_tokens=8))
     os.killpg(doomed.proc.pid, signal.SIGSTOP)
     try:

@@ -14,13 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, Tiers
 from core.pages import EncodedImage
 from adapters.store import DiskFeatureStore, RedisFeatureStore
 from core.engine import Usage
-from serving.metrics import Metrics
+from serving.metrics import Metrics, Samples, parse_samples
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
 
@@ -41,13 +40,9 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
     return registry.get_sample_value(name, labels)
 
 
-def scrape(registry: CollectorRegistry) -> dict[str, list[tuple[dict[str, str], float]]]:
+def scrape(registry: CollectorRegistry) -> Samples:
     """The exposition text, parsed back: sample name -> [(labels, value)]."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
+    return parse_samples(generate_latest(registry).decode())
 
 
 # --- engine requests and answers --------------------------------------------------------------------------
@@ -162,6 +157,24 @@ def test_dispatched_image_tokens_are_counted_by_tier_and_by_pooling(registry, me
     metrics.drain_scheduler(SchedulerStats(image_tokens_by_policy=[(low, 64), (ResolutionPolicy(1, 2), 1)]))
     assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="low") == 1
     assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier="other") == 1
+
+
+def test_every_configured_tier_outcome_and_pooling_has_a_series_at_zero_before_any_request(registry, metrics):
+    """Issue 23: the tier histogram had no series until a plan asked for a tier, so its dashboard panel showed
+    "no data" on a fresh server. The app sets the tiers at start-up (wiring.build_services)."""
+    from core.settings import Settings
+    from serving.metrics import ANSWER_OUTCOMES
+
+    tiers = Settings().tier_table
+    metrics.set_tiers(tiers)
+    assert len(tiers.policies) >= 3  # standard, low, high
+    for name in tiers.policies:
+        assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier=name) == 0
+        assert value(registry, "mmrag_tier_image_tokens_per_request_bucket", tier=name, le="+Inf") == 0
+    for outcome in ANSWER_OUTCOMES:
+        assert value(registry, "mmrag_answers_total", outcome=outcome) == 0
+    for pooled in ("true", "false"):
+        assert value(registry, "mmrag_pooling_image_tokens_total", pooled=pooled) == 0
 
 
 def test_the_kv_residency_estimate_and_the_capacity_are_gauges(registry, metrics):
@@ -340,10 +353,7 @@ def test_instrumented_app_serves_http_metrics_except_for_metrics_and_healthz(reg
         resp = client.get("/metrics")
 
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    samples = parse_samples(resp.text)
     requests = {(lab["handler"], lab["method"], lab["status"]): v for lab, v in samples["mmrag_http_requests_total"]}
     assert requests == {("/items/{item_id}", "GET", "2xx"): 3.0}  # templated handler; no /metrics, no /healthz
     handlers = {lab["handler"] for name, rows in samples.items() if "_http_" in name for lab, _ in rows

@@ -165,13 +165,12 @@ async def test_the_scheduler_feeds_its_residency_estimate_as_prefills_end():
 
 async def test_a_served_question_shows_image_tokens_by_tier_pooling_and_kv_share_on_metrics(api_server):
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
+    from serving.metrics import parse_samples
     from tests.conftest import API_KEY
 
     def samples(text: str) -> dict[tuple[str, tuple], float]:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
+        return {(name, tuple(sorted(labels.items()))): value
+                for name, rows in parse_samples(text).items() for labels, value in rows}
 
     async with httpx.AsyncClient(base_url=api_server["url"], timeout=120) as http:
         r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"},
@@ -188,3 +187,21 @@ async def test_a_served_question_shows_image_tokens_by_tier_pooling_and_kv_share
     assert got[("mmrag_pooling_image_tokens_total", (("pooled", "true"),))] == 0
     capacity = got[("mmrag_kv_capacity_tokens", ())]
     assert capacity > 0 and 0 < got[("mmrag_kv_image_tokens_resident", ())] <= capacity
+
+
+async def test_a_free_reserved_slot_takes_a_short_plan_even_while_an_overdue_long_plan_waits():
+    """Issue 23's probe 1: two long plans, the second overdue; a short plan arrives. The reserved slot is free
+    and the short plan may use it, so it starts at once (it used to wait behind the overdue long plan, which
+    could not start either: no long slot was free)."""
+    now = [0.0]
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(policy=Policy.FCFS, max_concurrency=2, max_wait_ms=1000,
+                                       short_image_tokens=256, short_reserved=1),
+                  image_tokens=lambda p: sum(TOKENS[k] for k in p.images), clock=lambda: now[0])
+    tasks = [asyncio.create_task(s.submit(plan(n, k))) for n, k in [("long0", "A4"), ("long1", "B4")]]
+    await settle()
+    now[0] = 2.0  # long1 is overdue, and no long slot is free for it
+    tasks.append(asyncio.create_task(s.submit(plan("short", "S"))))
+    await settle()
+    assert eng.started == ["long0", "short"] and s.in_flight == 2 and s.waiting == 1
+    await _finish_all(eng, tasks)

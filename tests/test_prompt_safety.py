@@ -133,7 +133,7 @@ async def test_a_remote_replica_answers_an_injected_question_normally(engine_set
     from serving.engine.remote import RemoteEngine
 
     key = sorted(feature_store(engine_settings).keys())[0]  # an ingested page: the replica gets its tokens
-    features = FeatureProvider(feature_store(engine_settings))
+    features = FeatureProvider.unscoped(feature_store(engine_settings))
     engine = RemoteEngine([vllm_server], resolve_model(engine_settings), features)
     try:
         spec = SamplingSpec(max_tokens=4)

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.store import DiskFeatureStore, FeatureStore, FeatureStoreError, RedisFeatureStore
+from adapters.vision import VisionCheckpoint
 from core.keys import ImageKey
 from core.payload import EncoderScope, PagePayload
 from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE, Reencoder
@@ -286,6 +287,40 @@ def test_pages_of_a_changed_or_missing_file_are_left_untouched_and_reported(corp
     human = runner.invoke(app, ["reencode"], env=_env(engine_settings, data, SALT_B))
     text = " ".join(human.output.split())
     assert human.exit_code == 1 and f"{len(skipped)} pages not re-encoded" in text and "mmrag ingest PATH" in text
+
+
+def test_pages_keyed_before_the_version_covered_preprocessing_are_reported_old_and_reencoded(
+        corpus, engine_settings, sample_corpus, tmp_path, monkeypatch):
+    """An index an mmrag from before wrote: the same checkpoint and settings, but keys whose encoder version hashes
+    no preprocessing. `mmrag index check` names those pages old keys of this encoder, with `mmrag reencode` as the
+    fix, and a re-encode makes every page current."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(sample_corpus / "allhands_01_company_overview.png", src)
+    data = tmp_path / "data"
+    settings = _settings(engine_settings, data, SALT_B)
+    with monkeypatch.context() as before_preprocessing:  # what the encoder's version was then
+        before_preprocessing.setattr(VisionCheckpoint, "version", VisionCheckpoint.version_before_preprocessing)
+        _ingest(settings, [src])
+    old = _pages(settings)
+    assert old and not any(corpus.scope_b.covers(p.image_key) for p in old.values())
+    env = _env(engine_settings, data, SALT_B)
+
+    check = runner.invoke(app, ["index", "check", "--json"], env=env)
+    assert check.exit_code == 1, check.output
+    out = json.loads(check.stdout)
+    (encoder,) = out["encoders"]
+    assert encoder["old_format"] and not encoder["servable"] and encoder["pages"] == len(old)
+    assert out["fix"].startswith("run `mmrag reencode`")
+    human = " ".join(runner.invoke(app, ["index", "check"], env=env).output.split())
+    assert f"{len(old)} pages carry keys this encoder minted before its version covered preprocessing" in human
+
+    result = runner.invoke(app, ["reencode", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reencoded"] == len(old)
+    assert all(corpus.scope_b.covers(p.image_key) for p in _pages(settings).values())
+    after = json.loads(runner.invoke(app, ["index", "check", "--json"], env=env).stdout)
+    assert after["stale_pages"] == 0 and not any(e["old_format"] for e in after["encoders"])
 
 
 def test_a_run_killed_half_way_and_rerun_ends_as_an_uninterrupted_run_and_a_third_is_a_no_op(

@@ -38,7 +38,7 @@ def keys(engine_settings, ingested) -> list[ImageKey]:
 
 
 def remote(engine_settings, urls: list[str]) -> RemoteEngine:
-    features = FeatureProvider(feature_store(engine_settings))
+    features = FeatureProvider.unscoped(feature_store(engine_settings))
     return RemoteEngine(urls, resolve_model(engine_settings), features)
 
 

@@ -112,3 +112,20 @@ def test_the_plain_serve_path_does_not_import_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_the_cache_salt_is_part_of_the_route_and_of_what_a_replica_holds():
+    """Two tenants' plans of one figure share no KV (their salts differ), so neither is drawn to the replica
+    holding the other's prefix, and each salt has its own rendezvous home. The default tenant's empty salt
+    keeps the keys an unsalted deployment always had."""
+    import dataclasses
+
+    acme = dataclasses.replace(plan("f1"), cache_salt="tenant-acme")
+    assert route_key(plan("f1")) == "f1" and route_key(acme) == "tenant-acmef1"
+    table = AffinityTable()
+    home = rendezvous_order(route_key(acme), [A, B])[0]
+    other = B if home == A else A
+    table.record(other, prefix_path(plan("f1")))  # the default tenant's prefill of f1
+    assert choose_replica(acme, idle(A, B), table, BOUND) == home
+    table.record(home, prefix_path(acme))
+    assert table.match(home, prefix_path(plan("f1"))) == 0 and table.match(other, prefix_path(acme)) == 0

@@ -191,3 +191,50 @@ async def test_a_cancelled_caller_takes_its_queued_plan_out_and_aborts_its_runni
     assert (await nxt).text == "p2"
     assert running.cancelled() and queued.cancelled() and s.waiting == 0 and s.in_flight == 0
     assert "p1" not in eng.started
+
+
+async def test_gating_never_holds_a_plan_behind_another_tenants_prefill():
+    """Issue 23's probe 2: tenant B's plan shares tenant A's leading figure, but B's cache salt means it can
+    never reuse A's KV, so holding it behind A's prefill is pure loss. Same salt: held, as before."""
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=4)
+
+    def salted(name: str, salt: str) -> PromptPlan:
+        return PromptPlan(images=("A", "B"), text=name, cache_salt=salt)
+
+    tasks = [asyncio.create_task(s.submit(salted("a1", "tenant-a")))]
+    await settle()
+    tasks += [asyncio.create_task(s.submit(salted("b1", "tenant-b"))),
+              asyncio.create_task(s.submit(salted("a2", "tenant-a")))]
+    await settle()
+    assert eng.started == ["a1", "b1"] and s.waiting == 1  # a2 waits for a1's prefill; b1 does not
+    await eng.finish("a1", prefill_only=True)
+    assert eng.started == ["a1", "b1", "a2"]
+    for name in ("a1", "b1", "a2"):
+        await eng.finish(name)
+    await asyncio.gather(*tasks)
+
+
+async def test_an_overdue_plan_waiting_for_the_budget_is_not_overtaken_by_younger_smaller_plans():
+    """Without the hold, plans small enough to fit beside the running one would start each time a slot frees,
+    and the overdue plan that needs the whole budget could wait for ever."""
+    now = [0.0]
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(policy=Policy.FCFS, max_concurrency=3, max_image_tokens_in_flight=300,
+                                       max_wait_ms=1000), image_tokens=lambda p: 100 * len(p.images),
+                  clock=lambda: now[0])
+    tasks = [asyncio.create_task(s.submit(plan("small0", "A")))]
+    await settle()
+    tasks.append(asyncio.create_task(s.submit(plan("big", "B", "C", "D"))))  # 300 tokens: the whole budget
+    await settle()
+    now[0] = 2.0  # big is overdue; small0 still holds 100 tokens
+    tasks += [asyncio.create_task(s.submit(plan(f"small{i}", f"E{i}"))) for i in (1, 2)]
+    await settle()
+    assert eng.started == ["small0"] and s.waiting == 3  # small1 and small2 would fit, but big goes first
+    await eng.finish("small0")
+    assert eng.started == ["small0", "big"]
+    await eng.finish("big")
+    assert eng.started == ["small0", "big", "small1", "small2"]
+    for name in ("small1", "small2"):
+        await eng.finish(name)
+    await asyncio.gather(*tasks)

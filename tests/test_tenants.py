@@ -251,7 +251,7 @@ async def test_tenants_never_share_kv_prefixes_on_a_vllm_serve_replica(engine_se
     from serving.engine.remote import RemoteEngine
 
     store = feature_store(engine_settings)
-    engine = RemoteEngine([vllm_server], resolve_model(engine_settings), FeatureProvider(store))
+    engine = RemoteEngine([vllm_server], resolve_model(engine_settings), FeatureProvider.unscoped(store))
     try:
         page = next(k for k in sorted(store.keys()) if k.policy == engine_settings.resolution_policy)
         await _salts_isolate(engine, page)  # an ingested page: the replica gets its tokens

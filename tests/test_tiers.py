@@ -147,6 +147,20 @@ async def test_a_page_missing_in_the_asked_tier_is_encoded_on_demand_once(engine
     print(f"\nhigh tier on demand: {[h.image_tokens for h in hits]} -> {[h.image_tokens for h in got]} tokens")
 
 
+async def test_tokens_encoded_on_demand_are_keyed_by_the_encoder_that_made_them(engine_settings, hits, tiny_model,
+                                                                                 tmp_path):
+    """The tier encoder here is another encoder than the one that indexed the pages (another salt, as after an
+    upgrade): what it makes is stored, and served, under its own version, never under the index's."""
+    store = DiskFeatureStore(tmp_path / "features")
+    other = VisionEncoder(tiny_model, engine_settings.resolution_policy, salt="another-encoder")
+    assert other.version != hits[0].image_key.encoder_version
+    high = other.with_policy(engine_settings.tier_table.policy("high"))
+    got = await PageTiers(engine_settings, store, other.with_policy)([hits], "high")
+    assert got.vision_encodes == len(hits)
+    assert [h.image_key for h in got.hits[0]] == [high.key_for(h.image_key.content_hash) for h in hits]
+    assert set(store.keys()) == {high.key_for(h.image_key.content_hash) for h in hits}
+
+
 async def test_a_page_whose_source_is_gone_falls_back_to_the_nearest_stored_tier(engine_settings, hits, encoder,
                                                                                  tmp_path):
     store = DiskFeatureStore(tmp_path / "features")

@@ -85,7 +85,8 @@ def test_index_check_counts_pages_per_encoder_and_says_which_are_served(upgraded
         assert by_version[new.version]["pages"] == n_new and by_version[new.version]["documents"] == 1
         assert by_version[old.version]["pages"] == total - n_new
         assert by_version[serving_.version]["servable"] and sum(e["servable"] for e in out["encoders"]) == 1
-        assert "re-ingest" in out["fix"]
+        assert out["fix"].startswith("run `mmrag reencode`") and "re-ingest" in out["fix"]
+        assert not any(e["old_format"] for e in out["encoders"])  # another salt: another encoder, not an old key
     human = runner.invoke(app, ["index", "check"], env=_env(settings))
     assert human.exit_code == 1 and f"{n_new} of {total} pages cannot be served" in " ".join(human.output.split())
 
@@ -151,7 +152,8 @@ async def test_an_index_of_only_other_encoders_pages_is_an_error_naming_the_fix(
     unknown = EncoderScope(EncoderVersion("0" * 16), upgraded["old"].policy)
     searcher = wiring.searcher(upgraded["settings"], encoder=unknown)
     try:
-        with pytest.raises(StaleIndexError, match=f"all {len(upgraded['after'])} indexed pages.*re-ingest"):
+        with pytest.raises(StaleIndexError, match=f"all {len(upgraded['after'])} indexed pages.*none can be "
+                                                  "served: run `mmrag reencode`"):
             await searcher.search("retry limit")
     finally:
         await searcher.client.close()
@@ -166,10 +168,10 @@ async def test_an_engine_refuses_stale_tokens_whatever_names_them(upgraded):
     engine = wiring.engine(settings.model_copy(update={"engine_urls": "http://127.0.0.1:9"}),
                            wiring.resolve_model(settings))  # remote: nothing starts until a request
     try:
-        recorder = RecordingStore(engine.features.store.inner)
-        engine.features.store.inner = recorder
+        recorder = RecordingStore(engine.features.store)
+        engine.features.store = recorder
         assert DiskFeatureStore(settings.features_dir).contains(stale)  # its tokens are there, and refused
-        with pytest.raises(StaleFeaturesError, match="re-ingest"):
+        with pytest.raises(StaleFeaturesError, match="refusing to feed them: run `mmrag reencode`"):
             await engine.features.load([fresh, stale])
         assert stale not in recorder.read
         assert len(await engine.features.load([fresh])) == 1
@@ -187,7 +189,7 @@ async def test_serve_warns_at_start_up_and_never_feeds_stale_tokens(upgraded, in
         async with serving(app_) as url:
             warned = [r.getMessage() for r in caplog.records if "another vision encoder" in r.getMessage()]
             assert len(warned) == 1 and warned[0].startswith(f"{n_new} of {total} indexed pages")
-            assert "re-ingest" in warned[0] and "MMRAG_ENCODER_SALT" in warned[0]
+            assert "Fix: run `mmrag reencode`" in warned[0] and "MMRAG_ENCODER_SALT" in warned[0]
             warmed = app_.state.services.warm_report.warmed
             assert warmed and all(old.covers(k) for k in warmed)
             async with httpx.AsyncClient(base_url=url, timeout=300) as client:

@@ -156,10 +156,99 @@ def test_key_carries_the_encoder_version_and_policy(encoder):
     assert len(encoder.version) == 16
 
 
-def test_the_qwen2_vl_version_is_the_one_computed_before_the_family_registry(encoder):
-    # Indexed keys name this version: a change here orphans every Qwen2-VL page already ingested. (It also
-    # changes if transformers saves another processor config for the tiny model; then re-ingest is expected.)
-    assert encoder.version == "2ab6badb11c2f884"
+def test_the_qwen2_vl_version_before_preprocessing_was_covered_is_the_one_computed_before_the_family_registry(
+        model_dir, encoder):
+    # Pages ingested before the version covered preprocessing carry this version: `mmrag index check` recognises
+    # them by it (an old key format), and `mmrag reencode` migrates them. (It also changes if transformers saves
+    # another processor config for the tiny model.)
+    assert vision.encoder_version_before_preprocessing_of(
+        model_dir, salt="", dtype=torch.float32, device_kind="cpu") == "2ab6badb11c2f884"
+    assert encoder.version != "2ab6badb11c2f884"  # the preprocessing now counts: every old key is an old one
+
+
+@pytest.fixture
+def fresh_preprocessing():
+    """No fingerprint cached from another test's processor (a test here swaps the processor class)."""
+    vision.checkpoint_preprocessing.cache_clear()
+    yield
+    vision.checkpoint_preprocessing.cache_clear()
+
+
+class _Backend:
+    """AutoImageProcessor picking ``backend`` as it would with torchvision importable (torchvision) or not (pil)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def from_pretrained(self, *args, **kwargs):
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(*args, backend=self.backend, **kwargs)
+
+
+def _probe_pixels(processor) -> torch.Tensor:
+    return processor(images=vision.probe_images(), return_tensors="pt")["pixel_values"]
+
+
+def test_the_fast_and_the_slow_processor_give_different_versions_exactly_when_their_pixels_differ(
+        model_dir, monkeypatch, fresh_preprocessing):
+    pytest.importorskip("torchvision", reason="the fast (torchvision) processor needs torchvision; the rule is "
+                        "still tested with a perturbed processor below")
+    versions, pixels, classes = {}, {}, {}
+    for backend in ("torchvision", "pil"):
+        monkeypatch.setattr(vision, "AutoImageProcessor", _Backend(backend))
+        vision.checkpoint_preprocessing.cache_clear()
+        versions[backend] = vision.encoder_version_of(model_dir, salt="", dtype=torch.float32, device_kind="cpu")
+        processor = vision._build_processor(model_dir, vision.PROBE_POLICY,
+                                            VisionEncoder(model_dir, POLICY)._vision_config)
+        classes[backend], pixels[backend] = type(processor).__name__, _probe_pixels(processor)
+    assert classes["torchvision"] != classes["pil"]  # two implementations were built
+    differ = not torch.equal(pixels["torchvision"], pixels["pil"])
+    assert (versions["torchvision"] != versions["pil"]) == differ
+    assert differ, "this transformers' fast and slow Qwen2-VL processors agree on the probes: no version split"
+
+
+def test_the_preprocessing_fingerprint_changes_exactly_when_the_pixels_do(model_dir):
+    """The rule without torchvision: the slow processor against itself, and against a copy of its class whose output
+    is moved by one float32 step in one value (too small for anything but the bytes to notice)."""
+    from transformers import AutoImageProcessor
+
+    def build():
+        return AutoImageProcessor.from_pretrained(model_dir, backend="pil", min_pixels=vision.PROBE_POLICY.min_pixels,
+                                                  max_pixels=vision.PROBE_POLICY.max_pixels)
+
+    base = build()
+
+    class Nudged(type(base)):
+        def __call__(self, *args, **kwargs):
+            batch = super().__call__(*args, **kwargs)
+            values = batch["pixel_values"]
+            values.view(-1)[7] = torch.nextafter(values.view(-1)[7], torch.tensor(10.0))
+            return batch
+
+    Nudged.__name__ = type(base).__name__  # the same class name: only the pixels differ
+    nudged = build()
+    nudged.__class__ = Nudged
+    assert not torch.equal(_probe_pixels(base), _probe_pixels(nudged))
+    assert vision.preprocessing_fingerprint(base) == vision.preprocessing_fingerprint(build())
+    assert vision.preprocessing_fingerprint(base) != vision.preprocessing_fingerprint(nudged)
+
+
+def test_the_probe_images_are_fixed_and_are_resized_both_ways():
+    first, again = vision.probe_images(), vision.probe_images()
+    assert [im.tobytes() for im in first] == [im.tobytes() for im in again]
+    areas = [im.width * im.height for im in first]
+    assert min(areas) < vision.PROBE_POLICY.min_pixels and max(areas) > vision.PROBE_POLICY.max_pixels
+
+
+def test_the_preprocessing_fingerprint_is_computed_once_per_checkpoint(model_dir, monkeypatch, fresh_preprocessing):
+    calls = []
+    real = vision.preprocessing_fingerprint
+    monkeypatch.setattr(vision, "preprocessing_fingerprint", lambda p: calls.append(p) or real(p))
+    first = VisionEncoder(model_dir, POLICY).version
+    assert VisionEncoder(model_dir, POLICY, salt="x").version != first
+    assert vision.encoder_version_of(model_dir, salt="", dtype=torch.float32, device_kind="cpu") == first
+    assert len(calls) == 1
 
 
 def test_version_is_stable_across_loads(model_dir, encoder):

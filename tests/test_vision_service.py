@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.store import DiskFeatureStore
-from adapters.vision_client import RemoteVisionEncoder, png_bytes, unpack_tokens
+from adapters.vision import VisionEncoder
+from adapters.vision_client import RemoteVisionEncoder, VisionServiceInfo, png_bytes, unpack_tokens
+from core.keys import ContentHash, EncoderVersion, ResolutionPolicy
 from core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, decode_image, image_content_hash
 from mmrag import wiring
@@ -56,11 +57,11 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 
 def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and (labels is None or all(sample.labels.get(k) == v for k, v in labels.items())):
-                return sample.value
-    raise AssertionError(f"{name} {labels or ''} not in /metrics")
+    from serving.metrics import parse_samples
+
+    found = [v for have, v in parse_samples(text).get(name, []) if (labels or {}).items() <= have.items()]
+    assert found, f"{name} {labels or ''} not in /metrics"
+    return found[0]
 
 
 def test_info_names_the_in_process_encoders_version_and_encoder_scope_asks_the_service(
@@ -68,7 +69,7 @@ def test_info_names_the_in_process_encoders_version_and_encoder_scope_asks_the_s
     info = httpx.get(f"{vision_server['url']}/v1/info").json()
     assert info == {"encoder_version": local_encoder.version,
                     "policy": {"min_pixels": local_encoder.policy.min_pixels,
-                               "max_pixels": local_encoder.policy.max_pixels},
+                               "max_pixels": local_encoder.policy.max_pixels, "pool": 1},
                     "family": "qwen2_vl", "device": "cpu", "dtype": "float32"}
     # With MMRAG_VISION_URL the scope is the service's, even where this host would compute another one
     # (a salt here that the service does not use).
@@ -77,6 +78,33 @@ def test_info_names_the_in_process_encoders_version_and_encoder_scope_asks_the_s
     assert (scope.version, scope.policy) == (local_encoder.version, local_encoder.policy)
     assert httpx.get(f"{vision_server['url']}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{vision_server['url']}/readyz").json()["ready"] is True
+
+
+def test_the_info_round_trips_a_pooled_policy():
+    pooled = ResolutionPolicy(3136, 200704, pool=2)
+    info = VisionServiceInfo(EncoderVersion("ab" * 8), pooled, "qwen2_vl", "cpu", "float32")
+    body = json.loads(json.dumps(info.to_json()))
+    assert body["policy"] == {"min_pixels": 3136, "max_pixels": 200704, "pool": 2}
+    assert VisionServiceInfo.of_json(body) == info
+
+
+async def test_a_pooled_services_info_keeps_pool_so_the_client_mints_the_services_keys(tiny_model, tmp_path,
+                                                                                      monkeypatch):
+    """A pooled key differs from the unpooled one (-pool2): a client that dropped ``pool`` would key pages under a
+    policy the service never encodes, and find none of its tokens."""
+    settings = local_settings(tiny_model, tmp_path)
+    pooled = ResolutionPolicy(settings.min_pixels, settings.max_pixels, pool=2)
+    encoder = VisionEncoder(tiny_model, pooled)
+    monkeypatch.setattr(wiring, "vision_encoder", lambda _settings, _model: encoder)
+    async with serving(wiring.vision_app(settings)) as url:
+        body = (await asyncio.to_thread(httpx.get, f"{url}/v1/info")).json()
+        client = await asyncio.to_thread(RemoteVisionEncoder, url)
+    try:
+        assert body["policy"]["pool"] == 2 and client.policy == pooled
+        content = ContentHash("ab" * 32)
+        assert client.key_for(content) == encoder.key_for(content)
+    finally:
+        client.close()
 
 
 def test_with_the_service_down_at_start_up_the_scope_is_computed_here_with_a_warning(tiny_model, tmp_path, caplog):

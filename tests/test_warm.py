@@ -39,7 +39,7 @@ def test_only_what_fits_the_kv_share_is_chosen_and_the_rest_reported():
 @pytest.fixture
 def remote(vllm_server, engine_settings):
     engine = RemoteEngine([vllm_server], resolve_model(engine_settings),
-                          FeatureProvider(feature_store(engine_settings)))
+                          FeatureProvider.unscoped(feature_store(engine_settings)))
     httpx.post(f"{vllm_server}/reset_prefix_cache", timeout=30).raise_for_status()
     yield engine
 
@@ -69,12 +69,47 @@ async def test_mmrag_warm_fills_the_running_replica_and_later_questions_hit(remo
     assert cold.usage.cached_image_tokens == 0
 
 
-def test_ingest_with_warm_warms_the_running_replica(vllm_server, engine_settings, sample_corpus, tmp_path):
+async def test_ingest_warm_and_ask_with_a_tenant_land_in_its_salt_and_collection(vllm_server, engine_settings,
+                                                                                sample_corpus, tmp_path):
+    """`mmrag ingest --tenant acme --warm` and `mmrag ask --tenant acme` against a shared `vllm serve`: the page
+    goes to acme's collection, and its KV lands under acme's cache salt: a salted request hits it, an unsalted
+    one (the default tenant's) does not. Both used to write the default tenant's namespace."""
+    from core.scope import cache_salt
+
     slide = sorted(sample_corpus.glob("*.png"))[-1]
-    env = dict(os.environ, MMRAG_DATA_DIR=str(tmp_path / "data"), MMRAG_MODEL=engine_settings.model,
-               MMRAG_ENGINE_URLS=vllm_server, MMRAG_OCR="false", HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "mmrag", "ingest", str(slide), "--warm", "--json"],
-                            env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = json.loads(result.stdout)
+    data = tmp_path / "data"
+    # OCR on: the slide has no text layer, and with the image channel off a page without text is never retrieved.
+    env = dict(os.environ, MMRAG_DATA_DIR=str(data), MMRAG_MODEL=engine_settings.model,
+               MMRAG_ENGINE_URLS=vllm_server, MMRAG_OCR="true", HF_HUB_OFFLINE="1")
+
+    def cli(*args: str) -> dict:  # every command here prints JSON (`index stats` always does; the others asked)
+        asked = [] if args[:2] == ("index", "stats") else ["--json"]
+        result = subprocess.run([sys.executable, "-m", "mmrag", *args, *asked], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    remote = RemoteEngine([vllm_server], resolve_model(engine_settings),
+                          FeatureProvider.unscoped(feature_store(engine_settings.model_copy(update={"data_dir": data}))))
+    sampling = SamplingSpec(max_tokens=4)
+
+    async def cached(key: ImageKey, salt: str) -> int:
+        done = await remote.generate(PromptPlan(images=(key,), text="What is plotted?", sampling=sampling,
+                                                cache_salt=salt))
+        return done.usage.cached_image_tokens
+
+    salt = cache_salt("acme")
+    httpx.post(f"{vllm_server}/reset_prefix_cache", timeout=30).raise_for_status()
+    out = cli("ingest", str(slide), "--tenant", "acme", "--warm")
     assert out["pages"] == 1 and len(out["warm"]["warmed"]) == 1 and out["warm"]["did_not_fit"] == []
+    assert cli("index", "stats", "--tenant", "acme")["pages"] == 1 and cli("index", "stats")["pages"] == 0
+    key = ImageKey.parse(out["warm"]["warmed"][0])
+    assert await cached(key, "") == 0  # the default tenant's namespace holds nothing of it
+    assert await cached(key, salt) > 0  # acme's holds the warmed page
+
+    httpx.post(f"{vllm_server}/reset_prefix_cache", timeout=30).raise_for_status()
+    answer = cli("ask", "What does the slide show?", "--tenant", "acme", "--max-tokens", "4")
+    assert [c["doc"] for c in answer["citations"]] == [slide.name], answer
+    assert await cached(key, "") == 0
+    assert await cached(key, salt) > 0  # the question prefilled the page under acme's salt
+    await remote.close()

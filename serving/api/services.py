@@ -17,9 +17,9 @@ from core.keys import ContentHash, ImageKey
 from core.pages import EncodedImage
 from core.settings import Settings
 from ingestion.loaders import decode_image, image_content_hash
+from core.scope import TenantScope
 from rag.pipeline import Pipeline
 from serving.api.admission import Admission
-from core.settings import DEFAULT_TENANT
 from serving.api.conversations import QuestionImage, TenantConversations
 from serving.api.tenants import TenantKeys
 from serving.ingest_jobs import TenantJobs
@@ -120,11 +120,15 @@ class Services:
     question_images: QuestionImages
     conversations: TenantConversations
     keys: TenantKeys
-    tenant: str = DEFAULT_TENANT
+    scope: TenantScope  # the tenant's, as the wiring built it (core/scope.py)
     tenants: dict[str, Services] = field(default_factory=dict)  # every tenant's view, by name
     warm_report: WarmReport | None = None
     owns_engine: bool = True  # tests inject the session engine and close it themselves
     _drain_task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def tenant(self) -> str:
+        return self.scope.tenant
 
     @property
     def qdrant(self):

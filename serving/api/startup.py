@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from serving.api.services import Services
-from serving.api.tenants import SaltedEngine, cache_salt
 from serving.warmup import rank_by_demand, warm
 
 log = logging.getLogger(__name__)
@@ -26,8 +25,8 @@ async def warm_at_startup(services: Services) -> None:
         candidates = rank_by_demand((p.image_key, p.image_tokens) for p in pages)
         top = services.settings.warm_top
         # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
-        engine = SaltedEngine(services.engine.inner, cache_salt(view.tenant))
-        report = await warm(engine, candidates[:top] if top > 0 else candidates, share=0.5 / len(views))
+        report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates,
+                            share=0.5 / len(views), cache_salt=view.scope.cache_salt)
         view.warm_report = report
         if services.scheduler.residency is not None:  # the scheduler's KV estimate sees no warm-up prefill itself
             tokens_of = {c.key: c.image_tokens for c in candidates}

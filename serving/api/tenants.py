@@ -24,18 +24,14 @@ What tenants share, and why it tells none of them about another's documents:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
-import os
 import secrets
-import tempfile
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan, Submit
+from adapters.files import write_atomically
 from core.settings import DEFAULT_TENANT, Settings, check_tenant
 
 _PREFIX = "sha256:"
@@ -52,12 +48,6 @@ def key_digest(key: str) -> str:
 def new_key() -> str:
     """A new API key: 256 random bits, URL-safe, with a prefix that says what it is (secret scanners key on it)."""
     return "mmrag-" + secrets.token_urlsafe(32)
-
-
-def cache_salt(tenant: str) -> str:
-    """The prefix-cache salt of a tenant's plans. The default tenant's is empty: a single-tenant server keeps
-    the KV that warm-up and every earlier version stored unsalted."""
-    return "" if tenant == DEFAULT_TENANT else f"tenant-{tenant}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,38 +126,11 @@ def remove_tenant(path: Path, tenant: str) -> bool:
 
 
 def _write(path: Path, data: dict[str, list[str]]) -> None:
-    """Atomically, readable by its owner only: the digests are not secrets, but nobody else needs them."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tenants-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    """Atomically and durably (a key printed once must not be lost), readable by its owner only: the digests
+    are not secrets, but nobody else needs them."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True), prefix=".tenants-", mode=0o600)
 
 
 def _is_digest(value: object) -> bool:
     return (isinstance(value, str) and value.startswith(_PREFIX) and len(value) == len(_PREFIX) + 64
             and all(c in "0123456789abcdef" for c in value[len(_PREFIX):]))
-
-
-def salted(submit: Submit, salt: str) -> Submit:
-    """``submit`` with every plan carrying ``salt`` as its prefix-cache salt."""
-
-    def call(plan: PromptPlan, *, on_text: OnText | None = None) -> Awaitable[Completion]:
-        return submit(dataclasses.replace(plan, cache_salt=salt), on_text=on_text)
-
-    return call
-
-
-class SaltedEngine(EngineWrapper):
-    """An engine whose every plan carries ``salt`` (a tenant's decomposition prompts go straight to the engine,
-    not through the scheduler)."""
-
-    def __init__(self, engine: Engine, salt: str) -> None:
-        super().__init__(engine)
-        self.salt = salt
-
-    async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
-                       on_text: OnText | None = None) -> Completion:
-        return await self.inner.generate(dataclasses.replace(plan, cache_salt=self.salt),
-                                         on_first_token=on_first_token, on_text=on_text)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from adapters.store import FeatureStore, ScopedFeatureStore
 from core.keys import ImageKey, ResolutionPolicy, Tiers
@@ -16,21 +16,31 @@ class MissingFeaturesError(LookupError):
 
 
 class FeatureProvider:
-    """``tiers``: stores for keys of other resolution policies (tiers), by policy; every other key is read from
-    ``store``."""
+    """Reads the tokens of one encoder only (``scope``: its version under its policy, or under one of ``tiers``):
+    a key of another encoder is refused, whatever named it, before the store is read.
 
-    def __init__(self, store: FeatureStore, *, tiers: Mapping[ResolutionPolicy, FeatureStore] | None = None) -> None:
+    The scope is required: an engine cannot tell stale tokens from fresh ones by looking at them, so a provider
+    that served any key would feed a page ingested before an upgrade without a word. None is an explicit choice
+    (:meth:`unscoped`), never a default. ``store`` is the store read; each load reads it through a
+    :class:`ScopedFeatureStore`, so the scope holds whichever store is set."""
+
+    def __init__(self, store: FeatureStore, scope: EncoderScope | None, *,
+                 tiers: Iterable[ResolutionPolicy] = ()) -> None:
         self.store = store
-        self.tiers = dict(tiers or {})
+        self.scope = scope
+        self.tiers = frozenset(tiers)
 
     @classmethod
     def scoped(cls, store: FeatureStore, scope: EncoderScope, tiers: Tiers) -> FeatureProvider:
-        """Reads only keys of the configured encoder, under its policy or any configured tier's: tokens of
-        another encoder are refused whatever names them, those of another tier of this encoder are served."""
-        return cls(ScopedFeatureStore(store, scope), tiers={
-            p: ScopedFeatureStore(store, EncoderScope(scope.version, p))
-            for p in tiers.policies.values() if p != scope.policy
-        })
+        """The engines' provider: the configured encoder's tokens under its policy or any configured tier's."""
+        return cls(store, scope, tiers=tiers.policies.values())
+
+    @classmethod
+    def unscoped(cls, store: FeatureStore) -> FeatureProvider:
+        """Serves any encoder's keys: for an engine fed several encoders' keys on purpose (the engine tests check
+        that each gets caches of its own) or only keys its caller just minted (benchmarks). Nothing that serves
+        questions uses it: nothing here would stop stale tokens (tests/test_key_owner.py checks)."""
+        return cls(store, None)
 
     async def load(self, keys: Sequence[ImageKey]) -> list[EncodedImage]:
         """The stored tokens of each key, in order (no vision forward: serving only reads what ingestion stored)."""
@@ -38,9 +48,10 @@ class FeatureProvider:
         return await asyncio.to_thread(self._load_sync, list(keys))
 
     def _load_sync(self, keys: list[ImageKey]) -> list[EncodedImage]:
+        reader = self.store if self.scope is None else ScopedFeatureStore(self.store, self.scope, tiers=self.tiers)
         out = []
         for key in keys:
-            value = self.tiers.get(key.policy, self.store).get(key)
+            value = reader.get(key)
             if value is None:
                 raise MissingFeaturesError(
                     f"no stored image tokens for {key}; run `mmrag ingest` on its document first"

@@ -16,6 +16,17 @@ disconnects (Starlette's StreamingResponse watches for the disconnect and cancel
 
 The prompt is the one the in-process engine renders: the same chat messages (PromptRenderer.messages), the
 image tokens sent as precomputed embeddings with the ImageKey as uuid (vLLM's cache key for the image).
+
+Identity: a replica gets our image tokens only once its checkpoint is known to be the configured one, by
+fingerprint (adapters/checkpoint.checkpoint_fingerprint: config and weights), never by its served name alone —
+a fine-tune served under the base model's name would take the base tower's tokens without a word. vLLM exposes
+no digest of what it loaded, so the fingerprint is, in this order: the one the replica announces as a second
+served name (`mmrag engine serve` computes it from the files it hands to vLLM, on the replica's host; when it is
+ours, the replica is ours whatever it is called there); else that of the folder its /v1/models ``root`` names
+(the name must then be ours, as before), read on this host (a shared volume, as in docker-compose.yml: the
+same path on another host with other files there would pass, which only the announced fingerprint rules out);
+else none, and the replica is refused with the flag that announces it. Replicas that answer are checked when
+the engine is built (``RemoteEngine.connect``), the others when they first answer.
 """
 
 from __future__ import annotations
@@ -34,11 +45,19 @@ import httpx
 import torch
 
 from core.pages import EncodedImage
-from adapters.checkpoint import ModelSource
+from adapters.checkpoint import (
+    FINGERPRINT_NAME_PREFIX,
+    ModelNotFoundError,
+    ModelSource,
+    checkpoint_fingerprint,
+    fingerprint_name,
+    local_checkpoint,
+)
 from adapters.families import checkpoint_family
 from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.prompt import PromptRenderer
+from serving.metrics import Samples, parse_samples, sample_total
 from serving.routing import AffinityTable, prefix_path, rank_replicas
 
 log = logging.getLogger(__name__)
@@ -60,6 +79,14 @@ class EngineRequestError(RuntimeError):
         self.url = url
         self.status = status
         self.message = message
+
+
+class ReplicaIdentityError(EngineRequestError):
+    """A replica serves another checkpoint than the configured one, or one this host cannot compare with it."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(url, 200, message)
+        self.args = (f"replica {url} refused: {message}",)
 
 
 # --- request / response shapes ---------------------------------------------------------------------------
@@ -92,18 +119,7 @@ def sampling_fields(plan: PromptPlan) -> dict[str, Any]:
     return fields
 
 
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text → sample name → [(labels, value)]."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return out
-
-
-def capacity_from_metrics(url: str, samples: dict[str, list[tuple[dict[str, str], float]]]) -> KVCapacity:
+def capacity_from_metrics(url: str, samples: Samples) -> KVCapacity:
     infos = samples.get(_CACHE_CONFIG)
     if not infos:
         raise EngineRequestError(url, 200, f"/metrics has no {_CACHE_CONFIG}; is this a vLLM server?")
@@ -112,8 +128,8 @@ def capacity_from_metrics(url: str, samples: dict[str, list[tuple[dict[str, str]
     return KVCapacity(blocks=blocks, block_size=int(infos[0][0]["block_size"]))
 
 
-def counter_total(samples: dict[str, list[tuple[dict[str, str], float]]], family: str) -> int:
-    return int(sum(v for _, v in samples.get(f"{family}_total", [])))
+def counter_total(samples: Samples, family: str) -> int:
+    return int(sample_total(samples, f"{family}_total"))
 
 
 class _Stream:
@@ -194,7 +210,8 @@ class RemoteEngine:
         self.affinity = AffinityTable()
         self.in_flight: Counter[str] = Counter()
         self.queue_bound = queue_bound
-        self._served_names: dict[str, str] = {}
+        self.connect_timeout_s = connect_timeout_s
+        self._served_names: dict[str, str] = {}  # replica URL -> our model's name there, once identified
 
     # -- generation --
 
@@ -296,23 +313,31 @@ class RemoteEngine:
         raise EngineRequestError(url, 502, "the stream ended without its [DONE] line: the replica stopped")
 
     async def _served_name(self, url: str) -> str:
-        """The replica's name for our model (vLLM serves it under the path or hub id it was started with)."""
+        """The replica's name for our model, once its checkpoint is known to be ours (see the module docstring)."""
         if url not in self._served_names:
             resp = await self.client.get(f"{url}/v1/models")
-            if resp.status_code != 200:
-                raise EngineRequestError(url, resp.status_code, _error_message(resp))
-            cards = resp.json()["data"]
-            wanted = {self.model.name, str(self.model.path)}
-            names = [c["id"] for c in cards if c["id"] in wanted or c.get("root") in wanted]
-            if not names:
-                served = ", ".join(c["id"] for c in cards)
-                raise EngineRequestError(
-                    url, 200, f"the replica serves {served}, not {self.model.name} ({self.model.path}). Point "
-                    "MMRAG_MODEL at the same checkpoint, or start the replica with "
-                    f"`--served-model-name {self.model.name}`"
-                )
-            self._served_names[url] = names[0]
+            # Hashing a checkpoint this process has not hashed yet reads its weights: off the event loop.
+            self._served_names[url] = await asyncio.to_thread(identify_replica, url, resp, self.model)
         return self._served_names[url]
+
+    @classmethod
+    def connect(cls, urls: list[str], model: ModelSource, features: FeatureProvider, **kwargs: Any) -> RemoteEngine:
+        """The engine over ``urls``, each replica that answers now checked against ``model`` first: one serving
+        another checkpoint stops the start-up (ReplicaIdentityError). One that does not answer yet is checked
+        when it first does."""
+        engine = cls(urls, model, features, **kwargs)
+        names: dict[str, str] = {}
+        with httpx.Client(timeout=httpx.Timeout(30.0, connect=engine.connect_timeout_s)) as client:
+            for url in engine.urls:
+                try:
+                    resp = client.get(f"{url}/v1/models")
+                except httpx.TransportError as exc:
+                    log.warning("replica %s did not answer /v1/models (%s): its checkpoint is checked when it "
+                                "first answers", url, _cause(exc))
+                    continue
+                names[url] = identify_replica(url, resp, model)
+        engine._served_names.update(names)
+        return engine
 
     # -- capacity and counters --
 
@@ -331,8 +356,8 @@ class RemoteEngine:
             for url, s in (await self._metrics()).items()
         }
 
-    async def _metrics(self) -> dict[str, dict[str, list[tuple[dict[str, str], float]]]]:
-        async def one(url: str) -> dict[str, list[tuple[dict[str, str], float]]] | None:
+    async def _metrics(self) -> dict[str, Samples]:
+        async def one(url: str) -> Samples | None:
             try:
                 resp = await self.client.get(f"{url}/metrics")
             except httpx.TransportError as exc:
@@ -342,7 +367,7 @@ class RemoteEngine:
                 return None
             if resp.status_code != 200:
                 raise EngineRequestError(url, resp.status_code, resp.text[:500])
-            return parse_metrics(resp.text)
+            return parse_samples(resp.text)
 
         results = dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls))))
         alive = {url: s for url, s in results.items() if s is not None}
@@ -390,6 +415,53 @@ def _prompt_usage(
             f"it serves another tokenizer or chat template than {model.path}"
         )
     return prompt_tokens, int(details["cached_tokens"])
+
+
+def identify_replica(url: str, resp: httpx.Response, model: ModelSource) -> str:
+    """The name under which the replica that answered ``resp`` (its GET /v1/models) serves ``model``, once
+    the fingerprint of the checkpoint behind that name is ``model``'s (see the module docstring)."""
+    if resp.status_code != 200:
+        raise EngineRequestError(url, resp.status_code, _error_message(resp))
+    listed = resp.json()["data"]
+    cards = [c for c in listed if not c["id"].startswith(FINGERPRINT_NAME_PREFIX)]
+    announced = {c["id"].removeprefix(FINGERPRINT_NAME_PREFIX) for c in listed
+                 if c["id"].startswith(FINGERPRINT_NAME_PREFIX)}
+    expected = checkpoint_fingerprint(model.path)
+    fix = (f"Start the replica on the checkpoint MMRAG_MODEL names ({model.path}; `mmrag engine serve` does), "
+           f"or point MMRAG_MODEL at the checkpoint the replica serves")
+    if announced:
+        if expected not in announced or not cards:
+            raise ReplicaIdentityError(
+                url, f"it serves {', '.join(c['id'] for c in cards)} from checkpoint {', '.join(sorted(announced))} "
+                f"(the fingerprint it announces), but MMRAG_MODEL's checkpoint {model.path} is {expected}: another "
+                f"checkpoint (a fine-tune?) served under our model's name would be fed the configured tower's image "
+                f"tokens. {fix}.")
+        return cards[0]["id"]  # our checkpoint, whatever it is called there
+    wanted = {model.name, str(model.path)}
+    names = [c["id"] for c in cards if c["id"] in wanted or c.get("root") in wanted]
+    if not names:
+        raise EngineRequestError(
+            url, 200, f"the replica serves {', '.join(c['id'] for c in cards)}, not {model.name} ({model.path}). "
+            f"Point MMRAG_MODEL at the same checkpoint, or start the replica with `--served-model-name {model.name}`"
+        )
+    name = names[0]
+    root = next(c.get("root") for c in cards if c["id"] == name)
+    try:
+        served = local_checkpoint(root)
+    except ModelNotFoundError:
+        raise ReplicaIdentityError(
+            url, f"it serves {name} from {root}, which this host cannot read to compare with {model.path}, and "
+            f"it announces no checkpoint fingerprint. Start it with `mmrag engine serve` (which announces the "
+            f"fingerprint of what it loads), or mount the checkpoint at {root} on this host too; or, once you "
+            f"have made sure it loads the same files, add `--served-model-name {name} "
+            f"{fingerprint_name(expected)}` to its `vllm serve` command.") from None
+    found = checkpoint_fingerprint(served)
+    if found != expected:
+        raise ReplicaIdentityError(
+            url, f"it serves {name} from {root}, whose checkpoint ({served}) is {found}, but MMRAG_MODEL's "
+            f"({model.path}) is {expected}: another checkpoint (a fine-tune?) served under our model's name would "
+            f"be fed the configured tower's image tokens. {fix}.")
+    return name
 
 
 def _error_message(resp: httpx.Response) -> str:

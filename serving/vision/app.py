@@ -48,7 +48,8 @@ class _Body(BaseModel):
 
 
 class EncodedImageInfo(_Body):
-    key: str = Field(description="The ImageKey its tokens are stored under (img1-<sha256>-<encoder>-px<min>-<max>).")
+    key: str = Field(description="The ImageKey its tokens are stored under "
+                     "(img1-<sha256>-<encoder>-px<min>-<max>[-pool<n>]).")
     tokens: int = Field(description="Image tokens (rows of the tensor).")
     grid_thw: list[int] = Field(description="Temporal, height, width patches before merging.")
     source: str = Field(description="forward (encoded now), store (already stored) or shared (another "
@@ -66,6 +67,8 @@ class TokenCount(_Body):
 class InfoPolicy(_Body):
     min_pixels: int
     max_pixels: int
+    pool: int = Field(description="The side of the square of merged tokens averaged into one (1: none, 2: 2x2); "
+                      "part of every key, as -pool2.")
 
 
 class InfoResponse(_Body):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+from serving.readiness import ServerStartError, answers_200, wait_until_ready
 
 
 def start_vision_service(model_path: Path, data_dir: Path, port: int, log_path: Path, *, timeout_s: float = 300,
@@ -24,14 +23,10 @@ def start_vision_service(model_path: Path, data_dir: Path, port: int, log_path: 
     with log_path.open("ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mmrag", "vision", "serve", "--port", str(port)],
                                 env=child_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass  # not listening yet
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the vision service did not start; log {log_path}:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
+    try:
+        wait_until_ready(answers_200(f"http://127.0.0.1:{port}/readyz"), timeout_s=timeout_s, what="the vision service",
+                         proc=proc, log=lambda: f"log {log_path}:\n{log_path.read_text()[-3000:]}", interval_s=0.1)
+    except ServerStartError:
+        proc.kill()
+        raise
+    return proc

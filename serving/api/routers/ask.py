@@ -33,7 +33,7 @@ ASK_ERRORS = error_responses({
          "`conversation_id` of a question without images is unknown or expired (`unknown_conversation`): send "
          "the images again.",
     409: "A retrieved page's image tokens are not stored (`missing_image_tokens`): re-ingest it; or every "
-         "page is of another vision encoder than the configured one (`stale_index`): re-ingest or set it back.",
+         "page is of another vision encoder than the configured one (`stale_index`): run `mmrag reencode` (or re-ingest, or set it back).",
     413: "Request body over MMRAG_MAX_REQUEST_BYTES, plus what the images may take (`request_too_large`); or an "
          "image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS (`image_too_large`).",
     **INVALID_REQUEST,

@@ -4,9 +4,7 @@ import asyncio
 import dataclasses
 import hashlib
 import io
-import os
 import re
-import tempfile
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import BinaryIO
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
+from adapters.files import atomic_file
 from core.keys import doc_id_for
 from core.payload import PagePayload
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
@@ -95,32 +94,28 @@ async def delete(doc_id: str, services: TenantDep) -> DeletedDocument:
 def _store_upload(src: BinaryIO, client_name: str, uploads: Path, max_bytes: int) -> tuple[Path, int, str]:
     """Copy the upload to ``uploads/<sha256 prefix>/<safe name>``: at most ``max_bytes``, of a format ingestion
     reads (sniffed from its bytes, not its name). The client's name only names the file, never a folder."""
-    uploads.mkdir(parents=True, exist_ok=True)
     digest, size = hashlib.sha256(), 0
-    with tempfile.NamedTemporaryFile(dir=uploads, prefix=".upload-", delete=False) as tmp:
-        try:
-            head = src.read(1024)
-            fmt = sniff_format(head)
-            if fmt is None:
-                raise ApiError(415, "unsupported_type", "the file is not a PDF, PNG, JPEG, WebP or TIFF (by its "
-                               "first bytes)", "convert it to PDF or an image of one of these formats")
-            chunk = head
-            while chunk:
-                size += len(chunk)
-                if size > max_bytes:
-                    raise ApiError(413, "request_too_large", f"the file is over {max_bytes} bytes",
-                                   "upload a smaller file (or raise MMRAG_MAX_UPLOAD_BYTES)")
-                digest.update(chunk)
-                tmp.write(chunk)
-                chunk = src.read(_COPY_CHUNK)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    sha = digest.hexdigest()
-    folder = uploads / sha[:16]
-    folder.mkdir(exist_ok=True)
-    path = folder / _safe_name(client_name, fmt)
-    os.replace(tmp.name, path)  # the same bytes under the same name: the same file, so the same document
+    # Its name comes from its bytes: written under a temp name first, removed if it is refused half-way.
+    with atomic_file(uploads, prefix=".upload-") as tmp:
+        head = src.read(1024)
+        fmt = sniff_format(head)
+        if fmt is None:
+            raise ApiError(415, "unsupported_type", "the file is not a PDF, PNG, JPEG, WebP or TIFF (by its "
+                           "first bytes)", "convert it to PDF or an image of one of these formats")
+        chunk = head
+        while chunk:
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, "request_too_large", f"the file is over {max_bytes} bytes",
+                               "upload a smaller file (or raise MMRAG_MAX_UPLOAD_BYTES)")
+            digest.update(chunk)
+            tmp.write(chunk)
+            chunk = src.read(_COPY_CHUNK)
+        sha = digest.hexdigest()
+        folder = uploads / sha[:16]
+        folder.mkdir(exist_ok=True)
+        path = folder / _safe_name(client_name, fmt)
+        tmp.commit(path)  # the same bytes under the same name: the same file, so the same document
     return path, size, sha
 
 

@@ -1,0 +1,33 @@
+"""serving/readiness: the one loop that waits for a child server, used by every server mmrag or its tests start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serving.readiness import ServerStartError, answers_200, wait_until_ready
+
+
+def test_a_server_that_exits_fails_at_once_with_its_exit_code_and_log():
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    t = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"toy exited with code 3 before it was ready\. see toy\.log"):
+        wait_until_ready(lambda: False, timeout_s=60, what="toy", proc=proc, log=lambda: "see toy.log",
+                         interval_s=0.01)
+    assert time.monotonic() - t < 30  # not the whole timeout
+
+
+def test_waiting_ends_when_the_probe_answers_and_fails_after_the_timeout_otherwise():
+    answers = iter([False, False, True])
+    wait_until_ready(lambda: next(answers), timeout_s=5, what="toy", interval_s=0.01)
+    with pytest.raises(ServerStartError, match="toy was not ready after 0 s"):
+        wait_until_ready(lambda: False, timeout_s=0.05, what="toy", interval_s=0.01)
+
+
+def test_nothing_listening_is_not_ready_yet():
+    from devkit.ports import free_port
+
+    assert answers_200(f"http://127.0.0.1:{free_port()}/health", timeout_s=1)() is False

@@ -1,0 +1,233 @@
+"""The scheduler's rules as properties over random arrival streams (hypothesis), on the recording engine.
+
+Hypothesis draws a configuration and a stream of events: plans arriving (of three tenants' salts, short or long
+images, one or two of them), prefills ending, plans finishing, callers leaving, time passing. After every event
+the scheduler has dispatched all it would (it dispatches synchronously at each event; a passing wait is its
+timer firing, ``Scheduler.wake``). This test then restates each rule from first principles, over what it saw
+(which plans run, which finished their prefill, when each arrived), never asking the scheduler why:
+
+- the image-token budget and the slots are never exceeded;
+- a free reserved slot is never left idle while a short plan waits that the budget can take;
+- no plan waits past ``max_wait_ms`` while a slot it may use is free and the budget can take it, unless an
+  older overdue plan waits for the budget (nothing younger overtakes that one, or it could starve);
+- a plan otherwise able to start waits only behind a prefill of its own salt, system prompt and first image
+  that no plan has finished yet (gating never crosses salts), and never under FCFS.
+
+The cases that first showed two of these broken are named tests in tests/test_scheduler.py and
+tests/test_mixed_resolution.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from core.engine import PromptPlan
+from serving.scheduler import Policy, Scheduler, SchedulerConfig
+from tests.test_scheduler import RecordingEngine
+
+MAX_WAIT_MS = 1000.0
+TOKENS = {"s1": 64, "s2": 96, "L1": 1024, "L2": 1536, "L3": 2048}
+SHORT_IMAGE_TOKENS = 256  # s1+s2 = 160: short; any plan with an L image: long
+SALTS = ("", "tenant-a", "tenant-b")
+
+
+@st.composite
+def configs(draw) -> SchedulerConfig:
+    max_concurrency = draw(st.integers(1, 4))
+    short = max_concurrency > 1 and draw(st.booleans())
+    return SchedulerConfig(
+        policy=draw(st.sampled_from(list(Policy))),
+        max_concurrency=max_concurrency,
+        max_image_tokens_in_flight=draw(st.sampled_from([2048, 3072, 4096, 32_768])),
+        max_wait_ms=MAX_WAIT_MS,
+        queue_cap=draw(st.integers(1, 8)),
+        short_image_tokens=SHORT_IMAGE_TOKENS if short else 0,
+        short_reserved=draw(st.integers(1, max_concurrency - 1)) if short else 1,
+    )
+
+
+submits = st.tuples(st.just("submit"), st.sampled_from(SALTS), st.sampled_from(sorted(TOKENS)),
+                    st.sampled_from([None, *sorted(TOKENS)]))
+events = st.lists(st.one_of(
+    submits, submits,  # arrivals twice as likely as any other event
+    st.tuples(st.just("prefill"), st.integers(0, 7)),
+    st.tuples(st.just("finish"), st.integers(0, 7)),
+    st.tuples(st.just("cancel"), st.integers(0, 7)),
+    st.tuples(st.just("tick"), st.sampled_from([0.1, 0.4, 0.7, 1.2])),
+    st.tuples(st.just("tick"), st.sampled_from([0.1, 0.4, 0.7, 1.2])),
+), min_size=1, max_size=40)
+
+
+@dataclass
+class Seen:
+    """What the test observed, in its own terms: plans by name."""
+
+    plans: dict[str, PromptPlan] = field(default_factory=dict)
+    arrival: dict[str, float] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    prefilled: set[str] = field(default_factory=set)  # plans whose prefill ended (finishing ends it too)
+    finished: set[str] = field(default_factory=set)
+
+
+def tokens(p: PromptPlan) -> int:
+    return sum(TOKENS[k] for k in p.images)
+
+
+def lead(p: PromptPlan) -> tuple[str, str, str]:
+    return (p.cache_salt, p.system_prompt_id, p.images[0])
+
+
+def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: Seen, now: float) -> None:
+    gone = {n for n, t in seen.tasks.items() if t.cancelled()}
+    running = [n for n in eng.started if n not in seen.finished and n not in gone]
+    seq = lambda n: int(n[1:])  # noqa: E731  (submission order: plans named p<event index>)
+    waiting = sorted((n for n in seen.plans if n not in eng.started and n not in gone), key=seq)
+    assert s.in_flight == len(running) and s.waiting == len(waiting)
+
+    short = lambda n: 0 < config.short_image_tokens and tokens(seen.plans[n]) <= config.short_image_tokens  # noqa: E731
+    reserved = config.short_reserved if config.short_image_tokens else 0
+    in_flight_tokens = sum(tokens(seen.plans[n]) for n in running)
+    long_running = sum(not short(n) for n in running)
+
+    # The budget and the slots.
+    assert in_flight_tokens <= config.max_image_tokens_in_flight
+    assert len(running) <= config.max_concurrency and long_running <= config.max_concurrency - reserved
+
+    free = len(running) < config.max_concurrency
+    reserved_free = free and len(running) - long_running < reserved
+    fits = lambda n: in_flight_tokens + tokens(seen.plans[n]) <= config.max_image_tokens_in_flight  # noqa: E731
+    slot = lambda n: free and (short(n) or long_running < config.max_concurrency - reserved)  # noqa: E731
+    overdue = [n for n in waiting if (now - seen.arrival[n]) * 1000 >= MAX_WAIT_MS]
+    # Leads whose prefill is running, and leads some plan finished prefilling (their KV is cached).
+    prefilling = {lead(seen.plans[n]) for n in running if n not in seen.prefilled}
+    cached = {lead(seen.plans[n]) for n in seen.prefilled}
+
+    for n in waiting:
+        p = seen.plans[n]
+        if short(n) and reserved_free:  # a free reserved slot is never idle while a short plan waits ...
+            assert not fits(n), f"short plan {n} waits with a reserved slot free and the budget room"
+            continue  # ... that the budget can take
+        if not (slot(n) and fits(n)):
+            continue  # no slot it may use, or the budget is full: waiting is right
+        older_blocked = [v for v in overdue if seq(v) < seq(n) and slot(v) and not fits(v)]
+        if older_blocked:
+            continue  # an older overdue plan waits for the budget: nothing younger overtakes it
+        assert n not in overdue, f"overdue plan {n} waits with a slot it may use free and the budget room"
+        # Not overdue, a slot and the budget free: only gating may hold it, and only behind its own salt.
+        assert config.policy is not Policy.FCFS, f"FCFS held {n} back with a slot free"
+        assert lead(p) in prefilling and lead(p) not in cached, (
+            f"plan {n} (salt {p.cache_salt!r}, lead {p.images[0]}) held with a slot free and no prefill of its "
+            f"own salt and lead running: running {[(seen.plans[r].cache_salt, seen.plans[r].images) for r in running]}")
+
+
+async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:
+    now = [0.0]
+    eng = RecordingEngine()
+    timers: set[Timer] = set()  # the scheduler's armed timers: this test fires them (wake) when their time comes
+
+    class Timer:
+        def __init__(self, delay: float, _callback) -> None:
+            self.due = now[0] + delay
+            timers.add(self)
+
+        def cancel(self) -> None:
+            timers.discard(self)
+
+    s = Scheduler(eng, config, image_tokens=tokens, clock=lambda: now[0], call_later=Timer)
+    seen = Seen()
+
+    async def settle() -> None:
+        for _ in range(12):
+            await asyncio.sleep(0)
+
+    for i, event in enumerate(stream):
+        kind = event[0]
+        running = [n for n in eng.started if n not in seen.finished and not seen.tasks[n].done()]
+        if kind == "submit":
+            _, salt, first, second = event
+            images = (first,) if second is None or second == first else (first, second)
+            name = f"p{i}"
+            p = PromptPlan(images=images, text=name, cache_salt=salt)
+            if tokens(p) > config.max_image_tokens_in_flight:  # refused at once: it could never fit
+                with pytest.raises(ValueError, match="in-flight budget"):
+                    await s.submit(p)
+                continue
+            seen.plans[name] = p
+            seen.arrival[name] = now[0]
+            seen.tasks[name] = asyncio.create_task(s.submit(seen.plans[name]))
+        elif kind == "prefill" and running:
+            name = running[event[1] % len(running)]
+            if name not in seen.prefilled:
+                seen.prefilled.add(name)
+                await eng.finish(name, prefill_only=True)
+        elif kind == "finish" and running:
+            name = running[event[1] % len(running)]
+            seen.prefilled.add(name)
+            seen.finished.add(name)
+            await eng.finish(name)
+        elif kind == "cancel" and seen.tasks:
+            live = [n for n, t in seen.tasks.items() if not t.done()]
+            if live:
+                name = live[event[1] % len(live)]
+                seen.tasks[name].cancel()
+                if name in eng.started:
+                    seen.finished.add(name)  # the scheduler cancels its engine request and frees the slot
+                    seen.prefilled.add(name)  # (its first-token callback runs as it stops)
+        elif kind == "tick":
+            now[0] += event[1]
+            if any(t.due <= now[0] for t in timers):  # the timer the scheduler armed has fired
+                timers.clear()
+                s.wake()
+        await settle()
+        check(config, s, eng, seen, now[0])
+
+    # Drain: every plan that was not cancelled completes (each round starts at least one: a hang fails).
+    for _ in range(len(seen.tasks) + 1):
+        if all(t.done() for t in seen.tasks.values()):
+            break
+        for name in [n for n in eng.started if n not in seen.finished]:
+            seen.prefilled.add(name)
+            seen.finished.add(name)
+            await eng.finish(name)
+        now[0] += 1.0
+        s.wake()
+        await settle()
+    assert all(t.done() for t in seen.tasks.values()), f"never started: {[n for n in seen.plans if n not in eng.started]}"
+    for name, task in seen.tasks.items():
+        assert task.cancelled() or task.result().text == name
+    assert s.in_flight == 0 and s.waiting == 0
+
+
+# The cases that once broke a rule, run first whatever hypothesis draws: issue 23's two probes, and a gated plan
+# whose wait runs out while its leader still prefills (only the timer can start it).
+@example(SchedulerConfig(policy=Policy.FCFS, max_concurrency=2, max_wait_ms=MAX_WAIT_MS, short_image_tokens=256),
+         [("submit", "", "L1", None), ("submit", "", "L2", None), ("tick", 1.2), ("submit", "", "s1", None)])
+@example(SchedulerConfig(max_concurrency=4, max_wait_ms=MAX_WAIT_MS),
+         [("submit", "tenant-a", "L1", "s1"), ("submit", "tenant-b", "L1", "s1"), ("submit", "tenant-a", "L1", None)])
+@example(SchedulerConfig(max_concurrency=2, max_wait_ms=MAX_WAIT_MS),
+         [("submit", "", "L1", None), ("submit", "", "L1", "s1"), ("tick", 1.2)])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), events)
+def test_the_scheduler_rules_hold_over_random_arrival_streams(config, stream):
+    asyncio.run(scenario(config, stream))
+
+
+async def test_a_gated_plan_starts_when_its_wait_runs_out_with_no_other_event():
+    """The timer behind ``wake``: a plan gated behind a long prefill goes when it becomes overdue, on the real
+    clock, though the leader's prefill never ends."""
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=2, max_wait_ms=50), image_tokens=tokens)
+    leader = asyncio.create_task(s.submit(PromptPlan(images=("L1",), text="leader")))
+    follower = asyncio.create_task(s.submit(PromptPlan(images=("L1", "s1"), text="follower")))
+    await asyncio.sleep(0.01)
+    assert eng.started == ["leader"] and s.stats.gated > 0
+    await asyncio.sleep(0.1)
+    assert eng.started == ["leader", "follower"] and s.stats.fairness_overrides == 1
+    for name in ("leader", "follower"):
+        await eng.finish(name)
+    await asyncio.gather(leader, follower)
