@@ -172,12 +172,15 @@ async def test_a_replica_killed_mid_answer_fails_over_or_raises_unavailable_and_
     both = remote(engine_settings, pair)  # the session replica is the fall-back
     alone = remote(engine_settings, [doomed.url])  # no replica left once it dies
     plans = long_plans(keys, doomed.url, pair, "fail-over")
-    streaming = Streaming(N)
-    tasks = [asyncio.create_task(ended_at(e.generate(p, on_first_token=streaming)))
-             for e in (both, alone) for p in plans]
+    scrape = httpx.AsyncClient(timeout=10.0)
+    base = (await replica_counters(scrape, doomed.url)).generated
+    tasks = [asyncio.create_task(ended_at(e.generate(p))) for e in (both, alone) for p in plans]
     try:
-        await streaming.wait(tasks)
-        kill(doomed)  # mid-answer: half of the answers are streaming to us, the rest queued or streaming too
+        # Kill by the replica's own progress, not by the first tokens this process has read: under load it reads
+        # the streams seconds behind the replica, which could have written every answer whole before such a kill.
+        await wait_until(lambda: replica_counters(scrape, doomed.url),
+                         lambda c: c.busy > 0 and c.generated > base + N, "answers decoding on the doomed replica")
+        kill(doomed)  # mid-answer: the replica is still decoding them
         killed = time.perf_counter()
         assert not all(t.done() for t in tasks), "every answer had ended before the kill (a starved test process)"
         # Each of ``both``'s unfinished requests is re-sent once the kill reaches it.
@@ -190,6 +193,7 @@ async def test_a_replica_killed_mid_answer_fails_over_or_raises_unavailable_and_
             t.cancel()
         await both.close()
         await alone.close()
+        await scrape.aclose()
 
     served, alone_ended = [r for r, _ in results[:N]], [r for r, _ in results[N:]]
     for completion in served:
