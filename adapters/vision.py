@@ -177,32 +177,39 @@ class VisionCheckpoint:
                    read_image_processor_config(model_dir))
 
     def version(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
-        preprocessing = checkpoint_preprocessing(self.model_dir, _canonical(self.processor_config))
-        return self._version(salt, dtype, device_kind, preprocessing)
+        return self.versions(salt=salt, dtype=dtype, device_kind=device_kind)[0]
 
     def version_before_preprocessing(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
         """The version this encoder had before versions covered the preprocessing implementation: the one pages
         ingested then carry, by which `mmrag index check` names them old (`mmrag reencode` migrates them)."""
-        return self._version(salt, dtype, device_kind, None)
+        return self.versions(salt=salt, dtype=dtype, device_kind=device_kind)[1]
 
-    def _version(self, salt: str, dtype: torch.dtype, device_kind: str, preprocessing: str | None) -> EncoderVersion:
-        return encoder_version(self.state, self.processor_config, salt=salt, dtype=dtype, device_kind=device_kind,
-                               family_config=self.family.versioned_config(self.config.vision_config),
-                               preprocessing=preprocessing)
+    def versions(self, *, salt: str, dtype: torch.dtype, device_kind: str) -> tuple[EncoderVersion, EncoderVersion]:
+        """(today's version, the one before it covered preprocessing), from one pass over the tower's tensors."""
+        preprocessing = checkpoint_preprocessing(self.model_dir, _canonical(self.processor_config))
+        return encoder_versions(self.state, self.processor_config, salt=salt, dtype=dtype, device_kind=device_kind,
+                                family_config=self.family.versioned_config(self.config.vision_config),
+                                preprocessing=preprocessing)
+
+
+def encoder_versions_of(model_path: str | Path, *, salt: str, dtype: torch.dtype, device_kind: str
+                        ) -> tuple[EncoderVersion, EncoderVersion]:
+    """The version a :class:`VisionEncoder` with these arguments would have, and the one before it covered
+    preprocessing, without building the tower (an API host computes the version of pages encoded on a GPU host
+    without needing that GPU). One load and one hash of the tower for both."""
+    return VisionCheckpoint.load(model_path).versions(salt=salt, dtype=dtype, device_kind=device_kind)
 
 
 def encoder_version_of(model_path: str | Path, *, salt: str, dtype: torch.dtype, device_kind: str) -> EncoderVersion:
-    """The version a :class:`VisionEncoder` with these arguments would have, without building the tower (an
-    API host computes the version of pages encoded on a GPU host without needing that GPU)."""
-    return VisionCheckpoint.load(model_path).version(salt=salt, dtype=dtype, device_kind=device_kind)
+    """Today's version of :func:`encoder_versions_of`."""
+    return encoder_versions_of(model_path, salt=salt, dtype=dtype, device_kind=device_kind)[0]
 
 
 def encoder_version_before_preprocessing_of(model_path: str | Path, *, salt: str, dtype: torch.dtype,
                                             device_kind: str) -> EncoderVersion:
-    """:meth:`VisionCheckpoint.version_before_preprocessing` of a checkpoint: the version its pages carry when an
-    mmrag from before the version covered preprocessing ingested them."""
-    return VisionCheckpoint.load(model_path).version_before_preprocessing(salt=salt, dtype=dtype,
-                                                                         device_kind=device_kind)
+    """The version before it covered preprocessing, of :func:`encoder_versions_of`: the one a checkpoint's pages
+    carry when an mmrag from before then ingested them."""
+    return encoder_versions_of(model_path, salt=salt, dtype=dtype, device_kind=device_kind)[1]
 
 
 # The preprocessing fingerprint's fixed inputs. One probe policy for every encoder policy: the version is shared by
@@ -330,6 +337,28 @@ def encoder_version(
     ones computed before the family registry existed. ``preprocessing`` None adds no bytes either: that is the
     version as computed before it covered preprocessing, kept only to recognise pages keyed by it.
     """
+    h = _version_hash(visual_state, processor_config, salt=salt, dtype=dtype, family_config=family_config,
+                      device_kind=device_kind)
+    if preprocessing is not None:
+        h.update(f"\npreprocessing={preprocessing}\n".encode())
+    return EncoderVersion(h.hexdigest()[:_VERSION_HEX])
+
+
+def encoder_versions(visual_state: dict[str, torch.Tensor], processor_config: dict[str, Any], *, salt: str,
+                     dtype: torch.dtype, family_config: dict[str, Any], device_kind: str = "cpu",
+                     preprocessing: str) -> tuple[EncoderVersion, EncoderVersion]:
+    """:func:`encoder_version` with ``preprocessing`` and without it, from one pass over the tensors (the
+    preprocessing bytes come last, so both hashes share everything before them)."""
+    h = _version_hash(visual_state, processor_config, salt=salt, dtype=dtype, family_config=family_config,
+                      device_kind=device_kind)
+    before = EncoderVersion(h.hexdigest()[:_VERSION_HEX])
+    h.update(f"\npreprocessing={preprocessing}\n".encode())
+    return EncoderVersion(h.hexdigest()[:_VERSION_HEX]), before
+
+
+def _version_hash(visual_state: dict[str, torch.Tensor], processor_config: dict[str, Any], *, salt: str,
+                  dtype: torch.dtype, family_config: dict[str, Any], device_kind: str) -> Any:
+    """The version's hash over everything but the preprocessing fingerprint (encoder_version's docstring)."""
     h = hashlib.sha256(b"mmrag-vision-encoder-v1\n")
     for name in sorted(visual_state):
         tensor = visual_state[name].contiguous()
@@ -341,9 +370,7 @@ def encoder_version(
         h.update(json.dumps(family_config, sort_keys=True, separators=(",", ":")).encode())
     if device_kind != "cpu":
         h.update(f"\ndevice={device_kind}\n".encode())
-    if preprocessing is not None:
-        h.update(f"\npreprocessing={preprocessing}\n".encode())
-    return EncoderVersion(h.hexdigest()[:_VERSION_HEX])
+    return h
 
 
 def _visual_prefix(keys: dict[str, Path], model_dir: Path, family: VisionFamily) -> str:

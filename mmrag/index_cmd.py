@@ -65,8 +65,8 @@ class IndexCheck:
 
 def check(settings: Settings) -> IndexCheck:
     """Pages per (encoder version, resolution policy) in the index, against the configured model's encoder.
-    Reads the tower's weights to hash them (no forward; twice: today's version and the one before it covered
-    preprocessing) and every page payload (no vectors)."""
+    Reads the tower's weights to hash them (no forward; one pass gives today's version and the one before it
+    covered preprocessing) and every page payload (no vectors)."""
     model = wiring.resolve_model(settings)
     serving = wiring.encoder_scope(settings, model)
     before_preprocessing = wiring.encoder_scope(settings, model, before_preprocessing=True)

@@ -139,13 +139,16 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
     else:
         import torch
 
-        from adapters.vision import encoder_version_before_preprocessing_of, encoder_version_of
+        from adapters.vision import encoder_versions_of
 
         placement = vision_placement(settings, require_device=False)
-        version_of = encoder_version_before_preprocessing_of if before_preprocessing else encoder_version_of
-        version = version_of(model.path, salt=settings.encoder_salt, dtype=getattr(torch, placement.dtype),
-                             device_kind=placement.kind)
-        _scopes[cache_key] = EncoderScope(version, settings.resolution_policy)
+        # One read and hash of the tower gives both versions (`mmrag index check` asks for both): keep both, but
+        # today's only where it is the one served, not where a vision service that was not asked yet reports it.
+        current, before = encoder_versions_of(model.path, salt=settings.encoder_salt,
+                                              dtype=getattr(torch, placement.dtype), device_kind=placement.kind)
+        _scopes[(*cache_key[:2], True)] = EncoderScope(before, settings.resolution_policy)
+        if not (settings.vision_url and before_preprocessing):
+            _scopes[(*cache_key[:2], False)] = EncoderScope(current, settings.resolution_policy)
     return _scopes[cache_key]
 
 
