@@ -7,12 +7,17 @@ serve another image's tokens (a renamed or swapped file is refused, not served).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import re
+import secrets
+import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 _KEY_META = "mmrag_image_key"
 _SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
+_LEASES = ".leases"
 
 
 class FeatureStoreError(RuntimeError):
@@ -98,7 +104,23 @@ class FeatureStore(Protocol):
         ...
 
     def delete(self, key: ImageKey) -> int:
-        """Remove the entry at once (a reader sees all of it or nothing); the bytes freed, 0 if it was gone."""
+        """Remove the entry at once (a reader sees all of it or nothing); the bytes freed, 0 if it was gone or is
+        leased (kept until its last lease ends or expires)."""
+        ...
+
+    def lease(self, keys: Iterable[ImageKey], holder: str, ttl_s: float) -> None:
+        """Take or renew ``holder``'s lease on ``keys`` for ``ttl_s`` seconds: while one lease on a key is live,
+        ``delete`` keeps its entry (a document's deletion, ``mmrag store gc``), in any process sharing the store.
+        A lease outlives a killed holder by at most ``ttl_s``. Leasing a key that is not stored is allowed (an
+        ingest leases what it is about to write); a holder checks ``contains`` after leasing to know."""
+        ...
+
+    def release(self, keys: Iterable[ImageKey], holder: str) -> None:
+        """End ``holder``'s leases on ``keys`` (one it does not hold is ignored)."""
+        ...
+
+    def leased(self, key: ImageKey) -> bool:
+        """Whether any holder's lease on ``key`` is live."""
         ...
 
 
@@ -158,6 +180,15 @@ class ScopedFeatureStore:
 
     def delete(self, key: ImageKey) -> int:
         return self.inner.delete(key)
+
+    def lease(self, keys: Iterable[ImageKey], holder: str, ttl_s: float) -> None:
+        self.inner.lease(keys, holder, ttl_s)
+
+    def release(self, keys: Iterable[ImageKey], holder: str) -> None:
+        self.inner.release(keys, holder)
+
+    def leased(self, key: ImageKey) -> bool:
+        return self.inner.leased(key)
 
     def _described(self) -> str:
         others = sorted(str(p) for p in self.policies - {self.scope.policy})
@@ -253,7 +284,10 @@ class DiskFeatureStore(_BlobStore):
             return None
 
     def delete(self, key: ImageKey) -> int:
-        # unlink is atomic; a reader that opened the file first still reads it whole
+        # unlink is atomic; a reader that opened the file first still reads it whole. A lease taken between the
+        # check and the unlink is not seen: its holder finds the entry gone when it checks after leasing.
+        if self.leased(key):
+            return 0
         path = self.path_for(key)
         try:
             nbytes = path.stat().st_size
@@ -261,6 +295,44 @@ class DiskFeatureStore(_BlobStore):
         except FileNotFoundError:
             return 0
         return nbytes
+
+    # Leases: one empty file per holder under ``root/.leases/<key>/``, its mtime the lease's end (wall clock, so
+    # every process on the host reads it alike). An expired file is removed by whoever next looks.
+
+    def _lease_dir(self, key: ImageKey) -> Path:
+        return self.root / _LEASES / str(key)
+
+    def lease(self, keys: Iterable[ImageKey], holder: str, ttl_s: float) -> None:
+        until = time.time() + ttl_s
+        for key in keys:
+            folder = self._lease_dir(key)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / _holder_name(holder)
+            path.touch()
+            os.utime(path, (until, until))
+
+    def release(self, keys: Iterable[ImageKey], holder: str) -> None:
+        for key in keys:
+            folder = self._lease_dir(key)
+            (folder / _holder_name(holder)).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # the last lease on it
+
+    def leased(self, key: ImageKey) -> bool:
+        now, live = time.time(), False
+        try:
+            held = list(os.scandir(self._lease_dir(key)))
+        except FileNotFoundError:
+            return False
+        for entry in held:
+            try:
+                if entry.stat().st_mtime > now:
+                    live = True
+                else:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass  # released meanwhile
+        return live
 
     def keys(self) -> Iterator[ImageKey]:
         for path in sorted(self.root.glob(f"??/img1-*{_SUFFIX}")):
@@ -327,11 +399,47 @@ class RedisFeatureStore(_BlobStore):
         return nbytes or None  # no entry is ever empty: 0 means none
 
     def delete(self, key: ImageKey) -> int:
-        # STRLEN + UNLINK in one MULTI/EXEC: atomic, and the entry's bytes never travel
+        # STRLEN + UNLINK in one MULTI/EXEC: atomic, and the entry's bytes never travel. A lease taken between
+        # the check and the delete is not seen: its holder finds the entry gone when it checks after leasing.
+        if self.leased(key):
+            return 0
         name = self._name(key)
         nbytes, _ = self._call("UNLINK", lambda: self.client.pipeline(transaction=True).strlen(name).unlink(name)
                                .execute())
         return nbytes
+
+    # Leases: a sorted set ``<prefix>lease:<key>`` of holders scored by their lease's end (Redis's clock, from
+    # TIME, so hosts with skewed clocks agree); the set itself expires with its longest lease.
+
+    def _lease_name(self, key: ImageKey) -> str:
+        return f"{self.prefix}lease:{key}"
+
+    def _now(self) -> float:
+        seconds, micros = self._call("TIME", self.client.time)
+        return seconds + micros / 1e6
+
+    def lease(self, keys: Iterable[ImageKey], holder: str, ttl_s: float) -> None:
+        keys = list(keys)
+        if not keys:
+            return
+        until, pipe = self._now() + ttl_s, self.client.pipeline(transaction=False)
+        for key in keys:
+            name = self._lease_name(key)
+            pipe.zadd(name, {holder: until}).expire(name, max(1, math.ceil(ttl_s)), gt=True)
+            pipe.expire(name, max(1, math.ceil(ttl_s)), nx=True)
+        self._call("ZADD", pipe.execute)
+
+    def release(self, keys: Iterable[ImageKey], holder: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrem(self._lease_name(key), holder)
+        self._call("ZREM", pipe.execute)
+
+    def leased(self, key: ImageKey) -> bool:
+        name, now = self._lease_name(key), self._now()
+        _, live = self._call("ZCOUNT", lambda: self.client.pipeline(transaction=True)
+                             .zremrangebyscore(name, "-inf", now).zcard(name).execute())
+        return live > 0
 
     def keys(self) -> Iterator[ImageKey]:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "img1-*"  # the prefix is literal, not a glob
@@ -341,10 +449,42 @@ class RedisFeatureStore(_BlobStore):
             yield ImageKey.parse(name[len(self.prefix) :])
 
 
+class StoreLease:
+    """A :class:`core.keys.KeyLease` on ``store``: one holder (``purpose``-host-pid-random), leases of ``ttl_s``
+    (renewed by taking the keys again), released by ``end``."""
+
+    def __init__(self, store: FeatureStore, purpose: str, ttl_s: float) -> None:
+        self.store = store
+        self.holder = new_holder(purpose)
+        self.ttl_s = ttl_s
+        self.held: set[ImageKey] = set()
+
+    def take(self, keys: Iterable[ImageKey]) -> set[ImageKey]:
+        keys = set(keys)
+        self.store.lease(keys, self.holder, self.ttl_s)
+        self.held |= keys
+        # Checked after leasing, so no deletion can come between; by size, which the lookup stats do not count.
+        return {k for k in keys if self.store.size(k) is None}
+
+    def end(self) -> None:
+        held, self.held = self.held, set()
+        self.store.release(held, self.holder)
+
+
 def _write_atomically(path: Path, blob: bytes) -> None:
     """A reader (or a run killed half-way) sees either no entry or the whole entry, never a torn file; a failed
     write (the disk full half-way) removes its temp file, whose name carries our PID for the orphan sweep."""
     write_atomically(path, blob, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
+
+
+def _holder_name(holder: str) -> str:
+    """A holder's name as a file name: what is not a letter, digit or ``.-_`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", holder)[:200] or "_"
+
+
+def new_holder(purpose: str) -> str:
+    """A lease holder's name unique to this process and call: ``<purpose>-<host>-<pid>-<random>``."""
+    return f"{purpose}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _without_password(url: str) -> str:

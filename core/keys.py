@@ -20,7 +20,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import NewType
+from typing import NewType, Protocol
 
 ContentHash = NewType("ContentHash", str)  # sha256 hex of the rendered, normalised page image
 EncoderVersion = NewType("EncoderVersion", str)  # hex digest of vision weights + processor config + salt
@@ -102,6 +102,30 @@ class ImageKey:
 
 STANDARD_TIER = "standard"  # MMRAG_MIN_PIXELS / MMRAG_MAX_PIXELS: the tier whose keys indexed pages carry
 OTHER_TIER = "other"  # the tier label of a policy no configured tier has
+
+
+class KeyLease(Protocol):
+    """One holder's lease on stored image tokens (adapters/store.py ``StoreLease``): while it lasts, no deletion
+    (a document's, ``mmrag store gc``) removes the entries, in any process sharing the store. An answer holds
+    one on its pages from retrieval to its last token; a conversation on its images while it lives."""
+
+    def take(self, keys: Iterable[ImageKey]) -> set[ImageKey]:
+        """Lease ``keys`` (or renew them); those of them no longer stored (deleted before the lease began)."""
+        ...
+
+    def end(self) -> None:
+        """Release every key this lease took."""
+        ...
+
+
+class NoLease:
+    """A lease that holds nothing: for a store nothing deletes from (tests, benchmarks)."""
+
+    def take(self, keys: Iterable[ImageKey]) -> set[ImageKey]:
+        return set()
+
+    def end(self) -> None:
+        pass
 
 
 class UnknownTierError(ValueError):

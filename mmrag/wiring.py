@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from adapters.checkpoint import ModelSource, configured_model
 from core.engine import Engine, ImageTokenCounts
+from core.keys import KeyLease, NoLease
 from core.payload import EncoderScope, pages_per_encoder
 from core.settings import DEFAULT_TENANT, Settings
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "mmrag-tiny-qwen2vl"
+# How long an answer's lease on its pages' tokens outlives a server killed mid-answer (it is released at the
+# answer's end otherwise); longer than any answer takes, so a live answer never loses its pages.
+ANSWER_LEASE_S = 900.0
 
 
 class EngineNotConfiguredError(RuntimeError):
@@ -343,22 +347,31 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     encoder = encoder or encoder_scope(settings, model)
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
-    tiers = PageTiers(settings, store or feature_store(settings),
-                      tier_encoder(settings, tower or vision_tower(settings, model)))
+    store = store or feature_store(settings)
+    tiers = PageTiers(settings, store, tier_encoder(settings, tower or vision_tower(settings, model)))
     pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
-                           search=searcher(settings.scoped(scope), client=client, encoder=encoder))
+                           search=searcher(settings.scoped(scope), client=client, encoder=encoder),
+                           lease=answer_lease(store))
     return pipe, scheduler
 
 
+def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:
+    """A new lease per answer on the pages it shows (rag/pipeline.py): held to its last token, at most
+    ANSWER_LEASE_S if the server dies first."""
+    from adapters.store import StoreLease
+
+    return lambda: StoreLease(store, "answer", ANSWER_LEASE_S)
+
+
 def scoped_pipeline(settings: Settings, scope: TenantScope, engine: Engine, *, submit, counts: ImageTokenCounts,
-                    tiers, search: PageSearcher) -> Pipeline:
+                    tiers, search: PageSearcher, lease: Callable[[], KeyLease] = NoLease) -> Pipeline:
     """One tenant's pipeline over process-wide parts (engine, the scheduler's ``submit``, token counts, tiers):
     ``search`` reads the scope's collection, and the scope's salt goes on every plan and decomposition request.
     A new pipeline per tenant, so a field added to Pipeline is never shared between tenants by accident."""
     from rag.pipeline import Pipeline
 
     return Pipeline(decomposer(settings, engine, scope), search, engine, config=pipeline_config(settings),
-                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt)
+                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt, lease=lease)
 
 
 def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScope:
@@ -480,7 +493,7 @@ def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversati
     search = searcher(root.settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
                       text=base.searcher.text_embedder, image=base.searcher.image_embedder)
     pipe = scoped_pipeline(root.settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
-                           tiers=base.tiers, search=search)
+                           tiers=base.tiers, search=search, lease=base.lease)
     return dataclasses.replace(root, scope=scope, pipeline=pipe,
                                pages=AsyncPageReader(base.searcher.client, scope.collection),
                                jobs=jobs.for_tenant(scope.tenant),

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
-from core.keys import ImageKey
+from core.keys import ImageKey, KeyLease, NoLease
 from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
 from rag.order import PagePopularity
@@ -66,12 +66,17 @@ class Pipeline:
     global layout.
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
+
+    ``lease``: a new lease per answer (core/keys.py KeyLease), on the pages it shows from retrieval to its last
+    token, so a document deleted meanwhile (or ``mmrag store gc``) takes its pages' tokens away only after the
+    answer ends. A page whose tokens went before the lease began (deleted between retrieval and planning) is
+    left out of the answer, as if it had not been retrieved, and named in ``pages_deleted``.
     """
 
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
                  config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
                  token_counts: ImageTokenCounts | None = None, tiers: TierSource | None = None,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", lease: Callable[[], KeyLease] = NoLease) -> None:
         self.decomposer = decomposer
         self.searcher = searcher
         self.engine = engine
@@ -81,6 +86,7 @@ class Pipeline:
         self.tiers = tiers
         self.cache_salt = cache_salt  # the tenant's (core/scope.py): on every plan this pipeline submits
         self.popularity: PagePopularity = PagePopularity()
+        self.lease = lease
 
     def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
                    tier: str | None = None, answer_mode: AnswerMode | str | None = None,
@@ -120,6 +126,32 @@ class Pipeline:
             return run.clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], Usage()))
         usage = Usage()
         hits, cut, tiered = await self._pages(retrieved, images, tier, usage)
+        lease = self.lease()
+        try:
+            gone = await asyncio.to_thread(lease.take, {h.image_key for hs in hits for h in hs})
+            if gone:  # deleted since retrieval: left out, as if not retrieved
+                deleted = [h for hs in hits for h in hs if h.image_key in gone]
+                hits = [[h for h in hs if h.image_key not in gone] for hs in hits]
+                if not any(hits) and not images:
+                    run.emit({"event": "citations", "citations": []})
+                    run.text(NO_PAGES_ANSWER)
+                    nothing_left = self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
+                    nothing_left.extra["pages_deleted"] = sorted({page_label(c) for c in cite([deleted])})
+                    return run.clock.stamp(nothing_left)
+            answer = await self._answer_over(run, question, decomposition, hits, cut, images, requested, limit,
+                                             usage)
+            if gone:
+                answer.extra["pages_deleted"] = sorted({page_label(c) for c in cite([deleted])})
+        finally:
+            await asyncio.to_thread(lease.end)
+        if tiered is not None:
+            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
+        return run.clock.stamp(answer)
+
+    async def _answer_over(self, run: _Run, question: str, decomposition, hits: list[list[Hit]], cut: list[Hit],
+                           images: Sequence[ImageKey], requested: AnswerMode, limit: int, usage: Usage) -> Answer:
+        """The answer over ``hits`` (each sub-question's pages) and ``images``, in the mode chosen for them."""
+        subs = decomposition.sub_questions
         choice = choose_answer(requested, hits, popularity=self.popularity, layout=self.config.layout,
                                images=images, max_pages=self.config.one_prompt_pages,
                                misfit=lambda pages: self._misfit(question, subs, pages, hits, images, limit))
@@ -140,9 +172,7 @@ class Pipeline:
         shown = {(c.doc, c.page) for c in citations}
         if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
             answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
-        if tiered is not None:
-            answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
-        return run.clock.stamp(answer)
+        return answer
 
     async def _pages(self, retrieved: list[list[Hit]], images: Sequence[ImageKey], tier: str | None, usage: Usage
                      ) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:

@@ -340,3 +340,49 @@ def test_one_prompts_page_budget_keeps_each_sub_questions_best_pages_and_leaves_
         assert choice.mode is AnswerMode.ONE_PROMPT and set(choice.pages) == {a1, b1, a2}
         assert choice.left_out == (b2, a3)  # not shown, so not cited (the pipeline lists them in pages_left_out)
     assert len(choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=PagePopularity()).pages) == 5
+
+
+async def test_an_answer_leases_the_pages_it_shows_until_its_last_token(engine_settings, pipeline_with):
+    """While an answer runs, a deletion (a document's, `mmrag store gc`) keeps its pages' tokens: the store's
+    delete finds them leased. The lease ends with the answer."""
+    store = wiring.feature_store(engine_settings)
+    p = pipeline_with("canonical")
+    seen: list[tuple[ImageKey, bool, int]] = []
+    scheduled = p.submit
+
+    async def submit(plan: PromptPlan, **kwargs):
+        seen.extend((k, store.leased(k), store.delete(k)) for k in plan.images)  # a deletion mid-answer
+        return await scheduled(plan, **kwargs)
+
+    p.submit = submit
+    answer = await p.ask(TWO_PART)
+    assert seen and all(leased and freed == 0 for _, leased, freed in seen), seen
+    assert all(store.contains(k) for k, _, _ in seen) and "pages_deleted" not in answer.extra
+    assert not any(store.leased(k) for k, _, _ in seen), "the lease must end with the answer"
+
+
+async def test_a_page_deleted_between_retrieval_and_the_answer_is_left_out_and_named(engine_settings,
+                                                                                     pipeline_with):
+    store = wiring.feature_store(engine_settings)
+    p = pipeline_with("canonical")
+    retrieve = p.searcher.search_many
+    gone: dict[ImageKey, object] = {}
+
+    async def search_then_delete(*args, **kwargs):
+        found = await retrieve(*args, **kwargs)
+        key = found[0][0].image_key
+        gone[key] = store.get(key)
+        assert store.delete(key) > 0  # no lease yet: retrieval is done, the answer's lease not yet taken
+        return found
+
+    p.searcher.search_many = search_then_delete
+    try:
+        answer = await p.ask(TWO_PART)
+    finally:
+        for key, value in gone.items():
+            store.put(key, value)  # the session's store, as it was
+    (key,) = gone
+    out = answer.to_json()
+    assert str(key) not in {c.image_key for c in answer.citations}
+    assert all(key not in plan.images for plan in p.submitted)
+    assert out["pages_deleted"] and out["answer"], out

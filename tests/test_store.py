@@ -105,3 +105,31 @@ def test_disk_store_never_leaves_a_torn_entry_when_killed_mid_write(tmp_path):
 def test_redis_store_names_the_fix_when_redis_is_down():
     with pytest.raises(FeatureStoreError, match="MMRAG_REDIS_URL"):
         RedisFeatureStore("redis://127.0.0.1:1/0")
+
+
+def test_a_leased_entry_outlives_delete_until_its_last_lease_ends(store):
+    """Leases are kept where the entries are: another process's store (here a second instance) sees them."""
+    store.put(key(1), value(1))
+    other = (DiskFeatureStore(store.root) if isinstance(store, DiskFeatureStore)
+             else RedisFeatureStore(store.where, prefix=store.prefix))
+    store.lease([key(1), key(2)], "answer-a", ttl_s=60)  # key(2) is not stored: leasing it is allowed
+    other.lease([key(1)], "conversation-b", ttl_s=60)
+    assert other.leased(key(1)) and store.leased(key(2)) and not store.leased(key(3))
+    assert other.delete(key(1)) == 0 and store.contains(key(1)), "a leased entry must stay"
+    store.release([key(1), key(2)], "answer-a")
+    assert store.leased(key(1)) and not store.leased(key(2)), "b's lease still holds key(1)"
+    assert store.delete(key(1)) == 0
+    other.release([key(1)], "conversation-b")
+    other.release([key(1)], "never-held")  # ignored
+    assert not store.leased(key(1))
+    assert store.delete(key(1)) > 0 and not store.contains(key(1))
+
+
+def test_an_expired_lease_holds_nothing(store):
+    """A holder killed before it released: its lease ends by itself (here one that ended 1 s ago)."""
+    store.put(key(1), value(1))
+    store.lease([key(1)], "killed-holder", ttl_s=-1)
+    assert not store.leased(key(1))
+    store.lease([key(1)], "live-holder", ttl_s=60)
+    store.lease([key(1)], "live-holder", ttl_s=-1)  # renewed to an end in the past: ended
+    assert not store.leased(key(1)) and store.delete(key(1)) > 0
