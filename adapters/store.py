@@ -306,10 +306,17 @@ class DiskFeatureStore(_BlobStore):
         until = time.time() + ttl_s
         for key in keys:
             folder = self._lease_dir(key)
-            folder.mkdir(parents=True, exist_ok=True)
             path = folder / _holder_name(holder)
-            path.touch()
-            os.utime(path, (until, until))
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                os.utime(path, (until, until))
+            except FileNotFoundError:  # its folder went with another holder's release: once more
+                folder.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                os.utime(path, (until, until))
+            except OSError as exc:
+                raise self._write_failed(key, 0, exc) from exc
 
     def release(self, keys: Iterable[ImageKey], holder: str) -> None:
         for key in keys:

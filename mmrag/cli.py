@@ -289,7 +289,8 @@ def store_gc(
 ) -> None:
     """Remove feature entries that no indexed page references (left by upgrades and re-ingests).
 
-    A dry run unless --apply: lists what would go and its bytes. Run it while no ingest is writing.
+    A dry run unless --apply: lists what would go and its bytes. Entries a running answer, a live conversation
+    or an ingest holds a lease on are kept and counted as leased; a later gc removes them once released.
     """
     from core.settings import Settings
     from mmrag import store_cmd

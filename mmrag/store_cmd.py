@@ -4,6 +4,10 @@ Entries are immutable and named by ImageKey, so an upgrade (a new encoder versio
 leaves the old entries behind, unreferenced. A dry run (the default) says what would go and how many bytes.
 Keys are listed before the index is read, so an entry a page references by then is kept; run it when no
 ingest is writing (an ingest stores a page's tokens just before it indexes the page).
+
+Leased entries are kept too, and counted apart (``leased``): an answer being generated holds its pages and
+images, a conversation its images (adapters/store.py ``lease``), in any process sharing the store. They are
+unreferenced only for now: a later gc removes those whose lease has ended or lapsed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from mmrag import wiring
 class GcReport:
     backend: str
     dry_run: bool
-    kept: int = 0
+    kept: int = 0  # referenced by an indexed page
+    leased: int = 0  # unreferenced but leased (an answer or a conversation holds it): kept until a later gc
     unreferenced: list[tuple[ImageKey, int]] = field(default_factory=list)  # (key, bytes), sorted by key
 
     @property
@@ -31,14 +36,15 @@ class GcReport:
         return sum(n for _, n in self.unreferenced)
 
     def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "dry_run": self.dry_run, "kept": self.kept,
+        return {"backend": self.backend, "dry_run": self.dry_run, "kept": self.kept, "leased": self.leased,
                 "removed" if not self.dry_run else "would_remove": [
                     {"key": str(k), "bytes": n} for k, n in self.unreferenced],
                 "bytes": self.bytes}
 
 
 def gc(settings: Settings, *, dry_run: bool) -> GcReport:
-    """Entries no page of any tenant's collection references; removed (each atomically) unless ``dry_run``."""
+    """Entries no page of any tenant's collection references; removed (each atomically) unless ``dry_run``, or
+    leased (kept, and counted in ``leased``)."""
     store = wiring.feature_store(settings)
     stored = list(store.keys())  # first: anything indexed by the time the index is read below is kept
     index = wiring.read_index(settings)
@@ -59,9 +65,14 @@ def gc(settings: Settings, *, dry_run: bool) -> GcReport:
         if in_use(key):
             report.kept += 1
             continue
+        if dry_run and store.leased(key):
+            report.leased += 1
+            continue
         nbytes = store.size(key) if dry_run else store.delete(key)
-        if nbytes:  # gone meanwhile (another gc): nothing to report
+        if nbytes:
             report.unreferenced.append((key, nbytes))
+        elif not dry_run and store.leased(key):  # delete keeps a leased entry (else it went meanwhile: another gc)
+            report.leased += 1
     return report
 
 
@@ -70,6 +81,7 @@ def print_gc(report: GcReport, console: Console) -> None:
     for key, nbytes in report.unreferenced:
         console.print(f"  {verb} {key} ({nbytes} bytes)")
     console.print(f"{report.backend} store: {verb} {len(report.unreferenced)} unreferenced entries "
-                  f"({report.bytes / 1e6:.2f} MB), kept {report.kept} referenced ones")
+                  f"({report.bytes / 1e6:.2f} MB), kept {report.kept} referenced ones; leased: {report.leased} "
+                  "(unreferenced, but an answer or a conversation holds them: kept until a later gc)")
     if report.dry_run and report.unreferenced:
         console.print("run `mmrag store gc --apply` to remove them")

@@ -5,9 +5,13 @@ Registered in mmrag/cli.py as ``app.add_typer(vision_app, name="vision")``.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from typing import Annotated
 
 import typer
+
+log = logging.getLogger(__name__)
 
 vision_app = typer.Typer(no_args_is_help=True)
 
@@ -20,7 +24,9 @@ def vision() -> None:
 
 @vision_app.command("serve")
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to listen on (MMRAG_HOST).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on. 127.0.0.1 (this host only) unless given; "
+                                           "to serve other hosts (0.0.0.0), set MMRAG_VISION_API_KEY too.")
+                    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8200,
 ) -> None:
     """Serve the vision tower of the configured model until Ctrl-C: POST /v1/encode, GET /v1/info, /metrics.
@@ -31,7 +37,11 @@ def serve(
 
     Beyond MMRAG_VISION_QUEUE_CAP queued images callers get 429 with Retry-After.
 
-    Then set MMRAG_VISION_URL=http://HOST:PORT for `mmrag ingest` and `mmrag serve`.
+    Decoded pixels: a request's images may declare at most MMRAG_MAX_REQUEST_PIXELS (else 413), all requests' at most MMRAG_MAX_PIXELS_IN_FLIGHT at once (else 429 with Retry-After).
+
+    It listens on 127.0.0.1 unless --host says otherwise. With MMRAG_VISION_API_KEY every route but /healthz, /readyz and /metrics asks for `Authorization: Bearer <key>`.
+
+    Then set MMRAG_VISION_URL=http://HOST:PORT (and the same MMRAG_VISION_API_KEY) for `mmrag ingest` and `mmrag serve`.
     """
     import uvicorn
 
@@ -39,4 +49,17 @@ def serve(
     from mmrag.wiring import vision_app as build
 
     settings = Settings()
-    uvicorn.run(build(settings), host=host or settings.host, port=port, log_level="info")
+    if not settings.vision_api_key and not _loopback(host):
+        log.warning("the vision service listens on %s without MMRAG_VISION_API_KEY: anyone who reaches the port "
+                    "can make it decode and encode images; set MMRAG_VISION_API_KEY (and the same on its clients)",
+                    host)
+    uvicorn.run(build(settings), host=host, port=port, log_level="info")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

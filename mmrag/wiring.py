@@ -93,7 +93,7 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | Re
     if settings.vision_url:
         from adapters.vision_client import RemoteVisionEncoder
 
-        return RemoteVisionEncoder(settings.vision_url)
+        return RemoteVisionEncoder.of_settings(settings)
     import torch
 
     from adapters.vision import VisionEncoder
@@ -127,7 +127,7 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
         from adapters.vision_client import VisionServiceError, service_info
 
         try:
-            info = service_info(settings.vision_url)
+            info = service_info(settings.vision_url, api_key=settings.vision_api_key)
         except VisionServiceError as exc:
             # Questions without images must still be answered: serve the scope this host's settings give (the
             # same as the service's when both hosts set MMRAG_VISION_DEVICE and MMRAG_VISION_DTYPE alike).
@@ -418,6 +418,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     per session); the store is what the feature-store metrics count.
     """
     from adapters.qdrant import AsyncPageReader, LoopBridge
+    from adapters.store import StoreLease
     from serving.api.admission import Admission
     from serving.api.conversations import Conversations
     from serving.api.services import MeteredEngine, QuestionImages, Services
@@ -468,12 +469,18 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     jobs = IngestJobs(scope_of, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
                       make_index=make_index, store=store,
                       referenced=lambda index: index.referenced_keys(settings.qdrant_collection),
-                      tiers=settings.tier_table)
-    conversations = Conversations(max_entries=settings.max_conversations, ttl_s=settings.conversation_ttl_s)
+                      tiers=settings.tier_table, workers=settings.ingest_workers, retry_s=settings.delete_retry_s)
+    # Each conversation leases its images for as long as it lives (serving/api/conversations.py).
+    conversations = Conversations(max_entries=settings.max_conversations,
+                                  per_tenant=settings.conversations_per_tenant, ttl_s=settings.conversation_ttl_s,
+                                  lease=functools.partial(StoreLease, store, "conversation",
+                                                          settings.conversation_ttl_s))
     root = Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
                     owns_engine=engine_ is None, keys=keys, scope=scopes[DEFAULT_TENANT],
-                    admission=Admission(settings.max_questions_in_flight, record=metrics.record_answer),
+                    admission=Admission(settings.max_questions_in_flight, queue=settings.admission_queue,
+                                        max_wait_s=settings.admission_max_wait_s, record=metrics.record_answer,
+                                        record_wait=metrics.record_admission_wait),
                     question_images=QuestionImages(settings, store, lambda: tower().view()),
                     conversations=conversations.for_tenant(DEFAULT_TENANT))
     root.tenants.update({t: tenant_view(root, scopes[t], jobs, conversations) for t in keys.tenants})

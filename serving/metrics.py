@@ -64,6 +64,7 @@ KV_CAPACITY_TOKENS = "mmrag_kv_capacity_tokens"
 ANSWERS = "mmrag_answers"
 ANSWER_OUTCOMES = ("ok", "error", "refused", "cancelled")
 REQUEST_LATENCY = "mmrag_request_latency_seconds"
+ADMISSION_WAIT = "mmrag_admission_wait_seconds"
 
 QUEUE_WAIT = "mmrag_queue_wait_seconds"
 GROUP_SIZE = "mmrag_scheduler_group_size"
@@ -169,12 +170,15 @@ class Metrics:
         self._kv_capacity = Gauge(KV_CAPACITY_TOKENS, "The engine's KV cache capacity in tokens.", registry=r)
         self._tiers: Tiers | None = None
 
-        self._answers = Counter(ANSWERS, "Questions to /v1/ask, by outcome: ok | error | refused (429, over "
-                                "MMRAG_MAX_QUESTIONS_IN_FLIGHT) | cancelled (the client left).", ["outcome"], registry=r)
+        self._answers = Counter(ANSWERS, "Questions to /v1/ask, by outcome: ok | error | refused (429: the queue "
+                                "behind MMRAG_MAX_QUESTIONS_IN_FLIGHT full, or too slow) | cancelled (the client left).", ["outcome"], registry=r)
         for outcome in ANSWER_OUTCOMES:
             self._answers.labels(outcome)  # both series exist from the start, so rate() has a zero to start from
         self._latency = Histogram(REQUEST_LATENCY, "End-to-end latency of /v1/ask, errors included.",
                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self._admission_wait = Histogram(ADMISSION_WAIT, "Time an admitted question waited for its place among "
+                                         "MMRAG_MAX_QUESTIONS_IN_FLIGHT (0 when one was free).",
+                                         buckets=(0, *_LATENCY_BUCKETS), registry=r)
 
         self._queue_wait = Histogram(QUEUE_WAIT, "Time a plan waited in the scheduler queue.",
                                      buckets=_QUEUE_WAIT_BUCKETS, registry=r)
@@ -223,6 +227,9 @@ class Metrics:
         self._answers.labels(outcome).inc()
         if latency_s is not None:
             self._latency.observe(latency_s)
+
+    def record_admission_wait(self, waited_s: float) -> None:
+        self._admission_wait.observe(waited_s)
 
     # -- scheduler --
 

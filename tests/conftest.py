@@ -171,9 +171,10 @@ API_KEY = "test-key"
 
 def copy_corpus(settings, data_dir: Path) -> None:
     """The session corpus (index + features) copied to ``data_dir``: Qdrant local mode allows one client per
-    folder, and other tests read the original."""
+    folder, and other tests read the original. Not the store's leases: they are the original's holders' (a
+    live conversation of a session server), and nothing holds the copy."""
     shutil.copytree(settings.data_dir / "qdrant", data_dir / "qdrant")
-    shutil.copytree(settings.data_dir / "features", data_dir / "features")
+    shutil.copytree(settings.data_dir / "features", data_dir / "features", ignore=shutil.ignore_patterns(".leases"))
 
 
 @contextlib.asynccontextmanager

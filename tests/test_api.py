@@ -172,7 +172,9 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
     from serving.engine.features import FeatureProvider
     from serving.engine.remote import RemoteEngine
 
-    shutil.copytree(engine_settings.data_dir / "qdrant", tmp_path / "qdrant")
+    from tests.conftest import copy_corpus
+
+    copy_corpus(engine_settings, tmp_path)  # index and image tokens: only the engine is missing
     settings = engine_settings.model_copy(update={"data_dir": tmp_path, "warm_top": 0})
     dead = RemoteEngine(["http://127.0.0.1:9"], resolve_model(settings),
                         FeatureProvider.unscoped(feature_store(engine_settings)))
@@ -186,3 +188,77 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
     assert "mmrag engine serve" in r.json()["error"]["message"]
     assert ready.status_code == 503 and ready.json()["checks"]["engine"]["ok"] is False
     assert ready.json()["checks"]["engine"].keys() == {"ok", "error"}
+
+
+# --- no route shows a server path, in a 200's body as in an error's ---------------------------------------
+
+
+def _server_folders(api_server, engine_settings, tiny_model: Path, sample_corpus: Path, session_tmp: Path) -> set[str]:
+    """The server's absolute folders, each as given and resolved: the data dirs, the ingest root, the model, the
+    folder the corpus was ingested from, and the test session's temp root that holds them all."""
+    folders = [api_server["settings"].data_dir, api_server["root"], engine_settings.data_dir, tiny_model,
+               sample_corpus, session_tmp]
+    return {str(p) for p in folders} | {str(p.resolve()) for p in folders}
+
+
+async def test_no_route_shows_a_server_path_in_any_body(http, api_server, engine_settings, tiny_model,
+                                                        sample_corpus, tmp_path_factory):
+    from tests.test_ask_images import new_figure  # a PNG no other test has ingested
+
+    app, root = api_server["app"], api_server["root"]
+    folder = root / "paths-shown"
+    folder.mkdir()
+    shutil.copy(sorted(sample_corpus.glob("*.png"))[2], folder / "slide.png")
+    called: dict[tuple[str, str], list[httpx.Response]] = {}
+
+    async def call(method: str, template: str, url: str | None = None, **kwargs) -> httpx.Response:
+        r = await http.request(method, url or template, headers={**AUTH, **kwargs.pop("headers", {})}, **kwargs)
+        called.setdefault((method, template), []).append(r)
+        return r
+
+    ingest = (await call("POST", "/v1/ingest", json={"paths": ["paths-shown"]})).json()
+    await call("GET", "/v1/ingest/{job_id}", f"/v1/ingest/{ingest['id']}")
+    assert (await _wait_for_job(http, ingest["id"]))["report"]["pages"] == 1
+    upload = (await call("POST", "/v1/documents", files={"file": ("figure.png", new_figure(), "image/png")})).json()
+    assert (await _wait_for_job(http, upload["job"]["id"]))["status"] == "done"
+    await call("POST", "/v1/ingest/{job_id}/cancel", f"/v1/ingest/{upload['job']['id']}/cancel")
+    await call("GET", "/v1/ingest")
+
+    docs = (await call("GET", "/v1/documents", "/v1/documents?limit=1000")).json()["documents"]
+    shown = {d["doc"]: d["path"] for d in docs}
+    assert shown["slide.png"] == "paths-shown/slide.png"  # relative to the ingest root
+    assert shown[upload["doc"]] == upload["doc"]  # an upload: its file name
+    assert shown["operations_manual.pdf"] == "operations_manual.pdf"  # ingested from outside the root: its name
+    for d in docs:
+        page = (await call("GET", "/v1/pages/{page_id}", f"/v1/pages/{d['pages'][0]['page_id']}")).json()
+        assert page["path"] == d["path"], page
+    slide = next(d for d in docs if d["doc"] == "slide.png")["pages"][0]["page_id"]
+    await call("GET", "/v1/pages/{page_id}/image", f"/v1/pages/{slide}/image")
+    await call("DELETE", "/v1/documents/{doc_id}", f"/v1/documents/{upload['doc_id']}")
+
+    await call("POST", "/v1/ask", json={"question": "What is the retry limit of the ingest service?"})
+    await call("POST", "/v1/ask", json={"question": "What is the retry limit?", "stream": True})
+    await call("POST", "/v1/ask/upload", data={"question": "What does this figure show?"},
+               files={"images": ("figure.png", new_figure(), "image/png")})
+    await call("GET", "/v1/models")
+    await call("POST", "/v1/chat/completions", json={"model": "mmrag", "messages": [
+        {"role": "user", "content": "How long are backups retained?"}]})
+    for public in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"):
+        await call("GET", public)
+    # And errors, some of which name files: outside the root, a NUL byte, a missing page, a file gone.
+    await call("POST", "/v1/ingest", json={"paths": ["/etc"]})
+    await call("POST", "/v1/ingest", json={"paths": ["../.."]})
+    await call("POST", "/v1/ingest", json={"paths": ["a\u0000b"]})
+    await call("GET", "/v1/pages/{page_id}", "/v1/pages/00000000-0000-0000-0000-000000000000")
+    (folder / "slide.png").unlink()
+    gone = await call("GET", "/v1/pages/{page_id}/image", f"/v1/pages/{slide}/image")
+    assert gone.status_code == 410 and "slide.png" in gone.json()["error"]["message"]
+
+    routes = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+    assert routes - set(called) == set(), "a route this test does not call: add it"
+    folders = _server_folders(api_server, engine_settings, tiny_model, sample_corpus, tmp_path_factory.getbasetemp())
+    for (method, template), responses in called.items():
+        for r in responses:
+            assert r.status_code < 500, (method, template, r.text)
+            for path in folders:
+                assert path.encode() not in r.content, f"{method} {r.url.path} ({r.status_code}) shows {path}"

@@ -207,19 +207,19 @@ def _image(n: int) -> QuestionImage:
     return QuestionImage(ImageKey.parse(f"img1-{n:064x}-{'ab' * 8}-px1-2"), n)
 
 
-def test_conversations_expire_after_their_last_use_and_the_least_recently_used_go_first():
+async def test_conversations_expire_after_their_last_use_and_the_least_recently_used_go_first():
     now = [0.0]
-    store = Conversations(max_entries=2, ttl_s=10, clock=lambda: now[0])
-    a, b = store.remember([_image(1)]), store.remember([_image(2)])
+    store = Conversations(max_entries=2, per_tenant=2, ttl_s=10, clock=lambda: now[0])
+    a, b = await store.remember([_image(1)]), await store.remember([_image(2)])
     now[0] = 8
-    assert store.recall(a) == (_image(1),)  # used: alive until 18
-    c = store.remember([_image(3)], "chosen-id")  # full: b, the least recently used, goes
+    assert await store.recall(a) == (_image(1),)  # used: alive until 18
+    c = await store.remember([_image(3)], "chosen-id")  # full: b, the least recently used, goes
     assert c == "chosen-id" and len(store) == 2
     with pytest.raises(UnknownConversationError, match="send the images again"):
-        store.recall(b)
+        await store.recall(b)
     now[0] = 17.9
-    assert store.recall(a) == (_image(1),)
+    assert await store.recall(a) == (_image(1),)
     now[0] = 27
     with pytest.raises(UnknownConversationError):
-        store.recall(c)  # last used at 8
-    assert store.recall(a) == (_image(1),) and len(store) == 1  # last used at 17.9
+        await store.recall(c)  # last used at 8
+    assert await store.recall(a) == (_image(1),) and len(store) == 1  # last used at 17.9

@@ -1,7 +1,8 @@
 """Fuzzing: schemathesis sends requests generated from /openapi.json, valid and invalid, to every operation of the
-real server with the API key: no 5xx, and every response one the schema documents. The server is `mmrag serve`'s
-app over its own copy of the session corpus (index AND feature store): the fuzzer deletes and uploads documents,
-which must not reach what other tests read.
+real server with the API key: no 5xx, every response one the schema documents, and no response body (a 200's
+as much as an error's) showing one of the server's folders (a check of our own, `no_server_paths`). The server
+is `mmrag serve`'s app over its own copy of the session corpus (index AND feature store): the fuzzer deletes and
+uploads documents, which must not reach what other tests read.
 
 What it found is replayed below as plain requests, so each finding stays a named test once fixed.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import httpx
@@ -51,17 +53,44 @@ async def fuzzed_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
     })
     app = wiring.create_app(settings, engine=inprocess_engine, store=wiring.feature_store(settings))
     async with serving(app) as url:
-        yield {"url": url, "app": app}
+        yield {"url": url, "app": app, "settings": settings}
 
 
-async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(fuzzed_server, tmp_path):
+# Loaded by schemathesis (SCHEMATHESIS_HOOKS): a check run on every response of every phase.
+NO_SERVER_PATHS_CHECK = """
+import json, os
+import schemathesis
+
+FOLDERS = json.loads(os.environ["MMRAG_FUZZ_SERVER_FOLDERS"])
+CHECKED = os.environ["MMRAG_FUZZ_CHECKED"]  # a file the check leaves, so the test knows it ran
+
+
+@schemathesis.check
+def no_server_paths(ctx, response, case):
+    open(CHECKED, "a").close()
+    shown = [folder for folder in FOLDERS if folder.encode() in response.content]
+    if shown:
+        raise AssertionError(f"{case.method} {case.path} ({response.status_code}) shows {shown[0]}")
+"""
+
+
+async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(
+        fuzzed_server, tmp_path, engine_settings, tiny_model, sample_corpus, tmp_path_factory):
     api_server = fuzzed_server
     report = tmp_path / "report.json"
+    hooks = tmp_path / "no_server_paths.py"
+    hooks.write_text(NO_SERVER_PATHS_CHECK)
+    settings = api_server["settings"]
+    folders = [settings.data_dir, settings.ingest_root, engine_settings.data_dir, tiny_model, sample_corpus,
+               tmp_path_factory.getbasetemp()]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(hooks), "MMRAG_FUZZ_CHECKED": str(tmp_path / "checked"),
+           "MMRAG_FUZZ_SERVER_FOLDERS": json.dumps(sorted({str(p) for p in folders} | {str(p.resolve())
+                                                                                       for p in folders}))}
     # A separate process: the server runs on this test's event loop, which a blocking client here would stall.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "schemathesis.cli", *SCHEMATHESIS, "--report", "json", "--report-json-path", report,
         "-H", f"Authorization: Bearer {API_KEY}", f"{api_server['url']}/openapi.json",
-        cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out = (await proc.communicate())[0].decode(errors="replace")
     assert report.exists(), out
     run = json.loads(report.read_text())
@@ -73,6 +102,7 @@ async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(fuzze
     assert ops["tested"] == ops["total"] == sum(len(r.methods) for r in documented), ops
     assert run["complete"] and not run["failures"] and not run["errors"] and proc.returncode == 0, (
         out[out.find("= FAILURES ="):])
+    assert (tmp_path / "checked").exists(), "the no_server_paths check never ran: " + out[-2000:]
 
 
 # --- the fuzzer's findings as plain requests: each gets a status its operation documents, in the error shape ----

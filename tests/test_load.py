@@ -1,5 +1,6 @@
-"""Overload: 1,000 concurrent /v1/ask on the real app and engine. Every one is answered or refused at once
-with 429 + Retry-After — none a 5xx, none hangs — and what is admitted stays bounded.
+"""Overload: 1,000 concurrent /v1/ask on the real app and engine. Every one is answered (at once, or after a
+wait within MMRAG_ADMISSION_MAX_WAIT_S) or refused with 429 + Retry-After — none a 5xx, none hangs — and what
+is admitted stays bounded. tests/test_admission_wait.py tests the wait itself.
 
 Latency and memory figures are printed (pytest -s) for the README; they are measured, never asserted.
 """
@@ -7,13 +8,12 @@ Latency and memory figures are printed (pytest -s) for the README; they are meas
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 import statistics
-import sys
 
 import psutil
 
+from tests.burst import burst
 from tests.conftest import API_KEY
 
 QUESTIONS = [
@@ -25,38 +25,6 @@ QUESTIONS = [
 ]
 N = 1000
 
-# N concurrent asks from one process, each on its own connection, in plain HTTP/1.1 over asyncio streams: a
-# client this thin measures the server (httpx's own per-request cost, in one process, is several times the
-# server's refusal cost and would be what a 1,000-client test measured). Prints {"wall_s", "results":
-# [{status, s, retry_after, error}]}. The timeout is the hang guard: a request unanswered within it fails.
-CLIENTS = """
-import asyncio, json, sys, time
-
-url, n, key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-host, port = url.removeprefix("http://").split(":")
-questions = %r
-
-async def one(i):
-    started = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    body = json.dumps({"question": questions[i %% len(questions)]}).encode()
-    writer.write(b"POST /v1/ask HTTP/1.1\\r\\nHost: mmrag\\r\\nContent-Type: application/json\\r\\n"
-                 b"Authorization: Bearer " + key.encode() + b"\\r\\nContent-Length: %%d\\r\\n\\r\\n" %% len(body) + body)
-    await writer.drain()
-    head = (await reader.readuntil(b"\\r\\n\\r\\n")).decode("latin-1").split("\\r\\n")
-    headers = dict(h.lower().split(": ", 1) for h in head[1:] if h)
-    payload = json.loads(await reader.readexactly(int(headers["content-length"])))
-    writer.close()
-    return {"status": int(head[0].split()[1]), "s": time.perf_counter() - started,
-            "retry_after": headers.get("retry-after"), "error": payload.get("error")}
-
-async def main():
-    started = time.perf_counter()
-    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), timeout=300)
-    print(json.dumps({"wall_s": time.perf_counter() - started, "results": results}))
-
-asyncio.run(main())
-""" % (QUESTIONS,)
 
 
 def raise_open_files_limit(needed: int) -> None:
@@ -86,15 +54,12 @@ async def test_1000_concurrent_questions_are_answered_or_refused_with_429_none_5
             await asyncio.sleep(0.01)
 
     # The clients run in their own process, as real clients would: their CPU is not the server loop's.
-    client = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CLIENTS, api_server["url"], str(N), API_KEY, stdout=asyncio.subprocess.PIPE)
     watcher = asyncio.create_task(watch())
-    out, _ = await client.communicate()
+    bodies = [{"question": QUESTIONS[i % len(QUESTIONS)]} for i in range(N)]
+    sent, wall = await burst(api_server["url"], API_KEY, bodies)
     done.set()
     await watcher
-    assert client.returncode == 0
-    run = json.loads(out)
-    wall, results = run["wall_s"], [(r["status"], r["s"], r) for r in run["results"]]
+    results = [(r["status"], r["s"], r) for r in sent]
     statuses = [s for s, _, _ in results]
     counts = {s: statuses.count(s) for s in set(statuses)}
     assert set(counts) <= {200, 429} and counts.get(200, 0) >= limit, counts

@@ -79,7 +79,7 @@ def corpus(engine_settings, sample_corpus, tmp_path_factory) -> Corpus:
 
 def _copy(data: Path, to: Path) -> Path:
     shutil.copytree(data / "qdrant", to / "qdrant")
-    shutil.copytree(data / "features", to / "features")
+    shutil.copytree(data / "features", to / "features", ignore=shutil.ignore_patterns(".leases"))
     return to
 
 

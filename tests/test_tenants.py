@@ -12,6 +12,8 @@ import asyncio
 import hmac
 import io
 import json
+import logging
+import time
 import uuid
 
 import httpx
@@ -73,15 +75,22 @@ async def tenant_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
                         await client.delete(f"/v1/documents/{d['doc_id']}")
 
 
+async def _job_while(http: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...], *, within_s: float = 120,
+                     every_s: float = 0.05) -> dict:
+    """The job once its status is none of ``statuses``; fails the test after ``within_s`` (a hang guard, not a
+    speed check)."""
+    deadline = time.monotonic() + within_s
+    while (job := (await http.get(f"/v1/ingest/{job_id}")).json())["status"] in statuses:
+        assert time.monotonic() < deadline, f"still {job['status']} after {within_s} s: {job}"
+        await asyncio.sleep(every_s)
+    return job
+
+
 async def _upload(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
     r = await http.post("/v1/documents", files={"file": (name, body, "image/png")})
     assert r.status_code == 202, r.text
     out = r.json()
-    for _ in range(1200):
-        job = (await http.get(f"/v1/ingest/{out['job']['id']}")).json()
-        if job["status"] not in ("queued", "running"):
-            break
-        await asyncio.sleep(0.1)
+    job = await _job_while(http, out["job"]["id"], ("queued", "running"))
     assert job["status"] == "done" and job["report"]["pages"] == 1, job
     doc = next(d for d in (await http.get("/v1/documents")).json()["documents"] if d["doc_id"] == out["doc_id"])
     return {**out, "page_id": doc["pages"][0]["page_id"], "job_id": out["job"]["id"]}
@@ -216,12 +225,37 @@ async def test_a_shared_figure_is_one_entry_kept_until_no_tenant_references_it(t
     assert len(keys) == 1 and store.contains(next(iter(keys)))  # one content key, one entry, two tenants
     key = keys.pop()
     first = await http["acme"].delete(f"/v1/documents/{docs['acme']['shared']['doc_id']}")
-    assert first.status_code == 200 and (first.json()["entries_removed"], first.json()["entries_kept"]) == (0, 1)
+    assert first.status_code == 200 and first.json()["pages"] == 1, first.text
     assert store.contains(key)  # globex's page still needs it
     assert (await http["globex"].get(f"/v1/pages/{docs['globex']['shared']['page_id']}")).status_code == 200
     last = await http["globex"].delete(f"/v1/documents/{docs['globex']['shared']['doc_id']}")
-    assert last.status_code == 200 and (last.json()["entries_removed"], last.json()["entries_kept"]) == (1, 0)
+    assert last.status_code == 200 and last.json()["pages"] == 1, last.text
     assert not store.contains(key)
+
+
+async def test_a_deletion_tells_a_tenant_nothing_of_another_tenants_pages(tenant_server, caplog):
+    """Issue 24's probe: acme uploads and deletes a page; globex uploads the same bytes; acme uploads and deletes
+    it again. Both deletions answer alike (they said `entries_removed 1, entries_kept 0`, then `0, 1`: "another
+    tenant has this exact page"); the server logs what happened to the shared entry instead."""
+    http, store = tenant_server["http"], tenant_server["store"]
+    caplog.set_level(logging.INFO, logger="serving.ingest_jobs")
+    body = _png("probe")
+    answers = []
+    for other_holds_it in (False, True):
+        if other_holds_it:
+            theirs = await _upload(http["globex"], "probe.png", body)
+        mine = await _upload(http["acme"], "probe.png", body)
+        r = await http["acme"].delete(f"/v1/documents/{mine['doc_id']}")
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    assert answers[0] == answers[1] == {"doc_id": mine["doc_id"], "doc": "probe.png", "pages": 1}
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("deleted document")]
+    assert [("1 removed, 0 kept for other" in m, "0 removed, 1 kept for other" in m) for m in logged] == [
+        (True, False), (False, True)], logged
+    page = (await http["globex"].get(f"/v1/pages/{theirs['page_id']}")).json()
+    assert store.contains(ImageKey.parse(page["image_key"]))  # globex's page still has its tokens
+    r = await http["globex"].delete(f"/v1/documents/{theirs['doc_id']}")
+    assert r.status_code == 200 and not store.contains(ImageKey.parse(page["image_key"]))
 
 
 async def _salts_isolate(engine, key: ImageKey) -> None:
@@ -291,20 +325,17 @@ async def test_server_side_ingest_reads_the_tenants_own_root_and_a_running_job_c
 
     job = (await http["acme"].post("/v1/ingest", json={"paths": ["."]})).json()
     assert job["paths"] == ["."], job  # shown relative to the tenant's root
-    while (state := (await http["acme"].get(f"/v1/ingest/{job['id']}")).json())["status"] == "queued":
-        await asyncio.sleep(0.01)
+    state = await _job_while(http["acme"], job["id"], ("queued",), every_s=0.01)
     assert state["status"] == "running", state
     cancelled = (await http["acme"].post(f"/v1/ingest/{job['id']}/cancel")).json()
     assert cancelled["status"] in ("cancelling", "cancelled"), cancelled
-    while (state := (await http["acme"].get(f"/v1/ingest/{job['id']}")).json())["status"] == "cancelling":
-        await asyncio.sleep(0.05)
+    state = await _job_while(http["acme"], job["id"], ("cancelling",))
     assert state["status"] == "cancelled", state
     indexed = {d["doc"] for d in (await http["acme"].get("/v1/documents")).json()["documents"]}
     batch = {p.name for p in folder.iterdir()}
     assert len(indexed & batch) < len(batch)  # it stopped before the end; what it indexed stays
     again = (await http["acme"].post("/v1/ingest", json={"paths": ["."]})).json()
-    while (state := (await http["acme"].get(f"/v1/ingest/{again['id']}")).json())["status"] in ("queued", "running"):
-        await asyncio.sleep(0.1)
+    state = await _job_while(http["acme"], again["id"], ("queued", "running"), within_s=300, every_s=0.1)
     assert state["status"] == "done", state
     indexed = {d["doc"] for d in (await http["acme"].get("/v1/documents", params={"limit": 100})).json()["documents"]}
     assert batch <= indexed  # re-submitting finished the rest
@@ -314,8 +345,7 @@ async def test_an_upload_ingestion_refuses_leaves_no_file_behind(tenant_server):
     http, settings = tenant_server["http"]["acme"], tenant_server["settings"]
     r = await http.post("/v1/documents", files={"file": ("broken.png", b"\x89PNG\r\n\x1a\n" + bytes(64), "image/png")})
     assert r.status_code == 202, r.text
-    while (job := (await http.get(f"/v1/ingest/{r.json()['job']['id']}")).json())["status"] in ("queued", "running"):
-        await asyncio.sleep(0.05)
+    job = await _job_while(http, r.json()["job"]["id"], ("queued", "running"))
     assert job["status"] == "done" and [f["path"] for f in job["report"]["failed"]] == ["broken.png"], job
     uploads = settings.data_dir / "uploads" / "tenants" / "acme"
     assert not list(uploads.glob(f"{r.json()['sha256'][:16]}*")), list(uploads.iterdir())

@@ -19,14 +19,17 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from core.keys import KeyLease
 from ingestion.loaders import ImageTooLargeError, IngestError
 from rag.answer import Answer
 from rag.pipeline import Emit, stream_events
 from serving.api.admission import ClientGone
-from serving.api.conversations import QuestionImage, UnknownConversationError
+from serving.api.conversations import (SEND_AGAIN_FIX, ImagesExpiredError, QuestionImage,
+                                        UnknownConversationError)
 from serving.api.errors import ApiError, api_error_of, error_body, hide_paths
 from serving.api.limits import base64_length, check_tier
 from serving.api.services import Services
+from serving.engine.features import MissingFeaturesError
 
 # A streamed answer's events (rag/pipeline.py) -> the response body (a route's rendering).
 Render = Callable[[AsyncIterator[dict]], AsyncIterator[str]]
@@ -43,6 +46,7 @@ class Question:
     tier: str | None = None
     answer_mode: str | None = None  # None: MMRAG_ANSWER_MODE
     max_tokens: int | None = None  # None: MMRAG_ANSWER_MAX_TOKENS, which also bounds it
+    converse: bool = True  # remember its images under a conversation_id (False: a route that returns none)
 
 
 async def respond(request: Request, services: Services, question: Question, *, stream: bool, render: Render
@@ -67,44 +71,88 @@ def check(question: Question, services: Services) -> None:
 
 
 async def answer(services: Services, question: Question, emit: Emit | None) -> Answer:
-    """The pipeline's answer over the question's images (encoded once, stored, remembered in its conversation)."""
-    images, forwards = await _images_of(services, question)
-    for image in images:  # the scheduler admits plans by their image tokens
-        services.pipeline.token_counts.record(image.key, image.tokens)
-    result = await services.pipeline.ask(question.text, docs=question.docs, images=[i.key for i in images],
-                                         tier=question.tier, on_event=emit, answer_mode=question.answer_mode,
-                                         max_tokens=question.max_tokens)
-    result.usage.vision_encodes += forwards
-    if images:
-        result.extra["conversation_id"] = services.conversations.remember(images, question.conversation_id)
-        result.extra["question_images"] = [{"image_key": str(i.key), "image_tokens": i.tokens} for i in images]
-    return result
+    """The pipeline's answer over the question's images (encoded once, stored, remembered in its conversation
+    unless the route returns none). The answer leases those images from before it starts to its last token,
+    as the pipeline leases its pages: a document deleted meanwhile, or `mmrag store gc`, keeps their tokens."""
+    lease = services.pipeline.lease()
+    try:
+        images, forwards = await _images_of(services, question, lease)
+        for image in images:  # the scheduler admits plans by their image tokens
+            services.pipeline.token_counts.record(image.key, image.tokens)
+        try:
+            result = await services.pipeline.ask(question.text, docs=question.docs, images=[i.key for i in images],
+                                                 tier=question.tier, on_event=emit, answer_mode=question.answer_mode,
+                                                 max_tokens=question.max_tokens)
+        except MissingFeaturesError as exc:
+            await _check_stored(services, images, exc)
+            raise
+        result.usage.vision_encodes += forwards
+        if images and question.converse:
+            result.extra["conversation_id"] = await services.conversations.remember(images, question.conversation_id)
+        if images:
+            result.extra["question_images"] = [{"image_key": str(i.key), "image_tokens": i.tokens} for i in images]
+        return result
+    finally:
+        if question.images or question.conversation_id is not None:  # else it took nothing
+            await asyncio.to_thread(lease.end)
 
 
-async def _images_of(services: Services, question: Question) -> tuple[list[QuestionImage], int]:
-    """The question's images (sent, or those of its conversation) and the vision forwards they cost. A vision
-    service that is down raises VisionServiceError, which errors.py answers with 503 `vision_unavailable`."""
+async def _images_of(services: Services, question: Question, lease: KeyLease) -> tuple[list[QuestionImage], int]:
+    """The question's images (sent, or those of its conversation), leased by ``lease``, and the vision forwards
+    they cost. A vision service that is down raises VisionServiceError, which errors.py answers with 503
+    `vision_unavailable`."""
     if not question.images:
         if question.conversation_id is None:
             return [], 0
         try:
-            return list(services.conversations.recall(question.conversation_id)), 0
+            images = list(await services.conversations.recall(question.conversation_id))
         except UnknownConversationError as exc:
-            raise ApiError(404, "unknown_conversation", str(exc)) from exc
+            raise ApiError(404, "unknown_conversation", str(exc), SEND_AGAIN_FIX) from exc
+        except ImagesExpiredError as exc:
+            raise ApiError(409, "image_expired", str(exc), SEND_AGAIN_FIX) from exc
+        if gone := await asyncio.to_thread(lease.take, {i.key for i in images}):
+            raise _expired(len(gone))
+        return images, 0
+    images, forwards = await _prepared(services, question.images)
+    if await asyncio.to_thread(lease.take, {i.key for i in images}):
+        # Removed (a deletion, a gc) between being stored and being leased: stored again, under the lease now.
+        images, more = await _prepared(services, question.images)
+        forwards += more
+    return images, forwards
+
+
+async def _prepared(services: Services, blobs: tuple[bytes, ...]) -> tuple[list[QuestionImage], int]:
     try:
-        return await services.question_images.prepare(question.images)
+        return await services.question_images.prepare(blobs)
     except ImageTooLargeError as exc:
-        raise ApiError(413, "image_too_large", str(exc)) from exc
+        raise ApiError(413, "image_too_large", str(exc),
+                       "downscale or recompress that image and ask again (operators: MMRAG_MAX_IMAGE_BYTES and "
+                       "MMRAG_MAX_IMAGE_PIXELS bound a question's image)") from exc
     except IngestError as exc:
-        raise ApiError(400, "invalid_image", str(exc)) from exc
+        raise ApiError(400, "invalid_image", str(exc), "send that image as a PNG, JPEG, WebP or TIFF file's bytes "
+                       "(in base64 in JSON, or as an `images` part of a multipart upload)") from exc
+
+
+async def _check_stored(services: Services, images: list[QuestionImage], exc: MissingFeaturesError) -> None:
+    """A question image whose tokens the engine did not find (a lease that lapsed mid-answer, a store emptied
+    by hand): "send it again", not the engine's advice to ingest, which is for pages."""
+    gone = await asyncio.to_thread(lambda: [i for i in images if services.store.size(i.key) is None])
+    if gone:
+        raise _expired(len(gone)) from exc
+
+
+def _expired(n: int) -> ApiError:
+    return ApiError(409, "image_expired", f"the image tokens of {n} of the question's images are no longer stored "
+                    "(a deletion or `mmrag store gc` removed them after their lease lapsed)", SEND_AGAIN_FIX)
 
 
 async def _admitted(services: Services, watched: Request | _Leaving, question: Question, emit: Emit | None
                     ) -> Answer:
-    """The answer, admitted: refused at once when full (429); cancelled, its plans and engine requests with
+    """The answer, admitted: when full it waits its turn while its expected wait is within
+    MMRAG_ADMISSION_MAX_WAIT_S, else 429 (serving/api/admission.py); cancelled, its plans and engine requests with
     it, when ``watched`` (the request, or a stream's :class:`_Leaving`) says the client left. Admission counts
     every outcome in the answers metric."""
-    async with services.admission.admit():
+    async with services.admission.admit(watched):
         return await services.admission.until_disconnect(watched, answer(services, question, emit))
 
 

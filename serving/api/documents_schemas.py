@@ -53,7 +53,6 @@ class Upload(_Response):
 class DeletedDocument(_Response):
     doc_id: str = Field(description="Id of the deleted document.")
     doc: str = Field(description="Its file name.")
-    pages: int = Field(description="Pages removed from the index.")
-    entries_removed: int = Field(description="Feature-store entries removed: no other indexed page referenced them.")
-    entries_kept: int = Field(description="Its entries kept because another indexed page references them (a "
-                              "figure another document shares).")
+    pages: int = Field(description="Pages removed from the tenant's index. What happened to their image-token "
+                       "entries is not said: the feature store is shared, so that would tell whether another tenant "
+                       "holds the same page (the server logs it).")

@@ -1,4 +1,6 @@
-"""Every error is JSON with a cause and the fix. A failing dependency is 503, never a bare 500.
+"""Every error is JSON with a cause and the fix, never an empty one (``FIXES`` holds the fix of each kind whose
+raiser gives none). A failing dependency is 503, never a bare 500. A body the parser refuses gets a fix for its
+route's kind of body (multipart/form-data or JSON).
 
 Starlette's own errors (unknown route, wrong method, a body FastAPI cannot parse) get the same shape, and no
 error body shows an absolute server path: the data dir, the ingest root and the model folder are written as
@@ -8,9 +10,10 @@ the setting that names them (``$MMRAG_DATA_DIR/features/...``).
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
@@ -32,21 +35,65 @@ log = logging.getLogger(__name__)
 
 class ApiError(HTTPException):
     """An error with its JSON body. An HTTPException, so that one raised while FastAPI reads the body (the
-    size limit counting a chunked body) reaches its handler as is, not as FastAPI's generic 400."""
+    size limit counting a chunked body) reaches its handler as is, not as FastAPI's generic 400.
+
+    Every error says what to do: a call that gives no ``fix`` gets its kind's from :data:`FIXES`. ``param``
+    names the request field at fault where OpenAI's clients look for it (``error.param``)."""
 
     def __init__(self, status: int, kind: str, message: str, fix: str = "", *,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(status, message, headers)
-        self.status, self.kind, self.message, self.fix = status, kind, message, fix
+        self.status, self.kind, self.message, self.fix = status, kind, message, fix or fix_for(kind)
         self.headers = headers or {}
+        self.param = param
 
     def __str__(self) -> str:
         return self.message
 
 
-def error_body(kind: str, message: str, fix: str = "") -> dict:
-    # Built through the documented model, so the body and /openapi.json cannot drift apart.
-    return ErrorResponse(error=ErrorDetail(type=kind, message=message, fix=fix)).model_dump()
+def error_body(kind: str, message: str, fix: str = "", param: str | None = None) -> dict:
+    # Built through the documented model, so the body and /openapi.json cannot drift apart; `param` only
+    # where a field is named.
+    detail = ErrorDetail(type=kind, message=message, fix=fix or fix_for(kind), param=param)
+    return ErrorResponse(error=detail).model_dump(exclude_none=True)
+
+
+# The fix of each error kind whose raiser gives none: the mapped exceptions below (their messages are written
+# for the CLI as much as for the API, so the fix names the routes) and answers to a question's images.
+FIXES: dict[str, str] = {
+    "bad_question": "send a question with some text, at most the length the message names",
+    "unknown_document": "`docs` takes file names or `doc_id`s that GET /v1/documents lists",
+    "no_documents": "ingest documents first: POST /v1/documents (an upload), POST /v1/ingest (paths under "
+                    "MMRAG_INGEST_ROOT) or `mmrag ingest PATH`",
+    "image_channel_off": "leave out the image-only search, or have the operator set MMRAG_CLIP_WEIGHTS and "
+                         "re-ingest",
+    "missing_image_tokens": "re-ingest the page's document (POST /v1/ingest, POST /v1/documents or `mmrag "
+                            "ingest`); for an image of the question, send the image again",
+    "stale_index": "run `mmrag reencode` (or re-ingest, or set the encoder settings back)",
+    "stale_image_tokens": "run `mmrag reencode` (or re-ingest, or set the encoder settings back)",
+    "retrieval_unavailable": "retry once Qdrant answers (GET /readyz shows it)",
+    "engine_unavailable": "retry once an engine replica answers (GET /readyz shows it)",
+    "engine_rejected": "ask again with fewer pages or images, or a smaller `max_tokens`; the server log has "
+                       "the engine's reason",
+    "vision_unavailable": "retry once the vision service (MMRAG_VISION_URL) answers, or ask without images",
+    "feature_store_unavailable": "retry once the feature store answers (GET /readyz shows it)",
+    "index_unavailable": "the operator re-creates the collection (`mmrag index reset`) or sets "
+                         "MMRAG_QDRANT_COLLECTION, as the message says",
+    "index_incompatible": "the operator resets the index (`mmrag index reset`) and re-ingests, as the message says",
+    "dependency_unavailable": "retry once GET /readyz says every dependency answers",
+    "dependency_timeout": "retry once GET /readyz says every dependency answers",
+    "unknown_conversation": "send the question's images again (a conversation keeps them "
+                            "MMRAG_CONVERSATION_TTL_S seconds after its last question)",
+    "image_too_large": "downscale or recompress the image (at most MMRAG_MAX_IMAGE_BYTES bytes and "
+                       "MMRAG_MAX_IMAGE_PIXELS pixels)",
+    "invalid_image": "send a PNG, JPEG, WebP or TIFF file's bytes",
+}
+DEFAULT_FIX = "see this route's errors at /docs"
+
+
+def fix_for(kind: str) -> str:
+    """The fix an error of ``kind`` gets when its raiser gives none."""
+    return FIXES.get(kind, DEFAULT_FIX)
 
 
 class ServerPaths:
@@ -78,7 +125,7 @@ def hide_paths(request: Request, text: str) -> str:
     return request.app.state.server_paths.hide(text)
 
 
-# (exception type, HTTP status, error type); the exception's message already says what to do.
+# (exception type, HTTP status, error type); the fix is the kind's in FIXES.
 _MAPPED: list[tuple[type[Exception], int, str]] = [
     (BadQuestionError, 400, "bad_question"),
     (UnknownDocumentError, 404, "unknown_document"),
@@ -117,11 +164,13 @@ def api_error_of(exc: Exception) -> ApiError | None:
     for cls in type(exc).__mro__:
         if cls in mapped:
             status, kind = mapped[cls]
-            return ApiError(status, kind, str(exc))
+            return ApiError(status, kind, str(exc), fix_for(kind))
     return None
 
 
 def _http_error(request: Request, exc: HTTPException) -> ApiError:
+    if exc.status_code == 400 and _takes_form(request):
+        return _multipart_error(request, exc)
     # FastAPI reports any failure to decode a JSON body as a 400 "error parsing the body", the cause chained.
     if isinstance(exc.__cause__, RecursionError):
         return ApiError(400, "invalid_json", "the JSON body is nested too deeply to parse",
@@ -134,11 +183,76 @@ def _http_error(request: Request, exc: HTTPException) -> ApiError:
                     headers=dict(exc.headers or {}))
 
 
+def _takes_form(request: Request) -> bool:
+    """Whether the request's route reads a form (multipart/form-data) body rather than JSON."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    return body is not None and isinstance(body.field_info, params.Form)  # params.File is a Form
+
+
+def _operation(request: Request) -> str:
+    """``POST /v1/documents``: the route as /docs names it (its template, not the client's URL)."""
+    route = request.scope.get("route")
+    return f"{request.method} {getattr(route, 'path_format', request.url.path)}"
+
+
+# What Starlette's and python-multipart's parsers say -> what to change. Their limits: 1,000 files and 1,000
+# other fields per body, 4 KiB of headers per part.
+_MULTIPART_FIXES = [
+    ("empty boundary", "name the body's boundary in its Content-Type, not empty: `multipart/form-data; boundary=<it>`"),
+    ("Maximum header size exceeded", "keep each part's headers under 4 KiB: a file name of at most 255 characters"),
+    ("Too many files", "send only the parts the schema at /docs lists for this route (at most 1,000)"),
+    ("Too many fields", "send only the parts the schema at /docs lists for this route (at most 1,000)"),
+    ("Missing boundary", "name the body's boundary in its Content-Type: `multipart/form-data; boundary=<it>`"),
+    ('"name" must be provided', 'give every part `Content-Disposition: form-data; name="<field>"`'),
+]
+MULTIPART_FIX = ('send multipart/form-data (RFC 7578) as `curl -F` writes it: parts separated by the non-empty '
+                 'boundary its Content-Type names, each with `Content-Disposition: form-data; name="<field>"` (and '
+                 '`filename="<name>"` for a file)')
+
+
+def _multipart_error(request: Request, exc: HTTPException) -> ApiError:
+    """A form body the parser refused: why (its own words, and the parser's below them) and a fix for a form."""
+    reasons = [str(exc.detail)]
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and len(reasons) < 4:
+        # A KeyError here is the parser's lookup of a missing parameter, which its own words already name.
+        if str(cause) and str(cause) not in reasons and not isinstance(cause, (HTTPException, KeyError)):
+            reasons.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    if re.search(r';\s*boundary=("")?\s*(;|$)', request.headers.get("content-type", "")):
+        reasons.insert(0, "the Content-Type names an empty boundary")
+    said = " ".join(reasons)
+    fix = next((fix for marker, fix in _MULTIPART_FIXES if marker in said), MULTIPART_FIX)
+    return ApiError(400, "bad_request", f"the multipart body of {_operation(request)} cannot be read: "
+                    f"{'; '.join(r.rstrip('.') for r in reasons)}", fix)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> ApiError:
+    """A body or parameter that does not match the schema: the first error, said for this API's clients."""
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = tuple(str(p) for p in first.get("loc", ()))
+    where, msg = ".".join(loc), first.get("msg", "invalid")
+    if first.get("type") == "finite_number":  # Python's JSON reads NaN and Infinity; JSON itself has neither
+        return ApiError(422, "invalid_request", f"{where}: must be a finite number (NaN and Infinity are not JSON)",
+                        "send a finite JSON number, or leave the field out")
+    if "Expected UploadFile" in msg:  # FastAPI read the part as text: it named no file
+        field = loc[1] if len(loc) > 1 else "file"
+        return ApiError(422, "invalid_request", f"{where}: the part is a text field, not a file: its "
+                        "Content-Disposition has no `filename=` (or an empty one, or only RFC 5987's `filename*=`, "
+                        "which is not read)", f'send it as a file part with a plain name: `Content-Disposition: '
+                        f'form-data; name="{field}"; filename="<name>"` (`curl -F {field}=@<file>` writes it)')
+    if _takes_form(request):
+        fix = f"send multipart/form-data with the fields the schema of {_operation(request)} at /docs lists"
+    else:
+        fix = f"see the schema of {_operation(request)} at /docs"
+    return ApiError(422, "invalid_request", f"{where}: {msg}", fix)
+
+
 def install(app: FastAPI, paths: ServerPaths) -> None:
     app.state.server_paths = paths
 
     def respond(exc: ApiError) -> JSONResponse:
-        body = error_body(exc.kind, paths.hide(exc.message), paths.hide(exc.fix))
+        body = error_body(exc.kind, paths.hide(exc.message), paths.hide(exc.fix), exc.param)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(ApiError)
@@ -150,15 +264,12 @@ def install(app: FastAPI, paths: ServerPaths) -> None:
         return respond(_http_error(request, exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        return respond(ApiError(422, "invalid_request", f"{where}: {first.get('msg', 'invalid')}",
-                                "see the schema at /docs"))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(_validation_error(request, exc))
 
     def mapped(status: int, kind: str):
         async def handle(_: Request, exc: Exception) -> JSONResponse:
-            return respond(ApiError(status, kind, str(exc)))
+            return respond(ApiError(status, kind, str(exc), fix_for(kind)))
 
         return handle
 

@@ -2,13 +2,16 @@
 SDK and llama-index's `OpenAILike` parse, plus documented extra fields (`citations`, mmrag's own usage counts):
 the SDK keeps unknown fields in ``model_extra``.
 
-Requests ignore fields they do not name (`n`, `top_p`, `user`, ...), as clients send them by default; responses
-forbid unknown keys, as in schemas.py, so a field added to an answer without a description here fails loudly.
+Requests ignore fields they do not name (`top_p`, `user`, ...), as clients send them by default; the fields that
+would change what comes back and cannot be honoured (`n` > 1, `logprobs`, `tools`, a `response_format` other than
+text) are named so that the route refuses them (400 `unsupported_parameter`) instead of answering as if they
+were absent. Responses forbid unknown keys, as in schemas.py, so a field added to an answer without a
+description here fails loudly.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,6 +60,14 @@ class StreamOptions(BaseModel):
                                 description="Send a last chunk with `usage` (and empty `choices`).")
 
 
+class ResponseFormat(BaseModel):
+    type: str = Field(description="`text` is the one served; `json_object` and `json_schema` are refused "
+                                  "(`unsupported_parameter`).")
+
+
+UNSUPPORTED = "Refused with 400 `unsupported_parameter` (naming it in `error.param`) "
+
+
 class ChatCompletionRequest(BaseModel):
     model: Literal["mmrag"] = Field(description="The one model served: `mmrag` (GET /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first; it must "
@@ -65,9 +76,23 @@ class ChatCompletionRequest(BaseModel):
                          "`chat.completion.chunk` events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(default=None, description="Options of a streamed answer.")
     max_tokens: int | None = Field(default=None, ge=1, description=MAX_TOKENS_DESCRIPTION)
-    temperature: float | None = Field(default=None, ge=0, le=2, description="Accepted and ignored: answers "
-                                      "are greedy (temperature 0), so that an answer over documents does not "
-                                      "vary run to run.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="The same as `max_tokens` (OpenAI's "
+                                              "newer name); both given and different is a 400 "
+                                              "(`conflicting_parameters`).")
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False, description="Accepted and "
+                                      "ignored: answers are greedy (temperature 0), so that an answer over "
+                                      "documents does not vary run to run.")
+    n: int | None = Field(default=None, ge=1, description="Choices to generate: 1, the one served. " + UNSUPPORTED
+                          + "above 1.")
+    logprobs: bool | None = Field(default=None, description="Not computed: " + UNSUPPORTED + "when true.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Not computed: " + UNSUPPORTED
+                                     + "above 0.")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="No tool is ever called: " + UNSUPPORTED
+                                               + "when not empty, unless `tool_choice` is `none`.")
+    tool_choice: str | dict[str, Any] | None = Field(default=None, description="`none` (or `auto` without "
+                                                     "`tools`); " + UNSUPPORTED + "otherwise.")
+    response_format: ResponseFormat | None = Field(default=None, description="`{\"type\": \"text\"}`, the one "
+                                                   "served; " + UNSUPPORTED + "otherwise.")
     # Not OpenAI's: the openai client sends them as `extra_body={"tier": "low", "answer_mode": "one_prompt"}`.
     tier: str | None = Field(default=None, description="mmrag's own: " + TIER_DESCRIPTION)
     answer_mode: AnswerModeName | None = Field(default=None, description="mmrag's own: " + ANSWER_MODE_DESCRIPTION)

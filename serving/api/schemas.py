@@ -25,7 +25,9 @@ class _Response(BaseModel):
 class ErrorDetail(_Response):
     type: str = Field(description="Machine-readable error kind, e.g. `unknown_page`, `engine_unavailable`.")
     message: str = Field(description="What went wrong, for a person.")
-    fix: str = Field(description="What to do about it (may be empty when the message already says it).")
+    fix: str = Field(min_length=1, description="What to do about it; never empty.")
+    param: str | None = Field(default=None, description="The request field at fault, where one is (as OpenAI's "
+                              "error names it, e.g. `n` in `unsupported_parameter`); absent otherwise.")
 
 
 class ErrorResponse(_Response):
@@ -70,7 +72,8 @@ CONVERSATION_ID = r"^[A-Za-z0-9_-]{1,64}$"
 CONVERSATION_ID_DESCRIPTION = (
     "Names the images of this conversation. With images: they are kept under it (a new id is made when absent) "
     "and replace what it held. Without images: the images it holds are shown again, none resent; an unknown or "
-    "expired id is a 404 (`unknown_conversation`)."
+    "expired id is a 404 (`unknown_conversation`), and images whose tokens went meanwhile a 409 "
+    "(`image_expired`): send them again. /v1/chat/completions keeps no conversation."
 )
 
 
@@ -203,6 +206,10 @@ class AskResponse(_Response):
         default=None, description="Retrieved pages no prompt showed, as `[document, page N]`, best first: the "
         "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images), or a forced "
         "`one_prompt` had no room for them. Not cited.")
+    pages_deleted: list[str] | None = Field(
+        default=None, description="Retrieved pages whose document was deleted (their image tokens gone) before "
+        "the answer could show them, as `[document, page N]`: left out as if not retrieved, not cited. Absent when "
+        "none was.")
 
 
 # --- documents and pages ---------------------------------------------------------------------------------
@@ -213,10 +220,16 @@ class DocumentPage(_Response):
     page_id: str = Field(description="The page's id: GET /v1/pages/{page_id} and /v1/pages/{page_id}/image.")
 
 
+SOURCE_PATH_DESCRIPTION = (
+    "Where the source file is, as a client can name it: relative to the ingest root (MMRAG_INGEST_ROOT, a "
+    "tenant's own folder under it) for a file ingested from there, else its file name (an upload, or a file "
+    "`mmrag ingest` read from elsewhere). Never an absolute server path.")
+
+
 class Document(_Response):
     doc_id: str = Field(description="Stable id of the document (from its resolved source path).")
     doc: str = Field(description="File name; what citations and the `docs` filter of /v1/ask name.")
-    path: str = Field(description="Resolved server-side source path.")
+    path: str = Field(description=SOURCE_PATH_DESCRIPTION)
     num_pages: int = Field(description="Pages in the source file.")
     indexed_pages: int = Field(description="Pages of it in the index.")
     pages: list[DocumentPage] = Field(description="The indexed pages with their ids, by page number.")
@@ -230,7 +243,7 @@ class Page(_Response):
     id: str = Field(description="The page's id (as in citations and GET /v1/documents).")
     doc_id: str = Field(description="Id of the page's document.")
     doc: str = Field(description="File name of the page's document.")
-    path: str = Field(description="Resolved server-side source path (the image is rendered from it on request).")
+    path: str = Field(description=SOURCE_PATH_DESCRIPTION + " The image is rendered from the file on request.")
     page: int = Field(description="1-based page number.")
     num_pages: int = Field(description="Pages in the source file.")
     image_key: str = Field(description="Key of the page's stored image tokens (content hash, encoder, policy).")
@@ -241,8 +254,9 @@ class Page(_Response):
     height: int = Field(description="Height in pixels of the page image the model sees.")
 
     @classmethod
-    def of(cls, page: PagePayload) -> Page:
-        return cls(id=page.page_id, doc_id=page.doc_id, doc=page.doc, path=page.path, page=page.page,
+    def of(cls, page: PagePayload, *, path: str) -> Page:
+        """``path``: the page's source path as the client sees it (never ``page.path``, the server's own)."""
+        return cls(id=page.page_id, doc_id=page.doc_id, doc=page.doc, path=path, page=page.page,
                    num_pages=page.num_pages, image_key=str(page.image_key), image_tokens=page.image_tokens,
                    text=page.text, text_source=page.text_source, width=page.width, height=page.height)
 

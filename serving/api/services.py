@@ -4,7 +4,9 @@ every request."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -16,7 +18,7 @@ from core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan
 from core.keys import ContentHash, ImageKey
 from core.pages import EncodedImage
 from core.settings import Settings
-from ingestion.loaders import decode_image, image_content_hash
+from ingestion.loaders import decode_image, image_content_hash, image_header_size
 from core.scope import TenantScope
 from rag.pipeline import Pipeline
 from serving.api.admission import Admission
@@ -24,6 +26,7 @@ from serving.api.conversations import QuestionImage, TenantConversations
 from serving.api.tenants import TenantKeys
 from serving.ingest_jobs import TenantJobs
 from serving.metrics import Metrics
+from serving.pixels import TRIM_AFTER_PIXELS, PixelBudget, admit, return_freed_memory
 from serving.scheduler import Scheduler
 from serving.warmup import WarmReport
 
@@ -67,6 +70,11 @@ class QuestionImages:
     on first use (``make_encoder``: a view of the process's one tower, wiring.vision_tower, which ingestion and
     tiers share), so a server whose work never needs one loads no tower, and a vision service that is down fails
     only the questions that bring one; a later question tries to build it again.
+
+    Memory is bounded by configuration (issue 24, serving/pixels.py): a question is admitted by the pixels its
+    images declare in their headers, before any is decoded (413 over MMRAG_MAX_REQUEST_PIXELS, 429 over what
+    MMRAG_MAX_PIXELS_IN_FLIGHT has left, all questions of the process together: tenant views share this object),
+    and its images are decoded one at a time, each just before its encode, its pixels given back once encoded.
     """
 
     def __init__(self, settings: Settings, store: FeatureStore, make_encoder: Callable[[], ImageEncoder]) -> None:
@@ -77,6 +85,8 @@ class QuestionImages:
         # One forward at a time: a second question with the same new image finds it stored, and the
         # encoder's forward counter tells each question its own forwards.
         self._lock = threading.Lock()
+        self.pixels = PixelBudget(settings.max_pixels_in_flight)
+        self._prepare_s = 1.0  # moving average of a question's images' time: a 429's Retry-After
 
     async def prepare(self, blobs: Sequence[bytes]) -> tuple[list[QuestionImage], int]:
         """The images (each distinct one once, in order) and the vision forwards they cost; off the event loop,
@@ -84,20 +94,36 @@ class QuestionImages:
         return await asyncio.to_thread(self._prepare, list(blobs))
 
     def _prepare(self, blobs: list[bytes]) -> tuple[list[QuestionImage], int]:
-        pictures = [decode_image(blob, self.settings) for blob in blobs]
+        sizes = [image_header_size(blob, self.settings) for blob in blobs]  # every image checked before any work
+        started = time.monotonic()
+        tokens: dict[ImageKey, int] = {}  # each distinct image once, in the order sent
+        forwards = 0
+        with admit(self.pixels, sizes, request_limit=self.settings.max_request_pixels,
+                   retry_after_s=lambda: max(1, math.ceil(self._prepare_s))) as hold:
+            for blob, (width, height) in zip(blobs, sizes, strict=True):
+                key, count, spent = self._encode(decode_image(blob, self.settings))
+                tokens.setdefault(key, count)
+                forwards += spent
+                hold.release(width * height)  # its pixels are garbage now: the next image may take them
+        self._prepare_s += 0.2 * (time.monotonic() - started - self._prepare_s)
+        if hold.pixels >= TRIM_AFTER_PIXELS:
+            return_freed_memory()
+        return [QuestionImage(k, n) for k, n in tokens.items()], forwards
+
+    def _encode(self, picture: Image.Image) -> tuple[ImageKey, int, int]:
+        """The picture's key, its image tokens, and the vision forwards it cost (0 when the store has it)."""
+        content = image_content_hash(picture)
         with self._lock:
             if self._encoder is None:
                 self._encoder = self._make_encoder()
             encoder = self._encoder
-            by_key = dict(zip((encoder.key_for(image_content_hash(p)) for p in pictures), pictures))
-            new = [k for k in by_key if not self.store.contains(k)]
+            key = encoder.key_for(content)
+            if self.store.contains(key):
+                return key, encoder.num_tokens_for(picture), 0
             before = encoder.forwards
-            encoded = dict(zip(new, encoder.encode([by_key[k] for k in new]), strict=True))
-            for key, value in encoded.items():
-                self.store.put(key, value)
-            forwards = encoder.forwards - before
-        tokens = {k: encoded[k].num_tokens if k in encoded else encoder.num_tokens_for(p) for k, p in by_key.items()}
-        return [QuestionImage(k, tokens[k]) for k in by_key], forwards
+            (value,) = encoder.encode([picture])
+            self.store.put(key, value)
+            return key, value.num_tokens, encoder.forwards - before
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ from core.payload import EncoderScope
 
 
 class MissingFeaturesError(LookupError):
-    """A plan names an image whose tokens are not stored."""
+    """A plan names an image whose tokens are not stored: a page never ingested (or its document deleted), or a
+    question's image whose tokens went (the API answers that one as `image_expired`: send it again)."""
 
 
 class FeatureProvider:
@@ -54,7 +55,8 @@ class FeatureProvider:
             value = reader.get(key)
             if value is None:
                 raise MissingFeaturesError(
-                    f"no stored image tokens for {key}; run `mmrag ingest` on its document first"
+                    f"no stored image tokens for {key}: if it is a page's, run `mmrag ingest` on its document; if "
+                    "an image sent with a question (or its conversation), send the image again"
                 )
             out.append(value)
         return out

@@ -6,28 +6,40 @@ feature store under that key. With ``Accept: application/octet-stream`` (or ``?t
 the tokens themselves, one safetensors blob (adapters/vision_client.py pack_tokens). Images are decoded with
 ingestion's defences and hashed as ingestion hashes a page, so a page gets the same key either way.
 Built by mmrag/wiring.py ``vision_app``; the batching lives in serving/vision/batcher.py.
+
+Memory is bounded by configuration, not by the client (issue 24): a request is admitted by the pixels its images
+declare in their headers before any is decoded (serving/pixels.py: 413 over MMRAG_MAX_REQUEST_PIXELS, 429 over
+what MMRAG_MAX_PIXELS_IN_FLIGHT has left); its images are then decoded one at a time for their keys, and again
+just before their forward. With MMRAG_VISION_API_KEY every route but /healthz, /readyz and /metrics asks for
+`Authorization: Bearer <key>`, checked before the body is read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import FastAPI, File, Query, Request, Response, UploadFile
-from PIL import Image
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from adapters.store import FeatureStore
 from adapters.vision import VisionEncoder
 from adapters.vision_client import TOKENS_MEDIA_TYPE, EncodedEntry, VisionServiceInfo, pack_tokens
+from core.keys import ImageKey
 from core.settings import Settings
-from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_content_hash
+from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_content_hash, image_header_size
 from serving.api import errors
 from serving.api.errors import ApiError
 from serving.api.schemas import Check, Health, error_responses
+from serving.pixels import TRIM_AFTER_PIXELS, PixelBudget, PixelHold, admit, return_freed_memory
 from serving.vision.batcher import QueueFullError, VisionBatcher
 from serving.vision.metrics import VisionMetrics
 
@@ -41,6 +53,7 @@ class VisionService:
     batcher: VisionBatcher
     metrics: VisionMetrics
     info: VisionServiceInfo
+    pixels: PixelBudget | None = None  # None: MMRAG_MAX_PIXELS_IN_FLIGHT's, made by create_vision_app
 
 
 class _Body(BaseModel):
@@ -93,11 +106,22 @@ class _Size:
 
 _ENCODE_ERRORS = error_responses({
     400: "An image cannot be decoded (`invalid_image`): the message says which and why.",
-    413: "An image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS (`image_too_large`), or more images "
-         "than MMRAG_VISION_QUEUE_CAP in one request (`too_many_images`).",
-    429: "The queue is full (`vision_queue_full`): retry after the Retry-After seconds.",
+    401: "MMRAG_VISION_API_KEY is set and the request did not send it as `Authorization: Bearer <key>` "
+         "(`unauthorized`).",
+    413: "An image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS (`image_too_large`), more images than "
+         "MMRAG_VISION_QUEUE_CAP in one request (`too_many_images`), or images declaring more pixels than "
+         "MMRAG_MAX_REQUEST_PIXELS together (`too_many_pixels`).",
+    429: "The queue is full (`vision_queue_full`), or the pixels being decoded and encoded leave no room for this "
+         "request's (`pixels_in_flight`, MMRAG_MAX_PIXELS_IN_FLIGHT): retry after the Retry-After seconds.",
     503: "The feature store is unreachable (`feature_store_unavailable`).",
 })
+_GUARDED = error_responses({
+    401: "MMRAG_VISION_API_KEY is set and the request did not send it as `Authorization: Bearer <key>` "
+         "(`unauthorized`).",
+})
+# What answers without the key: probes and Prometheus carry none. /metrics holds counts and the encoder's
+# labels (what /v1/info says), never an image, a key or a token, as the REST API's /metrics.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
@@ -110,8 +134,12 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
     app = FastAPI(title="mmrag vision", version="0.1.0", lifespan=lifespan,
                   description="The vision tower + projector: image bytes in, image tokens (by ImageKey) out.")
     errors.install(app, errors.ServerPaths.of(settings))
+    if settings.vision_api_key:
+        app.add_middleware(RequireKey, key=settings.vision_api_key)
     batcher, metrics = service.batcher, service.metrics
+    pixels = service.pixels or PixelBudget(settings.max_pixels_in_flight)
     metrics.queued.set_function(lambda: batcher.queued)
+    metrics.pixels_in_flight.set_function(lambda: pixels.held)
 
     @app.post("/v1/encode", summary="Encode images to image tokens, stored under their ImageKeys",
               response_model=EncodeResponse, responses={
@@ -127,16 +155,20 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
             raise ApiError(413, "too_many_images", f"{len(images)} images in one request, over the queue's "
                            f"{settings.vision_queue_cap}", "send fewer per request, or raise MMRAG_VISION_QUEUE_CAP")
         datas = [await _read(i, upload, settings) for i, upload in enumerate(images)]
-        decoded = await asyncio.to_thread(_decode_all, datas, [u.filename for u in images], settings)
-        items = [(service.encoder.key_for(image_content_hash(im)), im) for im in decoded]
+        names = [u.filename for u in images]
+        sizes = await asyncio.to_thread(_header_sizes, datas, names, settings)
         try:
-            results = await batcher.encode(items)
-        except QueueFullError as exc:
-            metrics.refused(len(items))
-            raise ApiError(429, "vision_queue_full", str(exc), "retry after the Retry-After seconds; for more "
-                           "throughput run the service on a GPU or raise MMRAG_VISION_MAX_BATCH",
-                           headers={"Retry-After": str(exc.retry_after_s)}) from exc
-        entries = [EncodedEntry(key, value, source.value) for (key, _), (value, source) in zip(items, results)]
+            hold = admit(pixels, sizes, request_limit=settings.max_request_pixels,
+                         retry_after_s=lambda: batcher.retry_after_s(len(datas)))
+        except ApiError as exc:
+            metrics.refused_pixels(exc.kind)
+            raise
+        try:
+            entries = await _encode(datas, names, sizes, hold)
+        finally:
+            hold.close()
+            if hold.pixels >= TRIM_AFTER_PIXELS:
+                await asyncio.to_thread(return_freed_memory)
         if tokens or TOKENS_MEDIA_TYPE in request.headers.get("accept", ""):
             answer: Response = Response(pack_tokens(entries), media_type=TOKENS_MEDIA_TYPE)
         else:
@@ -144,14 +176,32 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
         metrics.transferred(sum(map(len, datas)), len(answer.body))
         return answer
 
-    @app.get("/v1/tokens", summary="Image tokens an image of this size takes", response_model=TokenCount)
+    async def _encode(datas: list[bytes], names: list[str | None], sizes: list[tuple[int, int]], hold: PixelHold
+                      ) -> list[EncodedEntry]:
+        """Each image's key (decoded one at a time, off the loop, its pixels let go), then its tokens from the
+        batcher, which decodes it again just before its forward; its pixels go back to the budget once answered."""
+        keys = await asyncio.to_thread(_keys_of, service.encoder, datas, names, settings,
+                                       trim=hold.pixels >= TRIM_AFTER_PIXELS)
+        items = [(key, functools.partial(decode_image, data, settings)) for key, data in zip(keys, datas)]
+        try:
+            results = await batcher.encode(items, on_answered=lambda i: hold.release(sizes[i][0] * sizes[i][1]))
+        except QueueFullError as exc:
+            metrics.refused(len(items))
+            raise ApiError(429, "vision_queue_full", str(exc), "retry after the Retry-After seconds; for more "
+                           "throughput run the service on a GPU or raise MMRAG_VISION_MAX_BATCH",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        return [EncodedEntry(key, value, source.value) for key, (value, source) in zip(keys, results, strict=True)]
+
+    @app.get("/v1/tokens", summary="Image tokens an image of this size takes", response_model=TokenCount,
+             responses=_GUARDED)
     async def count(width: Annotated[int, Query(ge=1)], height: Annotated[int, Query(ge=1)]) -> TokenCount:
         if width * height > settings.max_image_pixels:
             raise ApiError(413, "image_too_large", f"{width}x{height} px is over MMRAG_MAX_IMAGE_PIXELS "
                            f"({settings.max_image_pixels:,})", "no image of this size can be encoded here")
         return TokenCount(tokens=service.encoder.num_tokens_for(_Size((width, height))))
 
-    @app.get("/v1/info", summary="The encoder whose keys this service makes", response_model=InfoResponse)
+    @app.get("/v1/info", summary="The encoder whose keys this service makes", response_model=InfoResponse,
+             responses=_GUARDED)
     async def info() -> dict:
         return service.info.to_json()
 
@@ -185,19 +235,70 @@ async def _read(index: int, upload: UploadFile, settings: Settings) -> bytes:
     return await upload.read()
 
 
-def _decode_all(datas: list[bytes], names: list[str | None], settings: Settings) -> list[Image.Image]:
-    """In a worker thread: decoding a page takes milliseconds of CPU the event loop must not spend."""
-    images = []
-    for index, (data, name) in enumerate(zip(datas, names, strict=True)):
-        try:
-            images.append(decode_image(data, settings))
-        except ImageTooLargeError as exc:
-            raise ApiError(413, "image_too_large", f"image {index} ({name}): {exc}",
-                           "send a smaller image, or raise the limit the message names") from exc
-        except IngestError as exc:
-            raise ApiError(400, "invalid_image", f"image {index} ({name}): {exc}",
-                           "send the image file's own bytes: PNG, JPEG, WebP or TIFF") from exc
-    return images
+def _header_sizes(datas: list[bytes], names: list[str | None], settings: Settings) -> list[tuple[int, int]]:
+    """In a worker thread: each image's declared size, its format and limits checked, nothing decoded."""
+    return [_checked(index, name, lambda: image_header_size(data, settings))
+            for index, (data, name) in enumerate(zip(datas, names, strict=True))]
+
+
+def _keys_of(encoder: VisionEncoder, datas: list[bytes], names: list[str | None], settings: Settings, *,
+             trim: bool) -> list[ImageKey]:
+    """In a worker thread, one image at a time: decoding a page takes milliseconds of CPU the event loop must not
+    spend, and only one image's pixels are alive at once (each is dropped once hashed). With ``trim`` the freed
+    heap goes back to the OS after: this thread's malloc arena would otherwise keep it while the forward, in
+    another thread and arena, decodes the images again (one 7000x7000 image: a peak of +660 MiB with, +660 or
+    +1,028 MiB without, as the two threads happen to share an arena or not)."""
+    keys = [encoder.key_for(image_content_hash(_checked(index, name, lambda: decode_image(data, settings))))
+            for index, (data, name) in enumerate(zip(datas, names, strict=True))]
+    if trim:
+        return_freed_memory()
+    return keys
+
+
+T = TypeVar("T")
+
+
+def _checked(index: int, name: str | None, read: Callable[[], T]) -> T:
+    """``read()`` of image ``index``, its refusal in the service's error shape."""
+    try:
+        return read()
+    except ImageTooLargeError as exc:
+        raise ApiError(413, "image_too_large", f"image {index} ({name}): {exc}",
+                       "send a smaller image, or raise the limit the message names") from exc
+    except IngestError as exc:
+        raise ApiError(400, "invalid_image", f"image {index} ({name}): {exc}",
+                       "send the image file's own bytes: PNG, JPEG, WebP or TIFF") from exc
+
+
+class RequireKey:
+    """MMRAG_VISION_API_KEY on every path but :data:`PUBLIC_PATHS`, checked from the headers alone: a request
+    without the key is answered 401 before its body (megabytes of images) is read. Constant-time compare."""
+
+    def __init__(self, app: ASGIApp, *, key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_path(scope) in PUBLIC_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = errors.error_body("unauthorized", "missing or wrong key: this vision service is guarded by "
+                                 "MMRAG_VISION_API_KEY", "send `Authorization: Bearer <key>`; clients of "
+                                 "MMRAG_VISION_URL (mmrag serve, mmrag ingest) send MMRAG_VISION_API_KEY: set it to "
+                                 "the service's key")
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, credentials = given.partition(b" ")
+        # The scheme is case-insensitive (RFC 9110 §11.1); the key is compared in constant time.
+        return hmac.compare_digest(b"Bearer " + credentials.strip(), self._expected) and scheme.lower() == b"bearer"
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the app's mount (Ray Serve serves the app under /vision)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _describe(entries: list[EncodedEntry]) -> EncodeResponse:

@@ -6,6 +6,11 @@ a forward leave together right after it. A key already stored is read, not encod
 being encoded, or being looked up) is awaited by every later caller: one forward per key, however many ask.
 At most ``queue_cap`` images wait for a forward; a request that would exceed it is refused whole, with a
 retry delay estimated from the queue and the last forward's time, before anything of it is queued.
+
+The queue holds an image's loader, not its pixels: the caller decoded it once for its key and let the pixels go,
+and the forward decodes it again just before encoding (a page costs a few ms of decode next to ~100 ms of
+preprocessing and forward). Decoded pixels then live only while a key is computed and during a forward, whatever
+the queue holds: a full queue of 7000x7000 PNGs is their compressed bytes, not 147 MB of RGB each.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +46,10 @@ class QueueFullError(Exception):
         self.retry_after_s = retry_after_s
 
 
+# The image, decoded when its forward is about to run (and let go after it).
+LoadImage = Callable[[], Image.Image]
+
+
 class Encoder(Protocol):
     def encode(self, images: list[Image.Image]) -> list[EncodedImage]: ...
 
@@ -55,7 +65,7 @@ class BatchObserver(Protocol):
 @dataclass(slots=True)
 class _Waiting:
     key: ImageKey
-    image: Image.Image
+    load: LoadImage
     future: asyncio.Future[EncodedImage]
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -87,20 +97,29 @@ class VisionBatcher:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
 
-    async def encode(self, items: list[tuple[ImageKey, Image.Image]]) -> list[tuple[EncodedImage, Source]]:
-        """Tokens for each (key, image), in order: stored, shared with a forward in flight, or encoded."""
+    def retry_after_s(self, images: int) -> int:
+        """Whole seconds until ``images`` more would likely find room: the batches ahead of them, each taking the
+        last forward's time (at least the batch wait)."""
+        batches_ahead = math.ceil((self.queued + images) / self.max_batch)
+        return max(1, math.ceil(batches_ahead * max(self._last_forward_s, self.max_wait_s)))
+
+    async def encode(self, items: list[tuple[ImageKey, LoadImage]], *,
+                     on_answered: Callable[[int], None] = lambda index: None) -> list[tuple[EncodedImage, Source]]:
+        """Tokens for each (key, image loader), in order: stored, shared with a forward in flight, or encoded.
+        ``on_answered(i)`` is called as soon as item i is answered (or its forward failed), so the caller can let
+        go of what it holds for that image while the others wait."""
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[EncodedImage]] = []
         sources: list[Source] = []
-        mine: dict[ImageKey, tuple[asyncio.Future[EncodedImage], Image.Image]] = {}
-        for key, image in items:
+        mine: dict[ImageKey, tuple[asyncio.Future[EncodedImage], LoadImage]] = {}
+        for key, load in items:
             if key in self._in_flight:
                 futures.append(self._in_flight[key])
                 sources.append(Source.SHARED)
                 continue
             future = self._in_flight[key] = loop.create_future()
             future.add_done_callback(lambda _, k=key: self._in_flight.pop(k, None))
-            mine[key] = (future, image)
+            mine[key] = (future, load)
             futures.append(future)
             sources.append(Source.FORWARD)
         try:
@@ -117,6 +136,8 @@ class VisionBatcher:
             raise
         sources = [Source.STORE if s is Source.FORWARD and k in stored else s
                    for (k, _), s in zip(items, sources, strict=True)]
+        for index, future in enumerate(futures):
+            future.add_done_callback(lambda _, i=index: on_answered(i))
         # shield: a caller that goes away must not cancel a forward other callers share
         results = await asyncio.gather(*(asyncio.shield(f) for f in futures), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
@@ -125,7 +146,7 @@ class VisionBatcher:
         self.observe.answered(sources)
         return list(zip(results, sources, strict=True))
 
-    async def _admit(self, mine: dict[ImageKey, tuple[asyncio.Future[EncodedImage], Image.Image]]
+    async def _admit(self, mine: dict[ImageKey, tuple[asyncio.Future[EncodedImage], LoadImage]]
                      ) -> set[ImageKey]:
         """Answer the stored keys (returned) and queue the rest at once, so one caller's images leave in one
         batch, in their order."""
@@ -134,9 +155,7 @@ class VisionBatcher:
         found = await asyncio.to_thread(lambda: {k: self.store.get(k) for k in mine})
         missing = [k for k, value in found.items() if value is None]
         if self.queued + len(missing) > self.queue_cap:
-            batches_ahead = math.ceil((self.queued + len(missing)) / self.max_batch)
-            raise QueueFullError(self.queued, self.queue_cap,
-                                 max(1, math.ceil(batches_ahead * max(self._last_forward_s, self.max_wait_s))))
+            raise QueueFullError(self.queued, self.queue_cap, self.retry_after_s(len(missing)))
         for key, value in found.items():
             if value is not None:
                 mine[key][0].set_result(value)
@@ -180,8 +199,9 @@ class VisionBatcher:
 
     def _forward(self, batch: list[_Waiting]) -> list[EncodedImage]:
         """In a worker thread: one forward, then each entry stored before any caller is answered (a caller
-        told "encoded" may read it from the store at once)."""
-        values = self.encoder.encode([w.image for w in batch])
+        told "encoded" may read it from the store at once). The images are decoded here, just before the forward,
+        and let go with it."""
+        values = self.encoder.encode([w.load() for w in batch])
         for waiting, value in zip(batch, values, strict=True):
             self.store.put(waiting.key, value)
         return values

@@ -15,6 +15,8 @@ QUEUE_WAIT = "mmrag_vision_queue_wait_seconds"
 IMAGES = "mmrag_vision_images"  # answered images, by source: forward | store | shared
 QUEUED = "mmrag_vision_queued_images"
 REFUSED = "mmrag_vision_refused_images"  # 429: the queue was full
+PIXELS_IN_FLIGHT = "mmrag_vision_pixels_in_flight"  # declared pixels of admitted images not yet answered
+REFUSED_PIXELS = "mmrag_vision_pixel_refusals"  # requests refused for their images' pixels, by kind
 BYTES_IN = "mmrag_vision_bytes_in"
 BYTES_OUT = "mmrag_vision_bytes_out"
 ENCODER = "mmrag_vision_encoder"  # info: the sample is mmrag_vision_encoder_info
@@ -39,6 +41,13 @@ class VisionMetrics:
             self._images.labels(source.value)
         self.queued = Gauge(QUEUED, "Images admitted and waiting for (or in) a forward.", registry=r)
         self._refused = Counter(REFUSED, "Images refused with 429 because the queue was full.", registry=r)
+        self.pixels_in_flight = Gauge(PIXELS_IN_FLIGHT, "Pixels (declared by image headers) of admitted images not "
+                                      "yet answered: what MMRAG_MAX_PIXELS_IN_FLIGHT bounds.", registry=r)
+        self._refused_pixels = Counter(REFUSED_PIXELS, "Requests refused for their images' declared pixels: "
+                                       "too_many_pixels (413, MMRAG_MAX_REQUEST_PIXELS) or pixels_in_flight (429, "
+                                       "MMRAG_MAX_PIXELS_IN_FLIGHT).", ["kind"], registry=r)
+        for kind in ("too_many_pixels", "pixels_in_flight"):
+            self._refused_pixels.labels(kind)
         self._bytes_in = Counter(BYTES_IN, "Image bytes received.", registry=r)
         self._bytes_out = Counter(BYTES_OUT, "Response body bytes sent by /v1/encode.", registry=r)
         Info(ENCODER, "The encoder whose keys this service makes.", registry=r).info(info)
@@ -55,6 +64,9 @@ class VisionMetrics:
 
     def refused(self, images: int) -> None:
         self._refused.inc(images)
+
+    def refused_pixels(self, kind: str) -> None:
+        self._refused_pixels.labels(kind).inc()
 
     def transferred(self, bytes_in: int, bytes_out: int) -> None:
         self._bytes_in.inc(bytes_in)

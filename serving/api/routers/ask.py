@@ -28,16 +28,21 @@ ASK_PATH, UPLOAD_PATH = IMAGE_ROUTES
 ASK_ERRORS = error_responses({
     400: "Empty or over-long question (`bad_question`), a `tier` that is not configured (`unknown_tier`), an "
          "image-only search with the image channel off (`image_channel_off`), more images than a question takes (`too_many_images`), or an image that is not "
-         "base64 or not a PNG, JPEG, WebP or TIFF it can decode (`invalid_image`).",
+         "base64 or not a PNG, JPEG, WebP or TIFF it can decode (`invalid_image`); or a body that cannot be read "
+         "(`bad_request`; on /v1/ask/upload, multipart/form-data the parser refuses).",
     404: "A document named in `docs` is not ingested (`unknown_document`), or nothing is (`no_documents`); or the "
          "`conversation_id` of a question without images is unknown or expired (`unknown_conversation`): send "
          "the images again.",
-    409: "A retrieved page's image tokens are not stored (`missing_image_tokens`): re-ingest it; or every "
+    409: "The tokens of a conversation's images went (`image_expired`): send the images again; a retrieved "
+         "page's image tokens are not stored (`missing_image_tokens`): re-ingest it; or every "
          "page is of another vision encoder than the configured one (`stale_index`): run `mmrag reencode` (or re-ingest, or set it back).",
     413: "Request body over MMRAG_MAX_REQUEST_BYTES, plus what the images may take (`request_too_large`); or an "
-         "image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS (`image_too_large`).",
+         "image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS (`image_too_large`), or images over "
+         "MMRAG_MAX_REQUEST_PIXELS together (`too_many_pixels`).",
     **INVALID_REQUEST,
-    429: "More questions are being answered than the server takes at once (`overloaded`): retry after the "
+    429: "The queue of questions waiting for MMRAG_MAX_QUESTIONS_IN_FLIGHT is full, or its expected wait is over "
+         "MMRAG_ADMISSION_MAX_WAIT_S, or a waiter reached it (`overloaded`); or the images being "
+         "decoded and encoded hold MMRAG_MAX_PIXELS_IN_FLIGHT (`pixels_in_flight`): retry after the "
          "`Retry-After` seconds.",
     502: "The engine rejected the prompt (`engine_rejected`).",
     503: "The engine, Qdrant, the feature store or (for a question with images) the vision service does not "

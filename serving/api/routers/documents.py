@@ -6,7 +6,7 @@ import hashlib
 import io
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,6 +51,13 @@ UPLOAD_ERRORS = {
     **INVALID_REQUEST,
 }
 UNKNOWN_DOCUMENT = {404: "No indexed page belongs to a document with this id (`unknown_document`)."}
+DELETE_ORDER = (
+    "Never waits for another tenant's ingest jobs. It waits for this tenant's own jobs, queued or running when it "
+    "arrives, that ingest this document's file (its upload, the file, or a folder holding it), so none of them "
+    "adds the pages back after it; a job submitted after it ingests the file anew. The response says what left "
+    "this tenant's index, never what happened to the shared image-token entries (that would tell whether another "
+    "tenant holds the same page): an entry no indexed page of any tenant references is removed at once, or, while "
+    "a lease holds it (a running answer, a conversation, an ingest in progress), once the lease ends.")
 _COPY_CHUNK = 1 << 20
 
 
@@ -59,7 +66,7 @@ _COPY_CHUNK = 1 << 20
                                                                                           **INVALID_REQUEST}))
 async def documents(services: TenantDep, limit: int = Query(100, ge=1, le=MAX_PAGE),
                     offset: int = Query(0, ge=0)) -> DocumentsPage:
-    docs = sorted(_by_document(await services.pages.pages()), key=lambda d: (d.doc, d.doc_id))
+    docs = sorted(_by_document(await services.pages.pages(), services.jobs.shown), key=lambda d: (d.doc, d.doc_id))
     page = docs[offset:offset + limit]
     return DocumentsPage(documents=page, total=len(docs), limit=limit, offset=offset,
                          next_offset=Paged.next_of(offset, len(page), len(docs)))
@@ -81,7 +88,7 @@ async def upload(request: Request, services: TenantDep,
 
 
 @router.delete("/documents/{doc_id}", summary="Delete a document: its pages, and the feature entries no other "
-               "indexed page references (it waits for a running ingest job to finish)",
+               "indexed page references", description=DELETE_ORDER,
                response_model=DeletedDocument, responses=error_responses({**UNKNOWN_DOCUMENT, **INDEX_DOWN, **INVALID_REQUEST}))
 async def delete(doc_id: str, services: TenantDep) -> DeletedDocument:
     deleted = await asyncio.wrap_future(services.jobs.delete_document(doc_id))
@@ -129,16 +136,18 @@ def _safe_name(client_name: str, fmt: str) -> str:
     return f"{stem or 'upload'}{suffix}"
 
 
-def _by_document(pages: Iterable[PagePayload]) -> list[Document]:
+def _by_document(pages: Iterable[PagePayload], shown: Callable[[str], str]) -> list[Document]:
     grouped: dict[str, list[PagePayload]] = {}
     for p in pages:
         grouped.setdefault(p.doc_id, []).append(p)
-    return [_document(sorted(ps, key=lambda p: p.page)) for ps in grouped.values()]
+    return [_document(sorted(ps, key=lambda p: p.page), shown) for ps in grouped.values()]
 
 
-def _document(pages: list[PagePayload]) -> Document:
+def _document(pages: list[PagePayload], shown: Callable[[str], str]) -> Document:
+    """One document of the listing; ``shown`` writes its source path as the tenant sees it (TenantJobs.shown):
+    relative to its ingest root, else the file name — the server's folders are its own business."""
     first = pages[0]
-    return Document(doc_id=first.doc_id, doc=first.doc, path=first.path, num_pages=first.num_pages,
+    return Document(doc_id=first.doc_id, doc=first.doc, path=shown(first.path), num_pages=first.num_pages,
                     indexed_pages=len(pages), pages=[DocumentPage(page=p.page, page_id=p.page_id) for p in pages])
 
 
@@ -156,7 +165,8 @@ async def _page(services, page_id: str) -> PagePayload:
 @router.get("/pages/{page_id}", summary="A page's metadata and text", response_model=Page,
             responses=error_responses(PAGE_ERRORS))
 async def page(page_id: str, services: TenantDep) -> Page:
-    return Page.of(await _page(services, page_id))
+    found = await _page(services, page_id)
+    return Page.of(found, path=services.jobs.shown(found.path))
 
 
 @router.get("/pages/{page_id}/image", summary="The page image (PNG), rendered from its source file",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -37,12 +37,14 @@ CHAT_ERRORS = {
         400: "No `user` message, or its text is empty or over-long (`no_question`, `bad_question`); a `tier` that "
              "is not configured (`unknown_tier`); an image that "
              "is not a base64 data URL of a PNG, JPEG, WebP or TIFF (`invalid_image`); more distinct images than a "
-             "question takes (`too_many_images`); or an image-only search with the image channel off "
-             "(`image_channel_off`).",
+             "question takes (`too_many_images`); an image-only search with the image channel off "
+             "(`image_channel_off`); a field that cannot be honoured: `n` > 1, `logprobs`, `top_logprobs`, `tools`, "
+             "`tool_choice` or a `response_format` other than text (`unsupported_parameter`, the field in "
+             "`error.param`); or `max_tokens` and `max_completion_tokens` that differ (`conflicting_parameters`).",
         404: "Nothing is ingested (`no_documents`).",
         413: "Request body over MMRAG_MAX_REQUEST_BYTES plus what its `image_url` parts may take "
              "(`request_too_large`); or an image over MMRAG_MAX_IMAGE_BYTES or MMRAG_MAX_IMAGE_PIXELS "
-             "(`image_too_large`).",
+             "(`image_too_large`), or images over MMRAG_MAX_REQUEST_PIXELS together (`too_many_pixels`).",
     }),
 }
 
@@ -72,8 +74,9 @@ CHUNKS = {"description": "The answer, or with `stream` true server-sent events: 
              response_model=ChatCompletion, responses={**CHAT_ERRORS, 200: CHUNKS})
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: TenantDep
                            ) -> ChatCompletion | StreamingResponse:
+    refuse_unsupported(body)
     question = Question(_question(body.messages), images=_images(body.messages, services), tier=body.tier,
-                        answer_mode=body.answer_mode, max_tokens=body.max_tokens)
+                        answer_mode=body.answer_mode, max_tokens=answer_max_tokens(body), converse=False)
     head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": MODEL_ID}
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     answered = await respond(request, services, question, stream=body.stream,
@@ -123,6 +126,47 @@ def chat_usage(usage: dict) -> dict:
             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]},
             **{k: usage[k] for k in ("image_tokens", "cached_image_tokens", "vision_encodes")}}
+
+
+def answer_max_tokens(body: ChatCompletionRequest) -> int | None:
+    """The answer's token bound: `max_completion_tokens` or `max_tokens` (one meaning, two names)."""
+    given = {name: value for name in ("max_completion_tokens", "max_tokens")
+             if (value := getattr(body, name)) is not None}
+    if len(set(given.values())) > 1:
+        raise ApiError(400, "conflicting_parameters", f"max_completion_tokens={given['max_completion_tokens']} and "
+                       f"max_tokens={given['max_tokens']} disagree: they are one bound under two names",
+                       "send one of them (`max_completion_tokens`, OpenAI's newer name)", param="max_tokens")
+    return next(iter(given.values()), None)
+
+
+def refuse_unsupported(body: ChatCompletionRequest) -> None:
+    """400 `unsupported_parameter` for an OpenAI field that would change what comes back and cannot be
+    honoured: answering as if it were absent would hand the client something else than it asked for."""
+    refused = next(_unsupported(body), None)
+    if refused is not None:
+        param, why, fix = refused
+        raise ApiError(400, "unsupported_parameter", f"unsupported parameter `{param}`: {why}", fix, param=param)
+
+
+def _unsupported(body: ChatCompletionRequest) -> Iterator[tuple[str, str, str]]:
+    """(field, why it cannot be honoured, the fix) for each such field of ``body``."""
+    if body.n is not None and body.n > 1:
+        yield ("n", f"n={body.n}: one choice is generated per request",
+               "leave `n` out (or 1); answers are greedy, so another request gives the same choice")
+    if body.logprobs:
+        yield "logprobs", "token log-probabilities are not computed", "leave `logprobs` out (or false)"
+    if body.top_logprobs:
+        yield ("top_logprobs", f"top_logprobs={body.top_logprobs}: token log-probabilities are not computed",
+               "leave `top_logprobs` out (or 0)")
+    if body.tool_choice not in (None, "none", "auto"):
+        yield ("tool_choice", f"tool_choice={json.dumps(body.tool_choice)}: the model calls no tool",
+               'leave `tool_choice` out (or "none")')
+    if body.tools and body.tool_choice != "none":
+        yield ("tools", f"{len(body.tools)} tools: the model answers from the corpus and calls no tool",
+               'leave `tools` out, or set `tool_choice` to "none"')
+    if body.response_format is not None and body.response_format.type != "text":
+        yield ("response_format", f"type {body.response_format.type!r}: answers are text with citations",
+               'leave `response_format` out (or `{"type": "text"}`)')
 
 
 def _question(messages: list[ChatMessage]) -> str:
