@@ -305,16 +305,12 @@ class DiskFeatureStore(_BlobStore):
     def lease(self, keys: Iterable[ImageKey], holder: str, ttl_s: float) -> None:
         until = time.time() + ttl_s
         for key in keys:
-            folder = self._lease_dir(key)
-            path = folder / _holder_name(holder)
+            path = self._lease_dir(key) / _holder_name(holder)
             try:
-                folder.mkdir(parents=True, exist_ok=True)
-                path.touch()
-                os.utime(path, (until, until))
-            except FileNotFoundError:  # its folder went with another holder's release: once more
-                folder.mkdir(parents=True, exist_ok=True)
-                path.touch()
-                os.utime(path, (until, until))
+                try:
+                    _stamp_lease(path, until)
+                except FileNotFoundError:  # its folder went with another holder's release: once more
+                    _stamp_lease(path, until)
             except OSError as exc:
                 raise self._write_failed(key, 0, exc) from exc
 
@@ -482,6 +478,13 @@ def _write_atomically(path: Path, blob: bytes) -> None:
     """A reader (or a run killed half-way) sees either no entry or the whole entry, never a torn file; a failed
     write (the disk full half-way) removes its temp file, whose name carries our PID for the orphan sweep."""
     write_atomically(path, blob, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
+
+
+def _stamp_lease(path: Path, until: float) -> None:
+    """``path`` (a holder's lease file, its folder made if missing) with ``until`` as its mtime: the lease's end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    os.utime(path, (until, until))
 
 
 def _holder_name(holder: str) -> str:

@@ -121,9 +121,7 @@ class Pipeline:
         retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
         run.clock.lap("retrieve_s")
         if not any(retrieved) and not images:
-            run.emit({"event": "citations", "citations": []})
-            run.text(NO_PAGES_ANSWER)
-            return run.clock.stamp(self._answer(NO_PAGES_ANSWER, decomposition, [], Usage()))
+            return run.clock.stamp(self._no_pages(run, decomposition, Usage()))
         usage = Usage()
         hits, cut, tiered = await self._pages(retrieved, images, tier, usage)
         lease = self.lease()
@@ -132,14 +130,11 @@ class Pipeline:
             if gone:  # deleted since retrieval: left out, as if not retrieved
                 deleted = [h for hs in hits for h in hs if h.image_key in gone]
                 hits = [[h for h in hs if h.image_key not in gone] for hs in hits]
-                if not any(hits) and not images:
-                    run.emit({"event": "citations", "citations": []})
-                    run.text(NO_PAGES_ANSWER)
-                    nothing_left = self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
-                    nothing_left.extra["pages_deleted"] = sorted({page_label(c) for c in cite([deleted])})
-                    return run.clock.stamp(nothing_left)
-            answer = await self._answer_over(run, question, decomposition, hits, cut, images, requested, limit,
-                                             usage)
+            if any(hits) or images:
+                answer = await self._answer_over(run, question, decomposition, hits, cut, images, requested, limit,
+                                                 usage)
+            else:  # every page it found was deleted meanwhile
+                answer = self._no_pages(run, decomposition, usage)
             if gone:
                 answer.extra["pages_deleted"] = sorted({page_label(c) for c in cite([deleted])})
         finally:
@@ -147,6 +142,12 @@ class Pipeline:
         if tiered is not None:
             answer.extra["tier"] = {"name": tier, "fell_back": tiered.fell_back}
         return run.clock.stamp(answer)
+
+    def _no_pages(self, run: _Run, decomposition, usage: Usage) -> Answer:
+        """The answer when no page is left to show: no citations, and NO_PAGES_ANSWER as its text."""
+        run.emit({"event": "citations", "citations": []})
+        run.text(NO_PAGES_ANSWER)
+        return self._answer(NO_PAGES_ANSWER, decomposition, [], usage)
 
     async def _answer_over(self, run: _Run, question: str, decomposition, hits: list[list[Hit]], cut: list[Hit],
                            images: Sequence[ImageKey], requested: AnswerMode, limit: int, usage: Usage) -> Answer:
