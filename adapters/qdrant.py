@@ -18,8 +18,22 @@ from typing import Any, TypeVar
 
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
+from adapters import qdrant_local
 from core.keys import ImageKey
-from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PageField, PagePayload, encoder_fields_of
+from core.payload import (
+    IMAGE_VECTOR,
+    LEXICAL_VECTOR,
+    PAGE_MEAN_VECTOR,
+    PAGE_VECTOR,
+    TEXT_VECTOR,
+    EncoderScope,
+    PageField,
+    PagePayload,
+    encoder_fields_of,
+)
+
+# Local mode's sparse scoring is pure Python per point; the lexical channel needs it as a matrix product.
+qdrant_local.install()
 
 # Payload fields that readers filter on get an index (keyword or integer) on a Qdrant server.
 PAYLOAD_INDEXES: dict[PageField, models.PayloadSchemaType] = {
@@ -76,24 +90,32 @@ def probe_local_lock(path: Path) -> None:
 
 
 class PageIndex:
-    def __init__(self, client: QdrantClient, collection: str, *, text_dim: int, image_dim: int) -> None:
+    def __init__(self, client: QdrantClient, collection: str, *, text_dim: int, image_dim: int, late_dim: int = 0
+                 ) -> None:
+        """``late_dim``: the late-interaction retriever's token vector size (0: that channel is off)."""
         self.client = client
         self.collection = collection
         self.dims = {TEXT_VECTOR: text_dim, IMAGE_VECTOR: image_dim}
+        if late_dim:
+            self.dims |= {PAGE_VECTOR: late_dim, PAGE_MEAN_VECTOR: late_dim}
 
     def ensure_collection(self) -> None:
         if not self.client.collection_exists(self.collection):
             self.client.create_collection(
                 self.collection,
-                vectors_config={
-                    name: models.VectorParams(size=dim, distance=models.Distance.COSINE)
-                    for name, dim in self.dims.items()
-                },
+                vectors_config={name: vector_params(name, dim) for name, dim in self.dims.items()},
+                sparse_vectors_config={LEXICAL_VECTOR: models.SparseVectorParams(modifier=models.Modifier.IDF)},
             )
             self._index_payload(PAYLOAD_INDEXES)
             return
         info = self.client.get_collection(self.collection)
         check_vectors(self.collection, info.config.params.vectors, self.dims, exact=True)
+        if LEXICAL_VECTOR not in (info.config.params.sparse_vectors or {}):
+            raise IndexConfigError(
+                f"Qdrant collection {self.collection!r} was built before the lexical channel (it has no sparse "
+                f"vector {LEXICAL_VECTOR!r}): re-create it with `mmrag index reset --yes` and ingest again, or set "
+                "MMRAG_QDRANT_COLLECTION to a new collection"
+            )
         # A collection written by an older mmrag lacks the fields added since (the encoder fields) and their
         # indexes: added here, once, so its pages are served again without re-ingesting.
         self._index_payload({f: t for f, t in PAYLOAD_INDEXES.items() if f.value not in (info.payload_schema or {})})
@@ -297,8 +319,23 @@ def check_vectors(collection: str, params: models.VectorParams | Mapping[str, mo
         )
 
 
-def make_point(vectors: dict[str, list[float]], payload: PagePayload) -> models.PointStruct:
-    return models.PointStruct(id=payload.page_id, vector=vectors, payload=payload.to_qdrant())
+def vector_params(name: str, dim: int) -> models.VectorParams:
+    """A named dense vector's parameters. The late-interaction ``page`` multi-vector is scored by MaxSim and only
+    re-ranks what ``page_mean`` prefetched, so it gets no HNSW graph (m=0), as Qdrant advises for multi-vectors."""
+    if name == PAGE_VECTOR:
+        return models.VectorParams(
+            size=dim, distance=models.Distance.COSINE, hnsw_config=models.HnswConfigDiff(m=0),
+            multivector_config=models.MultiVectorConfig(comparator=models.MultiVectorComparator.MAX_SIM),
+        )
+    return models.VectorParams(size=dim, distance=models.Distance.COSINE)
+
+
+def make_point(vectors: dict[str, Any], payload: PagePayload) -> models.PointStruct:
+    """A page point. ``vectors``: dense rows as lists, multi-vectors as lists of rows, and the sparse lexical
+    vector as an ``(indices, values)`` pair."""
+    named = {name: models.SparseVector(indices=v[0], values=v[1]) if name == LEXICAL_VECTOR else v
+             for name, v in vectors.items()}
+    return models.PointStruct(id=payload.page_id, vector=named, payload=payload.to_qdrant())
 
 
 def scope_filter(scope: EncoderScope) -> models.Filter:

@@ -16,10 +16,17 @@ from typing import Any
 from core.keys import EncoderVersion, ImageKey, ResolutionPolicy, page_point_id
 from core.pages import TextSource
 
-# Named vectors of a page point: page text (MiniLM) and page image (open_clip). A page without text has no
-# text vector; with the image channel off no page has an image vector.
+# Named vectors of a page point (issue 25):
+# - ``text``: page text, dense (MiniLM); a page without text has none;
+# - ``lexical``: page text, sparse BM25 term weights (adapters/lexical.py), Qdrant applying IDF (Modifier.IDF);
+# - the page-image channel, one of (MMRAG_PAGE_RETRIEVER): ``image``, a CLIP vector (open_clip), or ``page``,
+#   a late-interaction multi-vector (ColQwen2/ColPali: MaxSim) with ``page_mean``, its mean-pooled single vector
+#   that prefetches candidates for the MaxSim re-rank. With the channel off no page has any of them.
 TEXT_VECTOR = "text"
+LEXICAL_VECTOR = "lexical"
 IMAGE_VECTOR = "image"
+PAGE_VECTOR = "page"
+PAGE_MEAN_VECTOR = "page_mean"
 
 
 class PageField(str, enum.Enum):
@@ -92,6 +99,9 @@ class PagePayload:
     text: str
     text_source: TextSource
     fingerprint: str  # encoder, policy, DPI, OCR and embedders that produced this page
+    # Caption lines of the page ("Figure 12: ...", "Table 2 ...", a slide's title), normalised (core/text.py):
+    # weighed in the lexical channel and shown with citations. Absent in pages indexed before issue 25.
+    captions: tuple[str, ...] = ()
 
     @property
     def page_id(self) -> str:
@@ -102,13 +112,14 @@ class PagePayload:
         out = asdict(self)
         out["image_key"] = str(self.image_key)
         out["text_source"] = self.text_source.value
+        out["captions"] = list(self.captions)
         out.update(EncoderScope.of(self.image_key).payload_match())
         return out
 
     @classmethod
     def from_qdrant(cls, payload: dict[str, Any] | None) -> PagePayload:
         data = dict(payload or {})
-        missing = [f for f in FIELD_NAMES if f not in data]
+        missing = [f for f in FIELD_NAMES if f not in data and f not in _OPTIONAL_NAMES]
         if missing and set(missing) <= set(_DERIVED_NAMES):
             raise PayloadError(
                 "the page index was written before mmrag stored each page's encoder fields: open it once for "
@@ -122,11 +133,12 @@ class PagePayload:
             )
         try:
             page = cls(**{
-                **{f: data[f] for f in _CONSTRUCTOR_FIELDS},
+                **{f: data[f] for f in _CONSTRUCTOR_FIELDS if f in data},
                 "page": int(data["page"]), "num_pages": int(data["num_pages"]),
                 "image_tokens": int(data["image_tokens"]), "width": int(data["width"]),
                 "height": int(data["height"]), "image_key": ImageKey.parse(data["image_key"]),
                 "text_source": TextSource(data["text_source"]),
+                "captions": tuple(str(c) for c in data.get("captions") or ()),
             })
             if EncoderScope.of(page.image_key).payload_match() != {f: data[f] for f in _DERIVED_NAMES}:
                 raise ValueError(f"its encoder fields disagree with its image key {page.image_key}")
@@ -140,6 +152,7 @@ class PagePayload:
 
 _CONSTRUCTOR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(PagePayload))
 _DERIVED_NAMES: tuple[str, ...] = (PageField.ENCODER_VERSION.value, PageField.RESOLUTION_POLICY.value)
+_OPTIONAL_NAMES: frozenset[str] = frozenset({"captions"})  # fields added later: a page without one is whole
 FIELD_NAMES: tuple[str, ...] = _CONSTRUCTOR_FIELDS + _DERIVED_NAMES  # every key a page's payload has
 
 

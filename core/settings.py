@@ -32,6 +32,15 @@ def check_tenant(name: str) -> str:
     return name
 
 
+# The channels fused into one page ranking (retrieval/search.py Channel), named in MMRAG_FUSION_WEIGHTS.
+FUSED_CHANNELS = ("text", "lexical", "image", "caption")
+# Measured on bench/realdocs (86 questions over 5 Debian PDFs, `mmrag retrieval eval --sweep`, BENCHMARKS.md):
+# scaled-score fusion with the lexical channel weighted 2 led recall@5, MRR and every-page@5 over RRF and over
+# equal weights; the caption channel adds one channel's worth when a question names a figure by number.
+DEFAULT_FUSION = "score"
+DEFAULT_FUSION_WEIGHTS = {"text": 1.0, "lexical": 2.0, "image": 1.0, "caption": 1.0}
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
 
@@ -84,6 +93,22 @@ class Settings(BaseSettings):
     clip_model: str = "ViT-B-32"
     clip_weights: Path | None = None  # local open_clip weights; none: the image channel is off
     clip_random_init: bool = False  # tests only: a random-weight CLIP to exercise the image channel
+    # The page-image retrieval channel (issue 25): a local late-interaction checkpoint folder (ColQwen2,
+    # ColQwen2.5 or ColPali, loaded by colpali-engine; adapters/late.py), whose page multi-vectors Qdrant scores
+    # by MaxSim; `clip` for open_clip (MMRAG_CLIP_WEIGHTS); empty: CLIP when its weights are set, else off.
+    page_retriever: str = ""
+    # Late interaction only: page vectors pooled to about 1/N of their rows before they are stored (token
+    # pooling: N x less index, see BENCHMARKS.md for the recall it costs), and how many pages the mean-pooled
+    # single vector prefetches for the MaxSim re-rank.
+    page_pool_factor: int = Field(default=1, ge=1)
+    page_prefetch: int = Field(default=100, ge=1)
+    # How the channels' rankings become one (retrieval/search.py): `rrf` (weighted reciprocal rank fusion) or
+    # `score` (each channel's scores scaled to [0, 1] within the query's candidates, then a weighted sum).
+    # Weights per channel, `name=w` comma-separated (text, lexical, image, and caption: the pages captioned with a
+    # figure/table the question names by number); a channel not named keeps its DEFAULT_FUSION_WEIGHTS weight.
+    fusion: Literal["rrf", "score"] = DEFAULT_FUSION
+    fusion_weights: str = ""
+    candidate_k: int = Field(default=20, ge=1)  # each channel's candidates per sub-question, before fusion
 
     # Engine (vLLM)
     engine_urls: str = ""  # comma-separated `vllm serve` replicas; empty: the in-process engine
@@ -229,6 +254,21 @@ class Settings(BaseSettings):
                              "unset MMRAG_API_KEY")
         if self.clip_weights is not None and not self.clip_weights.exists():
             raise ValueError(f"MMRAG_CLIP_WEIGHTS={self.clip_weights} does not exist; point it at a local file")
+        if self.late_retriever is not None:
+            if not self.late_retriever.is_dir():
+                raise ValueError(f"MMRAG_PAGE_RETRIEVER={self.page_retriever} is not a folder: point it at a local "
+                                 "ColQwen2/ColPali checkpoint folder, set it to `clip`, or leave it empty")
+            if self.clip_weights is not None or self.clip_random_init:
+                raise ValueError("MMRAG_PAGE_RETRIEVER names a late-interaction checkpoint and MMRAG_CLIP_WEIGHTS is "
+                                 "set: the page-image channel is one of them; unset MMRAG_CLIP_WEIGHTS, or set "
+                                 "MMRAG_PAGE_RETRIEVER=clip")
+        elif self.page_retriever.strip() == "clip" and not self.image_channel:
+            raise ValueError("MMRAG_PAGE_RETRIEVER=clip needs CLIP weights: set MMRAG_CLIP_WEIGHTS to a local "
+                             "open_clip weights file")
+        self.fusion_weight_table  # names and numbers checked, with the fix
+        if self.top_k > self.candidate_k:
+            raise ValueError(f"MMRAG_TOP_K={self.top_k} is over MMRAG_CANDIDATE_K={self.candidate_k}: raise "
+                             "MMRAG_CANDIDATE_K (each channel's candidates) or lower MMRAG_TOP_K")
         return self
 
     def tenant_collection(self, tenant: str) -> str:
@@ -260,7 +300,30 @@ class Settings(BaseSettings):
 
     @property
     def image_channel(self) -> bool:
-        return self.clip_weights is not None or self.clip_random_init
+        """The CLIP page-image channel is on."""
+        return self.late_retriever is None and (self.clip_weights is not None or self.clip_random_init)
+
+    @property
+    def late_retriever(self) -> Path | None:
+        """The late-interaction checkpoint of the page-image channel, when MMRAG_PAGE_RETRIEVER names one."""
+        value = self.page_retriever.strip()
+        return None if value in ("", "clip", "off") else Path(value).expanduser()
+
+    @property
+    def fusion_weight_table(self) -> dict[str, float]:
+        """MMRAG_FUSION_WEIGHTS as {channel: weight}, every channel present (its default where not named)."""
+        table = dict(DEFAULT_FUSION_WEIGHTS)
+        for item in (i.strip() for i in self.fusion_weights.split(",") if i.strip()):
+            name, _, value = item.partition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = -1.0
+            if name.strip() not in table or weight < 0:
+                raise ValueError(f"MMRAG_FUSION_WEIGHTS item {item!r} is not `channel=weight` with a channel of "
+                                 f"{', '.join(FUSED_CHANNELS)} and a weight >= 0, e.g. text=1,lexical=1.5,image=0.5")
+            table[name.strip()] = weight
+        return table
 
     @property
     def features_dir(self) -> Path:

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sysconfig
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -154,16 +155,20 @@ def build_tiny_model(
         max_pixels=max_pixels,
         max_positions=max_positions,
     )
-    out = Path(out)
+    return build_atomically(Path(out), lambda folder: _write_checkpoint(folder, spec))
+
+
+def build_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """``write`` a checkpoint into a folder beside ``out`` (which must not exist), then rename it to ``out``: a
+    crash never leaves a half-written model that looks valid."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; remove it or build into another folder")
-    # Build beside the target and rename, so a crash never leaves a half-written model that looks valid.
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     if tmp.exists():  # left by an earlier crashed build of this same pid number
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        _write_checkpoint(tmp, spec)
+        write(tmp)
         os.replace(tmp, out)
     finally:
         if tmp.exists():

@@ -15,10 +15,9 @@ import hashlib
 import io
 import math
 import os
-import re
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -27,9 +26,11 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image, ImageOps
 
+from adapters.lexical import known_words
 from core.keys import ContentHash, content_hash_of, doc_id_for
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
+from core.text import normalise
 from ingestion import ocr
 
 # Suffix -> the format its content must have (Pillow's format names; "PDF" for pdfium).
@@ -440,7 +441,10 @@ class _PdfSource:
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(number, exc)) from exc
         try:
-            return normalise_text(textpage.get_text_range())
+            raw = textpage.get_text_range()
+            # The page's own words and an English word list tell a joined hyphenation or a restored ligature
+            # from a real compound (core/text.py, adapters/lexical.py known_words).
+            return normalise_text(raw, known=known_words(raw))
         finally:
             textpage.close()
 
@@ -601,7 +605,6 @@ def _image_dpi(im: Image.Image) -> float | None:
 
 
 _WHITE = (255, 255, 255, 255)
-_CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f\ufffe\uffff]")
 
 
 def normalise_image(img: Image.Image) -> Image.Image:
@@ -612,15 +615,16 @@ def normalise_image(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def normalise_text(text: str) -> str:
-    """Single spaces within lines, one newline between non-empty lines, no control characters.
+def normalise_text(text: str, *, known: Callable[[str], bool] | None = None) -> str:
+    """Single spaces within lines, one newline between non-empty lines, no control characters, ligatures and
+    hyphenation resolved: :func:`core.text.normalise`, the one normaliser (questions go through it too).
 
-    The same words then embed the same whether they came from a text layer (CRLF, tabs) or tesseract
-    (trailing form feed, blank lines).
+    The same words then embed the same whether they came from a text layer (CRLF, tabs, pdfium's U+FFFE
+    hyphenation marks) or tesseract (trailing form feed, blank lines, line-end hyphens). ``known`` (e.g.
+    ``adapters.lexical.known_words(text)``) lets it restore dropped ligatures and decide line-end hyphens
+    with a dictionary.
     """
-    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
-    lines = (" ".join(line.split()) for line in text.split("\n"))
-    return "\n".join(line for line in lines if line)
+    return normalise(text, known=known)
 
 
 def has_meaningful_text(text: str) -> bool:
@@ -724,7 +728,8 @@ class Document:
 
     def _run_ocr(self, raster: _Raster, number: int) -> str:
         try:
-            return normalise_text(ocr.ocr_image(raster.image, self._ocr_lang, dpi=raster.dpi))
+            raw = ocr.ocr_image(raster.image, self._ocr_lang, dpi=raster.dpi)
+            return normalise_text(raw, known=known_words(raw))
         except ocr.OcrError as exc:
             raise IngestError(
                 f"OCR failed on page {number} ({exc}): check the tesseract install, or set MMRAG_OCR=false"

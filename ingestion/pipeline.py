@@ -30,8 +30,11 @@ from typing import Any
 from core.keys import ImageKey, KeyLease
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
-from core.payload import IMAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
+from core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, PAGE_MEAN_VECTOR, PAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
+from core.text import TEXT_VERSION, Caption, captions as find_captions
 from adapters.embed import ImageEmbedder, TextEmbedder
+from adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
+from adapters.lexical import LexicalEncoder
 from adapters.qdrant import PageIndex, make_point
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
 from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
@@ -86,9 +89,16 @@ class Ingestor:
         image_embedder: ImageEmbedder | None = None,
         tier_encoders: Sequence[VisionEncoder] = (),
         lease: Callable[[], KeyLease] | None = None,
+        lexical: LexicalEncoder | None = None,
+        late: LateInteractionRetriever | None = None,
+        late_pool_factor: int = 1,
     ) -> None:
         """``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``).
-        ``lease``: a new lease per file on its pages' keys (default: a StoreLease on ``store``, INGEST_LEASE_S)."""
+        ``lease``: a new lease per file on its pages' keys (default: a StoreLease on ``store``, INGEST_LEASE_S).
+        ``lexical``: the sparse BM25 encoder (default: LexicalEncoder()). ``late``: the late-interaction page-image
+        retriever (instead of ``image_embedder``), its page vectors pooled to 1/``late_pool_factor`` of their rows."""
+        if image_embedder is not None and late is not None:
+            raise ValueError("the page-image channel is CLIP or a late-interaction retriever, not both")
         self.settings = settings
         self._new_lease = lease or (lambda: StoreLease(store, "ingest", INGEST_LEASE_S))
         self.encoder = encoder
@@ -97,10 +107,15 @@ class Ingestor:
         self.index = index
         self.text_embedder = text_embedder
         self.image_embedder = image_embedder
+        self.lexical = lexical or LexicalEncoder()
+        self.late = late
+        self.late_pool_factor = late_pool_factor
+        page_channel = (image_embedder.name if image_embedder else f"late:{late.name}/pool{late_pool_factor}" if late
+                        else "off")
         self.fingerprint = "|".join([
             encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={settings.pdf_dpi}",
             f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
-            f"image={image_embedder.name if image_embedder else 'off'}",
+            f"image={page_channel}", f"lexical={self.lexical.version}", f"text_norm={TEXT_VERSION}",
         ])
 
     def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None,
@@ -173,15 +188,16 @@ class Ingestor:
         self._encode_missing(self.encoder, pages, keys, absent, report)
         for encoder, tier_keys in tiers:
             self._encode_missing(encoder, pages, tier_keys, absent, report)
-        vectors = self._embed(pages, report)
+        captions = [find_page_captions(p) for p in pages]
+        vectors = self._embed(pages, captions, report)
         for p in pages:
             report.pages += 1
             report.ocr_pages += p.text_source is TextSource.OCR
             for stage, secs in p.timings.items():
                 report.stage_seconds[stage] += secs
         return [
-            make_point(vecs, self._payload(doc, p, key))
-            for p, key, vecs in zip(pages, keys, vectors)
+            make_point(vecs, self._payload(doc, p, key, caps))
+            for p, key, vecs, caps in zip(pages, keys, vectors, captions)
         ]
 
     def _encode_missing(self, encoder: VisionEncoder, pages: list[RenderedPage], keys: list[ImageKey],
@@ -205,21 +221,32 @@ class Ingestor:
         report.encoded += len(missing)
         report.stage_seconds["encode"] += time.perf_counter() - t0
 
-    def _embed(self, pages: list[RenderedPage], report: IngestReport) -> list[dict[str, list[float]]]:
+    def _embed(self, pages: list[RenderedPage], captions: list[list[Caption]], report: IngestReport
+               ) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
-        vectors: list[dict[str, list[float]]] = [{} for _ in pages]
+        vectors: list[dict[str, Any]] = [{} for _ in pages]
         with_text = [i for i, p in enumerate(pages) if p.text.strip()]
-        # A page without text gets no text vector (Qdrant allows a missing named vector): an embedding of
-        # the empty string would match every query equally.
-        for i, vec in zip(with_text, self.text_embedder.embed([pages[i].text for i in with_text])):
+        # A page without text gets no text vectors (Qdrant allows a missing named vector): an embedding of
+        # the empty string would match every query equally. The dense vector reads the captions first: MiniLM
+        # reads 256 word pieces, so a caption low on a long page would otherwise not be read at all.
+        dense = [" ".join([*(c.text for c in captions[i]), pages[i].text]) for i in with_text]
+        for i, vec in zip(with_text, self.text_embedder.embed(dense)):
             vectors[i][TEXT_VECTOR] = vec.tolist()
+        for i in with_text:
+            indices, values = self.lexical.document(pages[i].text, captions[i])
+            if indices:
+                vectors[i][LEXICAL_VECTOR] = (indices, values)  # sparse: make_point makes it Qdrant's
         if self.image_embedder is not None:
             for i, vec in enumerate(self.image_embedder.embed([p.image for p in pages])):
                 vectors[i][IMAGE_VECTOR] = vec.tolist()
+        if self.late is not None:
+            for i, multi in enumerate(self.late.embed_pages([p.image for p in pages])):
+                vectors[i][PAGE_VECTOR] = pool_tokens(multi, self.late_pool_factor).tolist()
+                vectors[i][PAGE_MEAN_VECTOR] = mean_pool(multi).tolist()
         report.stage_seconds["embed"] += time.perf_counter() - t0
         return vectors
 
-    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey) -> PagePayload:
+    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey, captions: list[Caption]) -> PagePayload:
         return PagePayload(
             doc_id=doc.doc_id,
             doc=doc.doc,
@@ -235,6 +262,7 @@ class Ingestor:
             text=page.text,
             text_source=page.text_source,
             fingerprint=self.fingerprint,
+            captions=tuple(c.text for c in captions),
         )
 
 
@@ -292,6 +320,16 @@ def missing_keys(store: FeatureStore, pages: list[RenderedPage], keys: list[Imag
         else:
             missing[key] = page
     return missing, cached
+
+
+# A page that looks like a slide (landscape, little text): its first line is its title, a caption of the page.
+SLIDE_MAX_WORDS = 150
+
+
+def find_page_captions(page: RenderedPage) -> list[Caption]:
+    """The page's caption lines (core/text.py captions): figures, tables, listings and, on a slide, its title."""
+    slide = page.image.width > page.image.height and len(page.text.split()) <= SLIDE_MAX_WORDS
+    return find_captions(page.text, slide=slide)
 
 
 def encoder_fingerprint(scope: EncoderScope) -> str:

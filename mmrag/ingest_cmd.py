@@ -65,7 +65,8 @@ def print_report(report: IngestReport, console: Console) -> None:
 
 def reset_index(console: Console, tenant: str = DEFAULT_TENANT) -> None:
     settings, _ = wiring.for_tenant(tenant)
-    index = wiring.page_index(settings, wiring.text_embedder(settings).dim)
+    late = wiring.late_retriever(settings)
+    index = wiring.page_index(settings, wiring.text_embedder(settings).dim, late_dim=late.dim if late else 0)
     try:
         index.reset()
     finally:

@@ -21,11 +21,12 @@ if TYPE_CHECKING:
     import numpy as np
     from qdrant_client import AsyncQdrantClient
 
+    from adapters.lexical import LexicalEncoder
     from core.keys import ImageKey
     from core.settings import Settings
     from devkit.corpus import CorpusManifest
     from retrieval.evaluate import LabelledQuestion
-    from retrieval.search import Channel, PageSearcher
+    from retrieval.search import Channel, Hit, PageSearcher
 
 retrieval_app = typer.Typer(help="Measure page retrieval: recall on a labelled corpus, latency at scale.",
                             no_args_is_help=True)
@@ -37,20 +38,60 @@ err = Console(stderr=True)
 
 @retrieval_app.command("eval")
 def eval_command(
-    corpus: Annotated[Path, typer.Option(help="Corpus folder with manifest.json (from `mmrag corpus sample`), "
-                                         "or the manifest file.")] = Path("corpus"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    docs: Annotated[Path | None, typer.Argument(help="Folder of the labelled documents: ingested first (files "
+                                                "already indexed unchanged are skipped), then searched.")] = None,
+    labels: Annotated[Path | None, typer.Option(help="Labelled questions, JSON lines: {\"question\", \"pages\": "
+                                                "[{\"doc\", \"page\"}], \"needs\": \"any\"|\"all\", "
+                                                "\"kind\": \"text\"|\"figure\"} (bench/realdocs/labels.jsonl "
+                                                "is one).")] = None,
+    corpus: Annotated[Path, typer.Option(help="Without --labels: the sample corpus folder with manifest.json "
+                                         "(from `mmrag corpus sample`), or the manifest file.")] = Path("corpus"),
+    sweep: Annotated[bool, typer.Option(help="Also score the fused ranking under a grid of fusion methods and "
+                                        "weights (MMRAG_FUSION, MMRAG_FUSION_WEIGHTS), from the same searches.")
+                     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables.")] = False,
 ) -> None:
-    """Recall@1, recall@5 and MRR of the labelled questions, per channel: text, image (if on), hybrid."""
+    """Recall@1, recall@5, MRR and (multi-page questions) every-page@5, per channel: text (dense), lexical (BM25),
+    image (if on), hybrid (fused), and `cited`: the pages an answer to the question cites (sub-questions, their
+    pages, one prompt's page budget), as POST /v1/ask would. Per question kind too (text, figure).
+
+    On your own documents: `mmrag retrieval eval --labels my_labels.jsonl my_docs/`."""
     from core.settings import Settings
+    from retrieval.evaluate import load_labels
 
     settings = Settings()
-    manifest = load_manifest(corpus)
-    report = asyncio.run(run_eval(settings, manifest))
+    if labels is None:
+        if docs is not None:
+            raise typer.BadParameter("a DOCS folder needs --labels FILE.jsonl (its labelled questions)")
+        manifest = load_manifest(corpus)
+        report = asyncio.run(run_eval(settings, labelled_questions(manifest)))
+    else:
+        if docs is None or not docs.is_dir():
+            raise typer.BadParameter(f"give the folder of the labelled documents after --labels (got {docs}); "
+                                     "e.g. `python -m bench.realdocs.fetch --out realdocs` fetches ours")
+        ingest_for_eval(settings, docs, err)
+        report = asyncio.run(run_eval(settings, load_labels(labels), sweep=sweep))
     if as_json:
         typer.echo(json.dumps(report))
     else:
         print_eval(report, err)
+
+
+def ingest_for_eval(settings: Settings, docs: Path, console: Console) -> None:
+    """Ingest ``docs`` as `mmrag ingest` would (unchanged files are skipped), with progress; a failed file stops
+    the evaluation, since its questions could not be answered."""
+    from mmrag import wiring
+
+    ingestor = wiring.ingestor(settings)
+    try:
+        report = ingestor.run([docs], progress=lambda done, total, pages: console.print(
+            f"ingesting {docs}: {done}/{total} files, {pages} pages", end="\r"))
+    finally:
+        ingestor.index.client.close()
+    console.print(f"ingested {docs}: {report.files} files, {report.pages} pages ({report.unchanged_files} "
+                  f"unchanged) in {report.seconds:.1f}s")
+    if report.failed:
+        raise typer.BadParameter("; ".join(f"{f.path}: {f.error}" for f in report.failed))
 
 
 def load_manifest(corpus: Path) -> CorpusManifest:
@@ -71,55 +112,138 @@ def labelled_questions(manifest: CorpusManifest) -> list[LabelledQuestion]:
     return [LabelledQuestion(q.question, frozenset((a.file, a.page) for a in q.answers)) for q in manifest.questions]
 
 
-async def run_eval(settings: Settings, manifest: CorpusManifest) -> dict[str, Any]:
+async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, sweep: bool = False) -> dict[str, Any]:
     from qdrant_client import models
 
     from core.pages import TextSource
     from core.payload import PageField
     from mmrag import wiring
-    from retrieval.evaluate import chance_recall, evaluate
+    from retrieval.evaluate import DEPTH, by_kind, chance_recall, score, unknown_docs
     from retrieval.search import Channel
 
     searcher = wiring.searcher(settings)
-    labelled = labelled_questions(manifest)
     try:
-        channels = [Channel.TEXT, *([Channel.IMAGE] if searcher.image_channel else []), Channel.HYBRID]
-        scores = await evaluate(searcher, labelled, channels)
         client, collection = searcher.client, searcher.collection
-        pages = (await client.count(collection, exact=True)).count
+        pages = (await client.count(collection, exact=True)).count if await client.collection_exists(collection) else 0
+        if pages:
+            facet = await client.facet(collection, key=PageField.DOC.value, limit=100_000, exact=True)
+            missing = unknown_docs(labelled, {str(h.value): h.count for h in facet.hits})
+            if missing:
+                raise typer.BadParameter(
+                    f"{len(missing)} labelled pages are not indexed (e.g. {', '.join(missing[:5])}): ingest the "
+                    "labelled documents (pass their folder), or fix the labels' doc names and page numbers")
+        questions = [q.question for q in labelled]
+        t0 = time.perf_counter()
+        found = await searcher.search_channels(questions, top_k=settings.candidate_k, channels=Channel.HYBRID)
+        search_ms = (time.perf_counter() - t0) * 1e3 / len(questions)
+        cited = await cited_pages(settings, searcher, questions)
         no_text = models.Filter(must=[models.FieldCondition(key=PageField.TEXT_SOURCE.value,
                                                             match=models.MatchValue(value=TextSource.NONE.value))])
         without_text = (await client.count(collection, count_filter=no_text, exact=True)).count
     finally:
         await searcher.client.close()
-    image = searcher.image_embedder
-    return {
-        "channels": scores,
+    channels = {c.value: score([h[:DEPTH] for h in found[c]], labelled) for c in found}
+    channels["cited"] = score(cited, labelled)
+    kinds = {c: by_kind([h[:DEPTH] for h in found[Channel(c)]] if c != "cited" else cited, labelled)
+             for c in ("hybrid", "cited")}
+    report: dict[str, Any] = {
+        "channels": channels,
+        "by_kind": kinds,
+        "questions": len(labelled),
         "pages": pages,
         "pages_without_text": without_text,
-        "image_channel": image.name if image else "off",
-        "image_random_init": bool(image and settings.clip_weights is None),
+        "image_channel": searcher.image_channel_name,
+        "image_random_init": bool((searcher.image_embedder and settings.clip_weights is None)
+                                  or (searcher.late and searcher.late.random_weights)),
         "chance_recall@5": round(chance_recall(labelled, pages), 4),
+        "fusion": {"method": searcher.fusion.method, "weights": dict(searcher.fusion.weights)},
+        "search_ms_per_question": round(search_ms, 2),
     }
+    if sweep:
+        report["sweep"] = fusion_sweep(found, labelled)
+    return report
+
+
+async def cited_pages(settings: Settings, searcher: PageSearcher, questions: list[str]) -> list[list[tuple[str, int]]]:
+    """Per question, the pages its answer cites, best first, as rag/pipeline.py chooses them: the rule decomposer's
+    sub-questions, MMRAG_TOP_K fused pages each, cut to one prompt's room and, unless answers go per sub-question,
+    to one prompt's page budget (MMRAG_ONE_PROMPT_PAGES, each sub-question's best first). A real model's
+    decomposer (MMRAG_DECOMPOSER=model) may split a question otherwise."""
+    from rag.decompose import RuleDecomposer
+    from core.engine import Layout
+    from rag.plans import cite, fit_pages, union_pages
+
+    rules = RuleDecomposer(max_n=settings.max_sub_questions)
+    out = []
+    for question in questions:  # one round trip per question, as an answer makes
+        subs = rules.split(question)
+        hits = await searcher.search_many(subs, top_k=settings.top_k, context=question if len(subs) > 1 else None)
+        shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout(settings.layout))
+        one_prompt = settings.answer_mode != "per_sub_question" and settings.layout != "per_page"
+        if one_prompt and settings.one_prompt_pages:
+            kept = union_pages(shown)[:settings.one_prompt_pages]
+            shown = [[h for h in hs if h in kept] for hs in shown]
+        out.append([(c.doc, c.page) for c in cite(shown)])
+    return out
+
+
+# The grid `--sweep` scores: each method with the channels weighted alike, and with one channel leading.
+SWEEP_WEIGHTS = tuple({"text": t, "lexical": lx, "image": 1, "caption": c}
+                      for t, lx, c in ((1, 1, 1), (1, 1.5, 1), (1, 2, 1), (1, 3, 1), (2, 1, 1), (1, 2, 0), (1, 2, 2),
+                                       (0, 1, 0), (1, 0, 0))) + ({"text": 1, "lexical": 2, "image": 0.5, "caption": 1},
+                                                                 {"text": 1, "lexical": 2, "image": 2, "caption": 1})
+
+
+def fusion_sweep(found: dict[Channel, list[list[Hit]]], labelled: list[LabelledQuestion]) -> list[dict[str, Any]]:
+    """The fused ranking's scores under each method and weights of SWEEP_WEIGHTS, re-fused from the same
+    per-channel candidates (Fusion is client-side, so no search is repeated)."""
+    from retrieval.evaluate import DEPTH, score
+    from retrieval.search import FUSED, Fusion
+
+    rows = []
+    for method in ("rrf", "score"):
+        for weights in SWEEP_WEIGHTS:
+            fusion = Fusion(method, {k: float(v) for k, v in weights.items()})
+            fused = [[h for _, h in fusion.fuse({c: found[c][i] for c in FUSED if c in found},
+                                                key=lambda h: h.page_id)[:DEPTH]] for i in range(len(labelled))]
+            rows.append({"method": method, "weights": weights, **score(fused, labelled)})
+    return rows
 
 
 def print_eval(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"retrieval eval ({report['pages']} indexed pages)")
-    for col in ("channel", "recall@1", "recall@5", "MRR@5", "questions"):
+    table = Table(title=f"retrieval eval: {report['questions']} questions, {report['pages']} indexed pages")
+    for col in ("channel", "recall@1", "recall@5", "MRR@5", "every page@5", "questions"):
         table.add_column(col, justify="left" if col == "channel" else "right")
     for channel, s in report["channels"].items():
-        name = channel if channel != "hybrid" or report["image_channel"] != "off" else "hybrid (= text: image off)"
-        table.add_row(name, f"{s['recall@1']:.3f}", f"{s['recall@5']:.3f}", f"{s['mrr']:.3f}", str(s["n"]))
+        multi = f"{s['all@5']:.3f} of {s['n_multi']}" if s.get("n_multi") else "-"
+        table.add_row(channel, f"{s['recall@1']:.3f}", f"{s['recall@5']:.3f}", f"{s['mrr']:.3f}", multi, str(s["n"]))
+    for channel, kinds in report.get("by_kind", {}).items():
+        for kind, s in kinds.items():
+            table.add_row(f"{channel}, {kind} questions", f"{s['recall@1']:.3f}", f"{s['recall@5']:.3f}",
+                          f"{s['mrr']:.3f}", f"{s['all@5']:.3f} of {s['n_multi']}" if s["n_multi"] else "-",
+                          str(s["n"]))
     console.print(table)
+    fusion = report["fusion"]
+    console.print(f"fusion: {fusion['method']} {fusion['weights']}; search {report['search_ms_per_question']} ms per "
+                  "question (every channel, one round trip)")
+    if report.get("sweep"):
+        sweep = Table(title="fusion sweep (hybrid, from the same candidates)")
+        for col in ("method", "weights", "recall@1", "recall@5", "MRR@5", "every page@5"):
+            sweep.add_column(col)
+        for r in report["sweep"]:
+            sweep.add_row(r["method"], ",".join(f"{k}={v}" for k, v in r["weights"].items()), f"{r['recall@1']:.3f}",
+                          f"{r['recall@5']:.3f}", f"{r['mrr']:.3f}", f"{r['all@5']:.3f}")
+        console.print(sweep)
     if report["image_channel"] == "off":
-        console.print("image channel: off (set MMRAG_CLIP_WEIGHTS to a local open_clip file to score it)")
+        console.print("page-image channel: off (set MMRAG_PAGE_RETRIEVER to a local ColQwen2/ColPali folder, or "
+                      "MMRAG_CLIP_WEIGHTS to a local open_clip file, to score it)")
     elif report["image_random_init"]:
-        console.print(f"[yellow]image channel: {report['image_channel']} has RANDOM weights[/]: image-only recall "
-                      f"is expected near chance (recall@5 ≈ {report['chance_recall@5']:.3f}), and it adds noise "
-                      "to hybrid. Only tests should run this way.")
+        console.print(f"[yellow]page-image channel: {report['image_channel']} has RANDOM weights[/]: image-only "
+                      f"recall is expected near chance (recall@5 ≈ {report['chance_recall@5']:.3f}), and it adds "
+                      "noise to hybrid. Only tests should run this way.")
     if report["pages_without_text"]:
         console.print(f"{report['pages_without_text']} indexed pages have no text (no text layer and OCR off or "
-                      "empty): the text channel cannot find them. Ingest with MMRAG_OCR=true to read them.")
+                      "empty): the text channels cannot find them. Ingest with MMRAG_OCR=true to read them.")
 
 
 # --- latency ---------------------------------------------------------------------------------------------
@@ -148,10 +272,12 @@ def latency_command(
     seed: Annotated[int, typer.Option(help="Seed of the synthetic vectors.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:
-    """Search latency on N synthetic pages in an in-memory local Qdrant: text-only vs. hybrid (RRF).
+    """Search latency on N synthetic pages in an in-memory local Qdrant: dense text, lexical (BM25), both fused,
+    and all channels fused with the page-image channel (the configured one; CLIP with random weights if none).
 
-    Pages get random unit vectors (text 384-d, image from the CLIP config), so only timing means anything;
-    the queries are embedded by the configured models (CLIP with random weights when none are set).
+    Pages get random unit vectors (text 384-d, image from the CLIP config) and synthetic text drawn from a
+    Zipf-distributed vocabulary (for the lexical postings), so only timing means anything; the queries are embedded
+    by the configured models. The late-interaction channel's cost at scale: `mmrag retrieval cost`.
     """
     if pages < 1 or queries < 1 or batch < 1:
         raise typer.BadParameter("--pages, --queries and --batch must be at least 1")
@@ -170,39 +296,52 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
     from qdrant_client import AsyncQdrantClient
 
     from adapters.embed import ImageEmbedder
+    from adapters.lexical import LexicalEncoder
     from core.keys import ContentHash, EncoderVersion, ImageKey
     from mmrag import wiring
-    from retrieval.search import Channel, PageSearcher
+    from retrieval.search import Channel, Fusion, PageSearcher
 
     text = wiring.text_embedder(settings)
+    lexical = LexicalEncoder()
     # Timing only: a random-weight CLIP when no weights are configured (random weights change no timing).
     image = wiring.image_embedder(settings) or ImageEmbedder(settings.clip_model, None,
                                                              batch_size=settings.embed_batch_size)
+    rng = np.random.default_rng(seed)
+    vocabulary = [f"{_SYLLABLES[i % 37]}{_SYLLABLES[(i // 37) % 37]}{i // 1369}" for i in range(30_000)]
     client = AsyncQdrantClient(location=":memory:")
     try:
         t0 = time.perf_counter()
         key = ImageKey(ContentHash("0" * 64), EncoderVersion("0" * 16), settings.resolution_policy)
-        await fill_synthetic(client, "latency", pages, text.dim, image.dim, key, np.random.default_rng(seed))
+        await fill_synthetic(client, "latency", pages, text.dim, image.dim, key, rng, lexical, vocabulary)
         build_s = time.perf_counter() - t0
-        searcher = PageSearcher(client, "latency", text, image, top_k=settings.top_k)
-        questions = [f"How did metric {i} of region {i % 7} change in quarter {i % 4 + 1}?" for i in range(queries)]
-        rows = [await _time_channel(searcher, questions, batch, ch) for ch in (Channel.TEXT, Channel.HYBRID)]
+        weights = settings.fusion_weight_table
+        words = _zipf_words(rng, vocabulary, queries * 6)
+        questions = [f"How does {' '.join(words[6 * i:6 * i + 6])} change in part {i % 4 + 1}?"
+                     for i in range(queries)]
+        texts = PageSearcher(client, "latency", text, None, lexical=lexical, top_k=settings.top_k,
+                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights | {"image": 0}))
+        every = PageSearcher(client, "latency", text, image, lexical=lexical, top_k=settings.top_k,
+                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights))
+        rows = [await _time_channel(s, questions, batch, ch, name) for s, ch, name in (
+            (texts, Channel.TEXT, "text (dense)"), (texts, Channel.LEXICAL, "lexical (BM25)"),
+            (texts, Channel.HYBRID, "text + lexical, fused"), (every, Channel.HYBRID, "text + lexical + image, fused"))]
     finally:
         await client.close()
     return {"pages": pages, "queries": queries, "batch": batch, "build_s": round(build_s, 2),
-            "image_channel": image.name, "rows": [asdict(r) for r in rows]}
+            "image_channel": image.name, "fusion": settings.fusion, "rows": [asdict(r) for r in rows]}
 
 
-async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int, channel: Channel) -> LatencyRow:
+async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int, channel: Channel, name: str
+                        ) -> LatencyRow:
     import numpy as np
 
     batches = [questions[i:i + batch] for i in range(0, len(questions), batch)]
     embed, qdrant = [], []
     for i, qs in enumerate([batches[0], *batches]):  # the first pass warms both models and Qdrant
         t0 = time.perf_counter()
-        text_vecs, image_vecs = await asyncio.to_thread(searcher.embed_queries, qs, channel)
+        vectors = await asyncio.to_thread(searcher.embed_queries, qs, channel)
         t1 = time.perf_counter()
-        await searcher.search_vectors(qs, text_vecs, image_vecs)
+        await searcher.search_vectors(qs, vectors)
         t2 = time.perf_counter()
         if i:
             embed.append((t1 - t0) * 1e3)
@@ -210,44 +349,55 @@ async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int
     sizes = np.array([len(b) for b in batches], dtype=float)
     total = np.array(embed) + np.array(qdrant)
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 2)  # noqa: E731
-    return LatencyRow(channel.value, pct(embed, 50), pct(embed, 99), pct(qdrant, 50), pct(qdrant, 99),
+    return LatencyRow(name, pct(embed, 50), pct(embed, 99), pct(qdrant, 50), pct(qdrant, 99),
                       pct(total / sizes, 50), pct(total / sizes, 99), pct(total, 50), pct(total, 99))
 
 
 async def fill_synthetic(client: AsyncQdrantClient, collection: str, pages: int, text_dim: int, image_dim: int,
-                         image_key: ImageKey, rng: np.random.Generator, chunk: int = 1000) -> None:
-    """A collection shaped like the page index (same vector names, sizes and payload) of random pages."""
+                         image_key: ImageKey, rng: np.random.Generator, lexical: LexicalEncoder,
+                         vocabulary: list[str], chunk: int = 1000, words_per_page: int = 300) -> None:
+    """A collection shaped like the page index (same vectors, sizes and payload) of random pages: unit dense
+    vectors, and BM25 vectors of ``words_per_page`` words drawn from ``vocabulary`` by a Zipf law (as words are)."""
     from qdrant_client import models
 
+    from adapters.qdrant import make_point, vector_params
     from core.keys import doc_id_for
     from core.pages import TextSource
-    from core.payload import IMAGE_VECTOR, TEXT_VECTOR, PagePayload
+    from core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, TEXT_VECTOR, PagePayload
 
-    await client.create_collection(collection, vectors_config={
-        TEXT_VECTOR: models.VectorParams(size=text_dim, distance=models.Distance.COSINE),
-        IMAGE_VECTOR: models.VectorParams(size=image_dim, distance=models.Distance.COSINE),
-    })
+    await client.create_collection(
+        collection, vectors_config={n: vector_params(n, d) for n, d in ((TEXT_VECTOR, text_dim),
+                                                                          (IMAGE_VECTOR, image_dim))},
+        sparse_vectors_config={LEXICAL_VECTOR: models.SparseVectorParams(modifier=models.Modifier.IDF)})
     for start in range(0, pages, chunk):
         n = min(chunk, pages - start)
         tv, iv = _unit(rng, n, text_dim), _unit(rng, n, image_dim)
+        words = _zipf_words(rng, vocabulary, n * words_per_page)
         points = []
         for j in range(n):
             doc = f"synthetic_{(start + j) // 20:05d}.pdf"
+            text = " ".join(words[j * words_per_page:(j + 1) * words_per_page])
             payload = PagePayload(
-                doc_id=doc_id_for(doc), doc=doc, path=f"/synthetic/{doc}", page=(start + j) % 20 + 1, num_pages=20,
+                doc_id=doc_id_for(doc), doc=doc, path=f"synthetic/{doc}", page=(start + j) % 20 + 1, num_pages=20,
                 file_sha256="0" * 64, content_hash=image_key.content_hash, image_key=image_key, image_tokens=256,
-                width=448, height=448, text=f"Synthetic page {(start + j) % 20 + 1} of {doc}. " + _FILLER,
-                text_source=TextSource.TEXT_LAYER, fingerprint="synthetic",
+                width=448, height=448, text=text, text_source=TextSource.TEXT_LAYER, fingerprint="synthetic",
             )
-            points.append(models.PointStruct(
-                id=payload.page_id, vector={TEXT_VECTOR: tv[j].tolist(), IMAGE_VECTOR: iv[j].tolist()},
-                payload=payload.to_qdrant(),
-            ))
+            vectors = {TEXT_VECTOR: tv[j].tolist(), IMAGE_VECTOR: iv[j].tolist(),
+                       LEXICAL_VECTOR: lexical.document(text, [])}
+            points.append(make_point(vectors, payload))
         await client.upsert(collection, points=points, wait=True)
 
 
-_FILLER = ("Quarterly revenue, regional headcount and platform latency figures are summarised in the chart "
-           "beside this paragraph; the table below lists the numbers by month. ") * 4
+_SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze", "ba", "de", "fi", "go", "hu", "ja", "ke",
+              "li", "mo", "ne", "po", "qu", "ri", "so", "tu", "va", "we", "xi", "yo", "zu", "ab", "ec", "id", "ok",
+              "ul", "ym", "ar"]
+
+
+def _zipf_words(rng: np.random.Generator, vocabulary: list[str], n: int) -> list[str]:
+    import numpy as np
+
+    ranks = np.minimum(rng.zipf(1.2, size=n), len(vocabulary)) - 1
+    return [vocabulary[r] for r in ranks]
 
 
 def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
@@ -269,3 +419,29 @@ def print_latency(result: dict[str, Any], console: Console) -> None:
     console.print(f"collection built in {result['build_s']:.1f}s; image queries through {result['image_channel']} "
                   "(random weights change nothing in timing). Local mode searches on the event-loop thread, so the "
                   "qdrant column is also how long each batch holds the loop; a Qdrant server takes that off it.")
+
+
+# --- cost of the late-interaction channel ------------------------------------------------------------------
+
+
+@retrieval_app.command("cost")
+def cost_command(
+    pages: Annotated[int, typer.Option(help="Pages of ColQwen2-shaped multi-vectors.")] = 10_000,
+    tokens_per_page: Annotated[int, typer.Option(help="Rows per page (a real ColQwen2 page: ~740-770).")] = 760,
+    local_pages: Annotated[int, typer.Option(help="Pages built in real Qdrant local mode (more: extrapolated).")
+                           ] = 1_000,
+    variants: Annotated[str, typer.Option(help="float32, pooledN (token pooling by N), int8, binary; comma-separated.")
+                        ] = "float32,pooled2,pooled3,pooled4,int8,binary",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables.")] = False,
+) -> None:
+    """What the late-interaction page-image channel (MMRAG_PAGE_RETRIEVER) costs: index bytes per page per storage
+    option (float32, token pooling, int8 / binary quantisation on a Qdrant server) and two-stage query latency
+    (pooled prefetch, MaxSim re-rank) against single-stage MaxSim. Random vectors: shapes decide the cost."""
+    from bench.late_cost import print_late_cost, run_late_cost
+
+    result = run_late_cost(pages=pages, tokens_per_page=tokens_per_page, local_pages=local_pages,
+                           variants=tuple(v.strip() for v in variants.split(",") if v.strip()))
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        print_late_cost(result, err)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from adapters.embed import ImageEmbedder, TextEmbedder
+    from adapters.late import LateInteractionRetriever
     from adapters.qdrant import PageIndex
     from adapters.store import FeatureStore
     from adapters.vision import VisionEncoder
@@ -179,16 +180,40 @@ def image_embedder(settings: Settings) -> ImageEmbedder | None:
     return ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
 
 
+_LATE: dict[str, LateInteractionRetriever] = {}
+
+
+def late_retriever(settings: Settings) -> LateInteractionRetriever | None:
+    """The late-interaction page-image retriever (MMRAG_PAGE_RETRIEVER names its folder), or None. One per folder
+    per process: the CLI, the server and its tenants share the loaded model."""
+    folder = settings.late_retriever
+    if folder is None:
+        return None
+    from adapters.late import LateInteractionRetriever
+
+    key = str(folder.resolve())
+    if key not in _LATE:
+        _LATE[key] = LateInteractionRetriever(folder, batch_size=settings.embed_batch_size)
+    return _LATE[key]
+
+
+def fusion(settings: Settings):
+    from retrieval.search import Fusion
+
+    return Fusion(settings.fusion, settings.fusion_weight_table)
+
+
 # --- the index -------------------------------------------------------------------------------------------
 
 
-def page_index(settings: Settings, text_dim: int, *, client=None) -> PageIndex:
-    """The index for writing (its collection created or checked against the embedders' sizes)."""
+def page_index(settings: Settings, text_dim: int, *, client=None, late_dim: int = 0) -> PageIndex:
+    """The index for writing (its collection created or checked against the embedders' sizes). ``late_dim``: the
+    late-interaction retriever's vector size, when MMRAG_PAGE_RETRIEVER names one."""
     from adapters.embed import clip_embed_dim
     from adapters.qdrant import PageIndex, open_qdrant
 
     index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                      text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model))
+                      text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
     index.ensure_collection()
     return index
 
@@ -213,6 +238,7 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
     if image is None:
         image = image_embedder(settings)
     encoder = encoder or vision_encoder(settings, model)
+    late = late_retriever(settings)
     if settings.ingest_tier_policies and settings.vision_url:
         raise ValueError("MMRAG_INGEST_TIERS beyond standard needs the vision tower in this process: the vision "
                          "service (MMRAG_VISION_URL) encodes its one policy; unset one of them")
@@ -220,10 +246,12 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
         settings,
         encoder=encoder,
         store=store or feature_store(settings),
-        index=index or page_index(settings, text.dim),
+        index=index or page_index(settings, text.dim, late_dim=late.dim if late else 0),
         text_embedder=text,
         image_embedder=image,
         tier_encoders=[encoder.with_policy(p) for p in settings.ingest_tier_policies],
+        late=late,
+        late_pool_factor=settings.page_pool_factor,
     )
 
 
@@ -236,8 +264,9 @@ def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = 
 
     return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
                         settings.qdrant_collection, text or text_embedder(settings),
-                        image if image is not None else image_embedder(settings), top_k=settings.top_k,
-                        encoder=encoder)
+                        image if image is not None else image_embedder(settings), late=late_retriever(settings),
+                        fusion=fusion(settings), top_k=settings.top_k, candidate_k=settings.candidate_k,
+                        page_prefetch=settings.page_prefetch, encoder=encoder)
 
 
 # --- engine, scheduler, pipeline -------------------------------------------------------------------------
@@ -456,8 +485,9 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     def make_index(tenant: str) -> PageIndex:
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
+        late = pipe.searcher.late
         return page_index(settings.scoped(scope_of(tenant)), pipe.searcher.text_embedder.dim,
-                          client=LoopBridge(client, loop))
+                          client=LoopBridge(client, loop), late_dim=late.dim if late else 0)
 
     def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
         job_settings = settings.scoped(scope_of(tenant))

@@ -118,7 +118,9 @@ class Pipeline:
         run.clock.lap("decompose_s")
         subs = decomposition.sub_questions
         run.emit({"event": "sub_questions", "sub_questions": subs, "sub_question_source": decomposition.source})
-        retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k)
+        # A split question's sub-questions lean on the whole question (retrieval/search.py, ``context``).
+        retrieved = await self.searcher.search_many(subs, doc_filter=docs, top_k=self.config.top_k,
+                                                    context=question if len(subs) > 1 else None)
         run.clock.lap("retrieve_s")
         if not any(retrieved) and not images:
             return run.clock.stamp(self._no_pages(run, decomposition, Usage()))

@@ -1,9 +1,17 @@
-"""Page search over the Qdrant index: text, image or both channels fused with reciprocal-rank fusion.
+"""Page search over the Qdrant index: dense text, lexical (sparse BM25) and page-image channels, fused.
 
 Async end to end: query embedding is CPU-bound torch work and runs in a worker thread
-(``asyncio.to_thread``), and all sub-questions of a request go to Qdrant in ONE ``query_batch_points``
-round trip. A hybrid query is one request per sub-question: a prefetch on ``text`` and one on ``image``
-(each ``candidate_k`` deep), fused server-side with RRF and cut to ``top_k``.
+(``asyncio.to_thread``), and every channel of every sub-question of a request goes to Qdrant in ONE
+``query_batch_points`` round trip: per sub-question a dense request on ``text``, a sparse one on ``lexical``
+(Qdrant applies IDF to the stored BM25 term weights) and, where configured, a page-image one: ``image`` (CLIP)
+or, for a late-interaction retriever, a two-stage query in which the mean-pooled ``page_mean`` vector
+prefetches ``page_prefetch`` pages and MaxSim over their ``page`` multi-vectors re-ranks only those. Each
+channel returns ``candidate_k`` pages; they are fused here (:class:`Fusion`: weighted reciprocal-rank fusion or
+a weighted sum of scaled scores, MMRAG_FUSION / MMRAG_FUSION_WEIGHTS) and cut to ``top_k``. Fusing client-side
+keeps each channel's own ranking visible to the evaluation (`mmrag retrieval eval` scores every channel from
+the same round trip) and lets the weights be measured rather than assumed.
+
+Questions and page text go through the one normaliser (core/text.py) before either is embedded or tokenised.
 
 Local mode (``AsyncQdrantClient(path=...)``) is qdrant-client's in-process engine behind async methods:
 it computes on the calling thread, so a local-mode search holds the event loop for its duration (a few ms
@@ -17,28 +25,108 @@ import enum
 import itertools
 import logging
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 from qdrant_client import AsyncQdrantClient, models
 
 from adapters.embed import ImageEmbedder, TextEmbedder
+from adapters.late import LateInteractionRetriever, mean_pool
+from adapters.lexical import LexicalEncoder, special_token, token_index
 from adapters.qdrant import IndexConfigError, check_vectors, scope_filter
 from core.keys import ImageKey
-from core.payload import IMAGE_VECTOR, STALE_PAGES_FIX, TEXT_VECTOR, EncoderScope, PageField, PagePayload
+from core.payload import (
+    IMAGE_VECTOR,
+    LEXICAL_VECTOR,
+    PAGE_MEAN_VECTOR,
+    PAGE_VECTOR,
+    STALE_PAGES_FIX,
+    TEXT_VECTOR,
+    EncoderScope,
+    PageField,
+    PagePayload,
+)
+from core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
+from core.text import figure_refs, normalise
 
 log = logging.getLogger(__name__)
 
 SNIPPET_CHARS = 200
 KNOWN_DOCS_SHOWN = 10
+T = TypeVar("T")
+# How much a sub-question's ranking leans on the whole question's (PageSearcher.search_many ``context``).
+CONTEXT_WEIGHT = 0.25
+RRF_K = 60  # the constant of reciprocal-rank fusion (Cormack et al.; Qdrant's own RRF uses it too)
 
 
 class Channel(str, enum.Enum):
-    TEXT = "text"  # page text vs. the question (MiniLM)
-    IMAGE = "image"  # page image vs. the question through CLIP's text tower
-    HYBRID = "hybrid"  # both, fused with RRF; text only when the image channel is off
+    TEXT = "text"  # page text vs. the question, dense (MiniLM)
+    LEXICAL = "lexical"  # page text vs. the question, sparse BM25 with Qdrant's IDF
+    IMAGE = "image"  # page image vs. the question: CLIP's text tower, or a late-interaction retriever (MaxSim)
+    # The pages whose caption carries a figure, table or listing the question names ("Figure 12"): the lexical
+    # vector's figure#N tokens alone. Asked only for such questions, and only as part of HYBRID: a question that
+    # names a figure by number means that figure's page, not the pages that merely mention it.
+    CAPTION = "caption"
+    HYBRID = "hybrid"  # every channel that is on, fused (class Fusion)
+
+
+FUSED = (Channel.TEXT, Channel.LEXICAL, Channel.IMAGE, Channel.CAPTION)
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """How the channels' rankings of one query become one. ``rrf``: sum over channels of weight / (RRF_K + rank);
+    ``score``: each channel's scores scaled to [0, 1] over its candidates for the query (max 1, min 0), then a
+    weighted sum. A channel with weight 0 is not queried at all."""
+
+    method: str = DEFAULT_FUSION
+    weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_FUSION_WEIGHTS))
+
+    def __post_init__(self) -> None:
+        if self.method not in ("rrf", "score"):
+            raise ValueError(f"unknown fusion {self.method!r}: use rrf or score (MMRAG_FUSION)")
+
+    def weight(self, channel: Channel) -> float:
+        return float(self.weights.get(channel.value, DEFAULT_FUSION_WEIGHTS.get(channel.value, 1.0)))
+
+    def fuse(self, ranked: Mapping[Channel, Sequence[T]], key: Callable[[T], Any] = lambda p: p.id
+             ) -> list[tuple[float, T]]:
+        """(fused score, item) best first, from each channel's items best first (Qdrant points, or hits with
+        ``key=lambda h: h.page_id``); ties broken by the key, so the order is stable."""
+        total: dict[Any, float] = {}
+        item: dict[Any, T] = {}
+        for channel, items in ranked.items():
+            w = self.weight(channel)
+            if not items or w == 0:
+                continue
+            if self.method == "rrf":
+                parts = [w / (RRF_K + rank) for rank in range(1, len(items) + 1)]
+            else:
+                hi, lo = items[0].score, items[-1].score
+                parts = [w * ((p.score - lo) / (hi - lo) if hi > lo else 1.0) for p in items]
+            for p, part in zip(items, parts):
+                k = key(p)
+                total[k] = total.get(k, 0.0) + part
+                item.setdefault(k, p)
+        return sorted(((score, item[k]) for k, score in total.items()), key=lambda sk: (-sk[0], str(key(sk[1]))))
+
+
+@dataclass(slots=True)
+class QueryVectors:
+    """One row per query for each channel asked (None: not asked, or the channel is off)."""
+
+    text: np.ndarray | None = None
+    lexical: list[tuple[list[int], list[float]]] | None = None
+    caption: list[tuple[list[int], list[float]]] | None = None  # the figure#N tokens alone (empty: none named)
+    image: np.ndarray | None = None  # CLIP text-tower vectors
+    late: list[np.ndarray] | None = None  # late-interaction query multi-vectors (rows: query tokens)
+
+    def channels(self) -> list[Channel]:
+        return [c for c, v in ((Channel.TEXT, self.text), (Channel.LEXICAL, self.lexical),
+                               (Channel.IMAGE, self.image if self.image is not None else self.late),
+                               (Channel.CAPTION, self.caption)) if v is not None]
 
 
 class RetrievalError(LookupError):
@@ -89,21 +177,32 @@ class PageSearcher:
         text_embedder: TextEmbedder,
         image_embedder: ImageEmbedder | None,
         *,
+        lexical: LexicalEncoder | None = None,
+        late: LateInteractionRetriever | None = None,
+        fusion: Fusion | None = None,
         top_k: int = 3,
         candidate_k: int = 20,
+        page_prefetch: int = 100,
         encoder: EncoderScope | None = None,
     ) -> None:
         """``encoder``: the encoder whose image tokens the caller will feed to the VLM. Pages outside it are
         never returned (a payload filter in every query), so stale tokens cannot reach a prompt after an
-        upgrade; None returns every page (the retrieval evaluations, which feed no VLM)."""
+        upgrade; None returns every page (the retrieval evaluations, which feed no VLM). ``image_embedder``
+        (CLIP) and ``late`` (a late-interaction retriever) are the page-image channel: at most one of them."""
         if not 0 < top_k <= candidate_k:
             raise ValueError(f"need 0 < top_k <= candidate_k, got top_k={top_k}, candidate_k={candidate_k}")
+        if image_embedder is not None and late is not None:
+            raise ValueError("the page-image channel is CLIP or a late-interaction retriever, not both")
         self.client = client
         self.collection = collection
         self.text_embedder = text_embedder
         self.image_embedder = image_embedder
+        self.lexical = lexical or LexicalEncoder()
+        self.late = late
+        self.fusion = fusion or Fusion()
         self.top_k = top_k
         self.candidate_k = candidate_k
+        self.page_prefetch = max(page_prefetch, candidate_k)
         self.encoder = encoder
         self._scope = None if encoder is None else scope_filter(encoder)
         self._warned = (0, 0)  # the stale/total counts last warned about
@@ -111,7 +210,12 @@ class PageSearcher:
 
     @property
     def image_channel(self) -> bool:
-        return self.image_embedder is not None
+        return self.image_embedder is not None or self.late is not None
+
+    @property
+    def image_channel_name(self) -> str:
+        part = self.image_embedder or self.late
+        return part.name if part is not None else "off"
 
     async def search_many(
         self,
@@ -120,35 +224,54 @@ class PageSearcher:
         doc_filter: list[str] | None = None,
         top_k: int | None = None,
         channels: Channel = Channel.HYBRID,
+        context: str | None = None,
     ) -> list[list[Hit]]:
-        """The best pages for each query, best first, in one Qdrant round trip for all of them."""
-        if not queries:
-            return []
-        channels = Channel(channels)
-        if channels is Channel.IMAGE and not self.image_channel:
-            raise ImageChannelOffError(
-                "image-only search was asked for, but the image channel is off: set MMRAG_CLIP_WEIGHTS to a "
-                "local open_clip weights file and re-ingest, or search the text channel"
-            )
-        prepared = await self._prepare(doc_filter)  # before embedding: a bad filter fails fast
-        text_vecs, image_vecs = await asyncio.to_thread(self.embed_queries, queries, channels)
-        return await self._query(queries, text_vecs, image_vecs, prepared, top_k or self.top_k)
+        """The best pages for each query, best first, in one Qdrant round trip for all of them.
 
-    async def search_vectors(
+        ``context``: the question the queries were split from. Searched in the same round trip, its fused
+        ranking is added to each query's at CONTEXT_WEIGHT (HYBRID only): a sub-question such as "and the one
+        with a command?" then prefers the pages of the question's own subject over look-alikes elsewhere."""
+        return (await self.search_channels(queries, doc_filter=doc_filter, top_k=top_k, channels=channels,
+                                           context=context))[Channel(channels)]
+
+    async def search_channels(
         self,
         queries: list[str],
-        text_vecs: np.ndarray | None,
-        image_vecs: np.ndarray | None,
         *,
         doc_filter: list[str] | None = None,
         top_k: int | None = None,
-    ) -> list[list[Hit]]:
-        """``search_many`` for queries embedded already (one row per query; the channels are the vectors
-        given: both means hybrid). ``queries`` only shape the snippets. One Qdrant round trip."""
-        if text_vecs is None and image_vecs is None:
-            raise ValueError("search_vectors needs text vectors, image vectors or both")
+        channels: Channel = Channel.HYBRID,
+        context: str | None = None,
+    ) -> dict[Channel, list[list[Hit]]]:
+        """Like :meth:`search_many`, with each channel's own ranking beside the fused one (under HYBRID), all from
+        the same round trip: what the evaluation scores."""
+        channels = Channel(channels)
+        with_context = context is not None and channels is Channel.HYBRID and context not in queries
+        if not queries:
+            return {channels: []}
+        if channels is Channel.CAPTION:
+            raise ValueError("the caption channel is a part of hybrid search, not a channel to search alone")
+        if channels is Channel.IMAGE and not self.image_channel:
+            raise ImageChannelOffError(
+                "image-only search was asked for, but the page-image channel is off: set MMRAG_PAGE_RETRIEVER to a "
+                "local ColQwen2/ColPali checkpoint folder (or MMRAG_CLIP_WEIGHTS to local open_clip weights) and "
+                "re-ingest, or search the text channels"
+            )
+        prepared = await self._prepare(doc_filter)  # before embedding: a bad filter fails fast
+        asked = [*queries, context] if with_context else queries
+        vectors = await asyncio.to_thread(self.embed_queries, asked, channels)
+        return await self._query(asked, vectors, prepared, top_k or self.top_k, context=with_context)
+
+    async def search_vectors(self, queries: list[str], vectors: QueryVectors, *, doc_filter: list[str] | None = None,
+                             top_k: int | None = None) -> list[list[Hit]]:
+        """``search_many`` for queries embedded already (``embed_queries``; the channels are those in ``vectors``:
+        more than one means fused). ``queries`` only shape the snippets. One Qdrant round trip."""
+        asked = vectors.channels()
+        if not asked:
+            raise ValueError("search_vectors needs the vectors of at least one channel")
         prepared = await self._prepare(doc_filter)
-        return await self._query(queries, text_vecs, image_vecs, prepared, top_k or self.top_k)
+        found = await self._query(queries, vectors, prepared, top_k or self.top_k)
+        return found[Channel.HYBRID if len(asked) > 1 else asked[0]]
 
     async def search(self, query: str, **kwargs: Any) -> list[Hit]:
         return (await self.search_many([query], **kwargs))[0]
@@ -161,44 +284,84 @@ class PageSearcher:
             must.append(await self._doc_filter(doc_filter))
         return (models.Filter(must=must) if must else None), bool(doc_filter)
 
-    async def _query(self, queries: list[str], text_vecs: np.ndarray | None, image_vecs: np.ndarray | None,
-                     prepared: tuple[models.Filter | None, bool], limit: int) -> list[list[Hit]]:
+    async def _query(self, queries: list[str], vectors: QueryVectors, prepared: tuple[models.Filter | None, bool],
+                     limit: int, *, context: bool = False) -> dict[Channel, list[list[Hit]]]:
+        """Every channel's request for every query in one batch; each channel's hits and, with more than one
+        channel, the fused hits under HYBRID. ``context``: the last query is the question the others came from
+        (see :meth:`search_many`); it is not answered itself."""
         flt, by_doc = prepared
-        requests = [
-            self._request(t, i, flt, limit)
-            for t, i in zip(_rows(text_vecs, len(queries)), _rows(image_vecs, len(queries)))
-        ]
-        responses = await self.client.query_batch_points(self.collection, requests=requests)
-        if not any(r.points for r in responses) and not by_doc:
+        channels = vectors.channels()
+        depth = self.candidate_k if len(channels) > 1 else limit
+        slots: list[tuple[int, Channel]] = []
+        requests: list[models.QueryRequest] = []
+        for i in range(len(queries)):
+            for channel in channels:
+                request = self._request(channel, vectors, i, flt, depth)
+                if request is not None:  # a question with no lexical term (only stop words) has no lexical query
+                    slots.append((i, channel))
+                    requests.append(request)
+        responses = await self.client.query_batch_points(self.collection, requests=requests) if requests else []
+        ranked: list[dict[Channel, list[models.ScoredPoint]]] = [{} for _ in queries]
+        for (i, channel), response in zip(slots, responses):
+            ranked[i][channel] = response.points
+        if not any(p for r in ranked for ps in r.values() for p in ps) and not by_doc:
             await self._check_not_empty()  # emptied since the first check (e.g. `mmrag index reset`)
-        return [
-            sorted((_hit(p, q) for p in r.points), key=lambda h: h.score, reverse=True)
-            for q, r in zip(queries, responses)
-        ]
+        around: list[tuple[float, models.ScoredPoint]] = []
+        if context:
+            around = self.fusion.fuse(ranked.pop())
+            queries = queries[:-1]
+        out = {c: [[_hit(p, q) for p in r.get(c, [])[:limit]] for q, r in zip(queries, ranked)] for c in channels}
+        out.pop(Channel.CAPTION, None)  # a part of the fusion, not a channel to search alone
+        if len(channels) > 1:
+            out[Channel.HYBRID] = [[_hit(p, q, score) for score, p in _with_context(self.fusion.fuse(r), around)[:limit]]
+                                   for q, r in zip(queries, ranked)]
+        return out
 
-    def embed_queries(self, queries: list[str], channels: Channel) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Query vectors per channel (None where unused). Blocking torch work: call it via asyncio.to_thread."""
-        text = self.text_embedder.embed(queries) if channels is not Channel.IMAGE else None
-        image = None
-        if channels is not Channel.TEXT and self.image_embedder is not None:
-            image = self.image_embedder.embed_text(queries)
-        return text, image
+    def embed_queries(self, queries: list[str], channels: Channel = Channel.HYBRID) -> QueryVectors:
+        """Query vectors per channel (those not asked, or off, left None; a channel weighted 0 in the fusion is
+        not asked under HYBRID). Blocking torch work: call it via asyncio.to_thread."""
+        channels = Channel(channels)
+        texts = [normalise(q) for q in queries]
 
-    def _request(self, text_vec: np.ndarray | None, image_vec: np.ndarray | None, flt: models.Filter | None,
-                 limit: int) -> models.QueryRequest:
+        def asked(channel: Channel) -> bool:
+            return channels is channel or (channels is Channel.HYBRID and self.fusion.weight(channel) > 0)
+
+        out = QueryVectors()
+        if asked(Channel.TEXT):
+            out.text = self.text_embedder.embed(texts)
+        if asked(Channel.LEXICAL):
+            out.lexical = [self.lexical.query(t) for t in texts]
+        if channels is Channel.HYBRID and self.fusion.weight(Channel.CAPTION) > 0:
+            out.caption = [figure_query(t) for t in texts]
+        if asked(Channel.IMAGE) and self.image_embedder is not None:
+            out.image = self.image_embedder.embed_text(texts)
+        if asked(Channel.IMAGE) and self.late is not None:
+            out.late = self.late.embed_queries(texts)
+        if not out.channels():  # HYBRID with every channel weighted 0: still answer, by dense text
+            out.text = self.text_embedder.embed(texts)
+        return out
+
+    def _request(self, channel: Channel, vectors: QueryVectors, i: int, flt: models.Filter | None, limit: int
+                 ) -> models.QueryRequest | None:
         common: dict[str, Any] = {"filter": flt, "limit": limit, "with_payload": True}
-        if text_vec is not None and image_vec is not None:
-            return models.QueryRequest(
-                prefetch=[
-                    models.Prefetch(query=text_vec.tolist(), using=TEXT_VECTOR, limit=self.candidate_k),
-                    models.Prefetch(query=image_vec.tolist(), using=IMAGE_VECTOR, limit=self.candidate_k),
-                ],
-                query=models.FusionQuery(fusion=models.Fusion.RRF),
-                **common,
-            )
-        # One channel: TEXT, IMAGE, or HYBRID with the image channel off (which is plain text search).
-        vec, using = (text_vec, TEXT_VECTOR) if text_vec is not None else (image_vec, IMAGE_VECTOR)
-        return models.QueryRequest(query=vec.tolist(), using=using, **common)
+        if channel is Channel.TEXT:
+            return models.QueryRequest(query=vectors.text[i].tolist(), using=TEXT_VECTOR, **common)
+        if channel in (Channel.LEXICAL, Channel.CAPTION):
+            indices, values = (vectors.lexical if channel is Channel.LEXICAL else vectors.caption)[i]
+            if not indices:
+                return None
+            return models.QueryRequest(query=models.SparseVector(indices=indices, values=values), using=LEXICAL_VECTOR,
+                                       **common)
+        if vectors.image is not None:
+            return models.QueryRequest(query=vectors.image[i].tolist(), using=IMAGE_VECTOR, **common)
+        multi = vectors.late[i]
+        # Two stages, as Qdrant documents for multi-vectors: the pooled single vector prefetches, MaxSim re-ranks
+        # only the prefetched pages (the multi-vectors have no HNSW graph of their own).
+        return models.QueryRequest(
+            prefetch=[models.Prefetch(query=mean_pool(multi).tolist(), using=PAGE_MEAN_VECTOR, filter=flt,
+                                      limit=max(self.page_prefetch, limit))],
+            query=multi.tolist(), using=PAGE_VECTOR, **common,
+        )
 
     async def _check_collection(self) -> None:
         """Once per searcher: fail loudly on a missing or empty collection or on embedder sizes it lacks."""
@@ -210,21 +373,29 @@ class PageSearcher:
                 "run `mmrag ingest PATH...` first"
             )
         await self._check_not_empty()
-        params = (await self.client.get_collection(self.collection)).config.params.vectors
+        config = (await self.client.get_collection(self.collection)).config.params
         want = {TEXT_VECTOR: self.text_embedder.dim}
         if self.image_embedder is not None:
             want[IMAGE_VECTOR] = self.image_embedder.dim
+        if self.late is not None:
+            want |= {PAGE_VECTOR: self.late.dim, PAGE_MEAN_VECTOR: self.late.dim}
         try:
-            check_vectors(self.collection, params, want, exact=False)
+            check_vectors(self.collection, config.vectors, want, exact=False)
         except IndexConfigError as exc:
             raise RetrievalError(str(exc)) from exc
-        if self.image_embedder is not None and not await self._count(
-            models.Filter(must=[models.HasVectorCondition(has_vector=IMAGE_VECTOR)])
+        if LEXICAL_VECTOR not in (config.sparse_vectors or {}):
+            raise RetrievalError(
+                f"Qdrant collection {self.collection!r} was built before the lexical channel (no sparse vector "
+                f"{LEXICAL_VECTOR!r}): re-create it with `mmrag index reset --yes` and ingest again"
+            )
+        channel_vector = IMAGE_VECTOR if self.image_embedder is not None else PAGE_VECTOR
+        if self.image_channel and not await self._count(
+            models.Filter(must=[models.HasVectorCondition(has_vector=channel_vector)])
         ):
             raise ImageChannelOffError(
-                f"the image channel is on ({self.image_embedder.name}), but no indexed page has an image "
-                "vector: re-ingest with the same MMRAG_CLIP_* settings (`mmrag ingest PATH...`), or turn "
-                "the image channel off"
+                f"the page-image channel is on ({self.image_channel_name}), but no indexed page has its vector "
+                f"{channel_vector!r}: re-ingest with the same MMRAG_PAGE_RETRIEVER / MMRAG_CLIP_* settings "
+                "(`mmrag ingest PATH...`), or turn the channel off"
             )
         stale, total = await self.stale_pages()
         if stale and stale == total:
@@ -285,12 +456,28 @@ class PageSearcher:
         return {str(h.value) for h in found.hits}
 
 
-def _rows(vecs: np.ndarray | None, n: int) -> list[np.ndarray | None]:
-    return [None] * n if vecs is None else list(vecs)
+def _with_context(fused: list[tuple[float, models.ScoredPoint]], around: list[tuple[float, models.ScoredPoint]]
+                  ) -> list[tuple[float, models.ScoredPoint]]:
+    """A query's fused ranking plus CONTEXT_WEIGHT x its question's, best first (ties by point id)."""
+    if not around:
+        return fused
+    total = {p.id: (score, p) for score, p in fused}
+    for score, p in around:
+        mine, point = total.get(p.id, (0.0, p))
+        total[p.id] = (mine + CONTEXT_WEIGHT * score, point)
+    return sorted(total.values(), key=lambda sp: (-sp[0], str(sp[1].id)))
 
 
-def _hit(point: models.ScoredPoint, query: str) -> Hit:
-    return Hit.of(PagePayload.from_qdrant(point.payload), float(point.score), query)
+def figure_query(text: str) -> tuple[list[int], list[float]]:
+    """The caption channel's sparse query: the figure#N / table#N tokens (adapters/lexical.py) of every figure,
+    table or listing the question names, weight 1 each; empty when it names none."""
+    indices = sorted({token_index(special_token(kind, number)) for kind, number in figure_refs(text)})
+    return indices, [1.0] * len(indices)
+
+
+def _hit(point: models.ScoredPoint, query: str, score: float | None = None) -> Hit:
+    """The point as a hit: its channel's score, or ``score`` (the fused one)."""
+    return Hit.of(PagePayload.from_qdrant(point.payload), float(point.score if score is None else score), query)
 
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")

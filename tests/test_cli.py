@@ -16,7 +16,8 @@ HEAVY = ("torch", "vllm", "transformers", "matplotlib", "llama_index", "qdrant_c
          "open_clip")
 SUBCOMMANDS = (
     "ingest", "ask", "warm", "serve", "bench", "corpus sample", "model tiny", "index stats", "index reset",
-    "engine serve", "retrieval eval", "retrieval latency", "reencode", "index check", "store gc", "vision serve",
+    "engine serve", "retrieval eval", "retrieval latency", "retrieval cost", "reencode", "index check", "store gc",
+    "vision serve",
 )
 
 _HELP_PROBE = f"""

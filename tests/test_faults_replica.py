@@ -169,44 +169,43 @@ async def test_a_stalled_replica_is_given_up_after_the_read_timeout_for_the_next
 async def test_a_replica_killed_mid_answer_fails_over_or_raises_unavailable_and_none_hangs(
         engine_settings, keys, doomed, vllm_server):
     pair = [doomed.url, vllm_server]
-    scrape = httpx.AsyncClient(timeout=10.0)
-    try:
-        for round_ in range(3):  # a round whose kill would come too late is inconclusive and is run again
-            both = remote(engine_settings, pair)  # the session replica is the fall-back
-            alone = remote(engine_settings, [doomed.url])  # no replica left once it dies
-            plans = long_plans(keys, doomed.url, pair, f"fail-over {round_}")
-            base = (await replica_counters(scrape, doomed.url)).generated
-            tasks = [asyncio.create_task(ended_at(e.generate(p))) for e in (both, alone) for p in plans]
-            try:
-                # Kill by the replica's own progress, not by the tokens this process has read: under load it reads
-                # the streams seconds behind the replica. And only while most of the answers' tokens are still to
-                # come: a starved test process may scrape late, and vLLM's running gauge keeps its last value once
-                # the replica goes idle, so "busy" alone could be read after every answer had been written whole.
-                seen = await wait_until(lambda: replica_counters(scrape, doomed.url),
-                                        lambda c: c.generated > base + N or all(t.done() for t in tasks),
-                                        "answers decoding on the doomed replica")
-                if seen.busy > 0 and seen.generated - base < len(tasks) * LONG.max_tokens // 2:
-                    kill(doomed)  # mid-answer: the replica is still decoding them
-                    killed = time.perf_counter()
-                    # Each of ``both``'s unfinished requests is re-sent once the kill reaches it.
-                    await wait_until(lambda: sum(both.failovers.values()) + sum(both.connect_failures.values()),
-                                     lambda n: n == N or all(t.done() for t in tasks[:N]), "fail-over",
-                                     HANG_GUARD_S)
-                    failed_over = time.perf_counter()
-                results = await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await both.close()
-                await alone.close()
-            if doomed.proc.poll() is not None:
-                break
-            print(f"\nround {round_}: first scraped at {seen.generated - base} tokens generated, too late to kill "
-                  "mid-answer; again")
-        else:
-            pytest.fail("3 rounds scraped the doomed replica too late to kill it mid-answer (a starved test process)")
-    finally:
-        await scrape.aclose()
+    for round_ in range(3):  # a round whose kill would come too late is inconclusive and is run again
+        both = remote(engine_settings, pair)  # the session replica is the fall-back
+        alone = remote(engine_settings, [doomed.url])  # no replica left once it dies
+        plans = long_plans(keys, doomed.url, pair, f"fail-over {round_}")
+        streaming = Streaming(1)
+        tasks = [asyncio.create_task(ended_at(e.generate(p, on_first_token=streaming)))
+                 for e in (both, alone) for p in plans]
+        try:
+            # Freeze the replica (SIGSTOP) as soon as this process reads a first token, then look: a request not
+            # done while the replica is frozen can only end through the kill, whatever this process's lag behind
+            # the replica (its /metrics were no guide: under load a scrape was answered only after the answers,
+            # and its gauges keep their last value). A round where every answer had been written whole before the
+            # freeze is inconclusive and run again.
+            await streaming.wait(tasks)
+            os.killpg(doomed.proc.pid, signal.SIGSTOP)
+            if not all(t.done() for t in tasks):
+                kill(doomed)  # SIGKILL ends a stopped process too: mid-answer
+                killed = time.perf_counter()
+                # Each of ``both``'s unfinished requests is re-sent once the kill reaches it.
+                await wait_until(lambda: sum(both.failovers.values()) + sum(both.connect_failures.values()),
+                                 lambda n: n == N or all(t.done() for t in tasks[:N]), "fail-over",
+                                 HANG_GUARD_S)
+                failed_over = time.perf_counter()
+            else:
+                os.killpg(doomed.proc.pid, signal.SIGCONT)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await both.close()
+            await alone.close()
+        if doomed.proc.poll() is not None:
+            break
+        print(f"\nround {round_}: every answer was written whole before the first token was read; again")
+    else:
+        pytest.fail("3 rounds: every answer was written whole before this process read a first token (a starved "
+                    "test process)")
 
     served, alone_ended = [r for r, _ in results[:N]], [r for r, _ in results[N:]]
     for completion in served:

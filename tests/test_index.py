@@ -36,6 +36,33 @@ def test_collection_is_created_with_named_vectors_of_the_configured_sizes(tmp_pa
     assert all(p.distance == models.Distance.COSINE for p in params.values())
 
 
+def test_collection_has_the_lexical_sparse_vector_with_idf_and_late_vectors_when_asked(tmp_path):
+    index = _index(tmp_path / "q")
+    sparse = index.client.get_collection("pages").config.params.sparse_vectors
+    assert set(sparse) == {"lexical"} and sparse["lexical"].modifier == models.Modifier.IDF
+    late = PageIndex(open_qdrant("", tmp_path / "late"), "pages", text_dim=4, image_dim=3, late_dim=8)
+    late.ensure_collection()
+    params = late.client.get_collection("pages").config.params.vectors
+    assert params["page"].multivector_config.comparator == models.MultiVectorComparator.MAX_SIM
+    assert params["page"].hnsw_config.m == 0 and params["page_mean"].size == 8 and params["page_mean"].multivector_config is None
+    page = _point("d1", 1).payload
+    point = make_point({"text": [1.0, 0, 0, 0], "lexical": ([7, 3], [0.5, 1.0]), "page": [[1.0] + [0.0] * 7] * 3,
+                        "page_mean": [1.0] + [0.0] * 7}, PagePayload.from_qdrant(page))
+    late.client.upsert("pages", points=[point], wait=True)
+    (stored,) = late.client.retrieve("pages", [point.id], with_vectors=True)
+    lexical = stored.vector["lexical"]
+    assert dict(zip(lexical.indices, lexical.values)) == {7: 0.5, 3: 1.0} and len(stored.vector["page"]) == 3
+
+
+def test_a_collection_built_before_the_lexical_channel_names_the_fix(tmp_path):
+    client = open_qdrant("", tmp_path / "q")
+    client.create_collection("pages", vectors_config={
+        "text": models.VectorParams(size=4, distance=models.Distance.COSINE),
+        "image": models.VectorParams(size=3, distance=models.Distance.COSINE)})
+    with pytest.raises(IndexConfigError, match="before the lexical channel.*mmrag index reset"):
+        PageIndex(client, "pages", text_dim=4, image_dim=3).ensure_collection()
+
+
 def test_reopening_with_other_vector_sizes_names_the_fix(tmp_path):
     index = _index(tmp_path / "q")
     index.client.close()

@@ -180,6 +180,13 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def _rounded(vector):
+    """A stored vector, comparable across runs: dense rows rounded, a sparse one as (indices, rounded values)."""
+    if hasattr(vector, "indices"):
+        return tuple(vector.indices), tuple(round(x, 5) for x in vector.values)
+    return [round(x, 5) for x in vector]
+
+
 def snapshot(data_dir: Path) -> tuple[dict, dict]:
     """Feature entries (name → bytes) and points (id → payload) of a data dir: what "the store" is."""
     features = {p.name: p.read_bytes() for p in DiskFeatureStore(data_dir / "features").root.glob("??/*")}
@@ -188,8 +195,7 @@ def snapshot(data_dir: Path) -> tuple[dict, dict]:
     client = QdrantClient(path=str(data_dir / "qdrant"))
     try:
         points, _ = client.scroll("mmrag_pages", limit=10_000, with_payload=True, with_vectors=True)
-        return features, {p.id: (p.payload, {k: [round(x, 5) for x in v] for k, v in p.vector.items()})
-                          for p in points}
+        return features, {p.id: (p.payload, {k: _rounded(v) for k, v in p.vector.items()}) for p in points}
     finally:
         client.close()
 

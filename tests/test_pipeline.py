@@ -18,6 +18,7 @@ from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
 TWO_PART = "What is the retry limit and the timeout of the ingest service?"
+APART = "What was the gross margin, and who signs off a production change?"
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +80,13 @@ async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with):
 
 
 async def test_auto_answers_per_sub_question_when_the_pages_do_not_fit_one_prompt_and_says_why(pipeline_with):
+    # Parts answered in different documents: their pages together are more than one prompt holds.
     p = pipeline_with("canonical", max_images_per_prompt=2, top_k=2)
-    answer = (await p.ask(TWO_PART)).to_json()
+    answer = (await p.ask(APART)).to_json()
     assert answer["answer_mode"] == "per_sub_question" and len(answer["sub_answers"]) == 2
     assert "over MMRAG_MAX_IMAGES_PER_PROMPT=2" in answer["answer_mode_reason"]
     # Forced, one prompt drops the lowest-ranked pages it has no room for, and says which.
-    forced = await p.ask(TWO_PART, answer_mode="one_prompt")
+    forced = await p.ask(APART, answer_mode="one_prompt")
     assert len(p.submitted[-1].images) == 2 and forced.extra["answer_mode"] == "one_prompt"
     assert forced.extra["pages_left_out"] and len(forced.citations) == 2
     # A page budget: one prompt over the best two, the others left out, never cited.

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from llama_index.core.schema import NodeWithScore, TextNode
 from qdrant_client import QdrantClient
-from qdrant_client.hybrid.fusion import DEFAULT_RANKING_CONSTANT_K
 from typer.testing import CliRunner
 
 from core.keys import ImageKey
@@ -25,7 +24,7 @@ from mmrag.retrieval_cmd import labelled_questions
 from retrieval.llama import MMRAGRetriever, SyncRetrieveInLoopError
 from adapters.qdrant import open_async_qdrant
 from retrieval.search import (
-    Channel, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError,
+    RRF_K, Channel, Fusion, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError,
 )
 from mmrag.retrieval_cmd import retrieval_app
 
@@ -82,7 +81,8 @@ async def clip_searcher(clip_settings, text_embedder, clip):
     # Opening a 7-page local collection takes milliseconds, so each test holds the folder only while it runs
     # and the CLI test below can open it too.
     client = open_async_qdrant("", clip_settings.qdrant_path)
-    yield PageSearcher(client, clip_settings.qdrant_collection, text_embedder, clip, top_k=10, candidate_k=20)
+    yield PageSearcher(client, clip_settings.qdrant_collection, text_embedder, clip, top_k=10, candidate_k=20,
+                       fusion=Fusion("rrf", {"text": 1, "lexical": 2, "image": 0.5}))
     await client.close()
 
 
@@ -228,26 +228,40 @@ async def test_text_channel_recall_at_5_meets_the_target_on_all_labelled_questio
 # --- image channel and fusion -----------------------------------------------------------------------------
 
 
-async def test_hybrid_fuses_the_text_and_image_rankings_by_reciprocal_rank(clip_searcher, manifest):
+async def test_hybrid_fuses_every_channel_by_weighted_reciprocal_rank(clip_searcher, manifest):
     question = "How long is the average sales cycle now?"  # answered by a slide: no text with OCR off
-    text, image, hybrid = [
-        (await clip_searcher.search(question, channels=ch, top_k=20))
-        for ch in (Channel.TEXT, Channel.IMAGE, Channel.HYBRID)
-    ]
+    channels = (Channel.TEXT, Channel.LEXICAL, Channel.IMAGE)
+    runs = {ch: await clip_searcher.search(question, channels=ch, top_k=20) for ch in (*channels, Channel.HYBRID)}
     expected: dict[tuple[str, int], float] = {}
-    for ranking in (text, image):
-        for rank, h in enumerate(ranking):
-            expected[(h.doc, h.page)] = expected.get((h.doc, h.page), 0.0) + 1 / (rank + DEFAULT_RANKING_CONSTANT_K)
-    assert {(h.doc, h.page): h.score for h in hybrid} == pytest.approx(expected)
-    assert [h.score for h in hybrid] == sorted((h.score for h in hybrid), reverse=True)
-    # Slides have no text vector, so only fusion with the image channel can bring the answer page back.
+    for ch in channels:
+        for rank, h in enumerate(runs[ch], start=1):
+            expected[(h.doc, h.page)] = expected.get((h.doc, h.page), 0.0) + clip_searcher.fusion.weight(ch) / (RRF_K + rank)
+    hybrid = runs[Channel.HYBRID]
+    assert {(h.doc, h.page): h.score for h in hybrid} == pytest.approx({(h.doc, h.page): expected[(h.doc, h.page)]
+                                                                        for h in hybrid})
+    assert [h.score for h in hybrid] == sorted(expected.values(), reverse=True)[:len(hybrid)]
+    # Slides have no text vectors, so only fusion with the image channel can bring the answer page back.
     assert answer_pages(manifest, question) <= {(h.doc, h.page) for h in hybrid}
-    assert not answer_pages(manifest, question) & {(h.doc, h.page) for h in text}
+    assert not answer_pages(manifest, question) & {(h.doc, h.page) for h in runs[Channel.TEXT] + runs[Channel.LEXICAL]}
+
+
+async def test_one_round_trip_carries_every_channel_of_every_sub_question(clip_searcher, monkeypatch):
+    calls = []
+    real = clip_searcher.client.query_batch_points
+
+    async def spy(collection_name, requests, **kwargs):
+        calls.append([r.using for r in requests])
+        return await real(collection_name, requests=requests, **kwargs)
+
+    monkeypatch.setattr(clip_searcher.client, "query_batch_points", spy)
+    await clip_searcher.search_many(["What is the gross margin?", "Which slide shows the sales cycle?"])
+    assert calls == [["text", "lexical", "image"] * 2]
 
 
 async def test_evaluate_scores_each_channel_over_every_question(clip_searcher, small_manifest):
-    scores = await evaluate(clip_searcher, labelled_questions(small_manifest), list(Channel))
-    assert set(scores) == {"text", "image", "hybrid"}
+    scores = await evaluate(clip_searcher, labelled_questions(small_manifest),
+                            [Channel.TEXT, Channel.LEXICAL, Channel.IMAGE, Channel.HYBRID])
+    assert set(scores) == {"text", "lexical", "image", "hybrid"}
     for s in scores.values():
         assert s["n"] == len(small_manifest.questions) > 5
         assert 0 <= s["recall@1"] <= s["mrr"] <= s["recall@5"] <= 1
@@ -292,15 +306,16 @@ def test_cli_eval_prints_one_json_object_with_every_channel(clip_settings, small
     result = CliRunner().invoke(retrieval_app, ["eval", "--corpus", str(tmp_path), "--json"], env=env)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert set(out["channels"]) == {"text", "image", "hybrid"} and out["image_random_init"] is True
+    assert set(out["channels"]) == {"text", "lexical", "image", "hybrid", "cited"} and out["image_random_init"] is True
     assert out["pages"] == 7 and out["pages_without_text"] == 2
     assert out["channels"]["text"]["n"] == len(small_manifest.questions)
 
 
-def test_cli_latency_reports_percentiles_for_text_and_hybrid():
+def test_cli_latency_reports_percentiles_for_each_channel_and_the_fusions():
     result = CliRunner().invoke(retrieval_app, ["latency", "--pages", "300", "--queries", "8", "--batch", "4",
                                                 "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert [r["channel"] for r in out["rows"]] == ["text", "hybrid"]
+    assert [r["channel"] for r in out["rows"]] == ["text (dense)", "lexical (BM25)", "text + lexical, fused",
+                                                   "text + lexical + image, fused"]
     assert all(0 < r["per_question_p50"] <= r["batch_p99"] for r in out["rows"])
