@@ -231,8 +231,8 @@ class PageSearcher:
         ``context``: the question the queries were split from. Searched in the same round trip, its fused
         ranking is added to each query's at CONTEXT_WEIGHT (HYBRID only): a sub-question such as "and the one
         with a command?" then prefers the pages of the question's own subject over look-alikes elsewhere."""
-        return (await self.search_channels(queries, doc_filter=doc_filter, top_k=top_k, channels=channels,
-                                           context=context))[Channel(channels)]
+        return (await self._search(queries, doc_filter=doc_filter, top_k=top_k, channels=channels, context=context,
+                                   every=False))[Channel(channels)]
 
     async def search_channels(
         self,
@@ -245,6 +245,12 @@ class PageSearcher:
     ) -> dict[Channel, list[list[Hit]]]:
         """Like :meth:`search_many`, with each channel's own ranking beside the fused one (under HYBRID), all from
         the same round trip: what the evaluation scores."""
+        return await self._search(queries, doc_filter=doc_filter, top_k=top_k, channels=channels, context=context,
+                                  every=True)
+
+    async def _search(self, queries: list[str], *, doc_filter: list[str] | None, top_k: int | None, channels: Channel,
+                      context: str | None, every: bool) -> dict[Channel, list[list[Hit]]]:
+        """``every``: hits of each channel searched, besides the fused ones (else those asked for only)."""
         channels = Channel(channels)
         with_context = context is not None and channels is Channel.HYBRID and context not in queries
         if not queries:
@@ -260,7 +266,7 @@ class PageSearcher:
         prepared = await self._prepare(doc_filter)  # before embedding: a bad filter fails fast
         asked = [*queries, context] if with_context else queries
         vectors = await asyncio.to_thread(self.embed_queries, asked, channels)
-        return await self._query(asked, vectors, prepared, top_k or self.top_k, context=with_context)
+        return await self._query(asked, vectors, prepared, top_k or self.top_k, context=with_context, every=every)
 
     async def search_vectors(self, queries: list[str], vectors: QueryVectors, *, doc_filter: list[str] | None = None,
                              top_k: int | None = None) -> list[list[Hit]]:
@@ -270,7 +276,7 @@ class PageSearcher:
         if not asked:
             raise ValueError("search_vectors needs the vectors of at least one channel")
         prepared = await self._prepare(doc_filter)
-        found = await self._query(queries, vectors, prepared, top_k or self.top_k)
+        found = await self._query(queries, vectors, prepared, top_k or self.top_k, every=False)
         return found[Channel.HYBRID if len(asked) > 1 else asked[0]]
 
     async def search(self, query: str, **kwargs: Any) -> list[Hit]:
@@ -285,10 +291,11 @@ class PageSearcher:
         return (models.Filter(must=must) if must else None), bool(doc_filter)
 
     async def _query(self, queries: list[str], vectors: QueryVectors, prepared: tuple[models.Filter | None, bool],
-                     limit: int, *, context: bool = False) -> dict[Channel, list[list[Hit]]]:
-        """Every channel's request for every query in one batch; each channel's hits and, with more than one
-        channel, the fused hits under HYBRID. ``context``: the last query is the question the others came from
-        (see :meth:`search_many`); it is not answered itself."""
+                     limit: int, *, context: bool = False, every: bool = True) -> dict[Channel, list[list[Hit]]]:
+        """Every channel's request for every query in one batch; with more than one channel, the fused hits under
+        HYBRID and, with ``every``, each channel's own (a hit is a parsed payload and a snippet: an answer needs
+        the fused ones only); with one channel, its hits. ``context``: the last query is the question the others
+        came from (see :meth:`search_many`); it is not answered itself."""
         flt, by_doc = prepared
         channels = vectors.channels()
         depth = self.candidate_k if len(channels) > 1 else limit
@@ -310,11 +317,14 @@ class PageSearcher:
         if context:
             around = self.fusion.fuse(ranked.pop())
             queries = queries[:-1]
-        out = {c: [[_hit(p, q) for p in r.get(c, [])[:limit]] for q, r in zip(queries, ranked)] for c in channels}
+        own = channels if every or len(channels) == 1 else []
+        out = {c: [[_hit(p, q) for p in r.get(c, [])[:limit]] for q, r in zip(queries, ranked)] for c in own}
         out.pop(Channel.CAPTION, None)  # a part of the fusion, not a channel to search alone
         if len(channels) > 1:
             out[Channel.HYBRID] = [[_hit(p, q, score) for score, p in _with_context(self.fusion.fuse(r), around)[:limit]]
                                    for q, r in zip(queries, ranked)]
+        else:  # HYBRID with every other channel weighted 0: the one channel left is the fusion
+            out[Channel.HYBRID] = out[channels[0]]
         return out
 
     def embed_queries(self, queries: list[str], channels: Channel = Channel.HYBRID) -> QueryVectors:

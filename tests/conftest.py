@@ -242,3 +242,18 @@ def vision_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def record_batches(monkeypatch: pytest.MonkeyPatch, client) -> list[list]:
+    """Every ``query_batch_points`` call ``client`` makes from now on, as the list of its requests (each a Qdrant
+    round trip): what the retrieval tests count."""
+    calls: list[list] = []
+    real = client.query_batch_points
+
+    async def spy(collection_name, requests, **kwargs):
+        calls.append(list(requests))
+        return await real(collection_name, requests=requests, **kwargs)
+
+    monkeypatch.setattr(client, "query_batch_points", spy)
+    return calls
+

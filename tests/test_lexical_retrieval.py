@@ -20,6 +20,7 @@ from adapters.qdrant import open_async_qdrant  # noqa: E402
 from core.settings import Settings  # noqa: E402
 from mmrag.retrieval_cmd import retrieval_app  # noqa: E402
 from retrieval.search import Channel, PageSearcher  # noqa: E402
+from tests.conftest import record_batches  # noqa: E402
 
 FILLER = ("The terminal driver writes the plot to the selected output device after every replot command. "
           "Settings persist until they are reset, and the defaults are restored by the reset command. ")
@@ -140,14 +141,7 @@ async def test_sub_questions_lean_on_their_question_in_the_same_round_trip(searc
     subs = ["Which option rotates the x tic labels?", "What does Figure 12 show?"]
     alone = await searcher.search_many(subs, top_k=5)
     (whole,) = await searcher.search_many([question], top_k=5)
-    calls = []
-    real = searcher.client.query_batch_points
-
-    async def spy(collection_name, requests, **kwargs):
-        calls.append(len(requests))
-        return await real(collection_name, requests=requests, **kwargs)
-
-    monkeypatch.setattr(searcher.client, "query_batch_points", spy)
+    calls = record_batches(monkeypatch, searcher.client)
     leaning = await searcher.search_many(subs, top_k=5, context=question)
     assert len(calls) == 1 and len(leaning) == 2  # the question is searched beside them, not answered
     checked = 0

@@ -27,6 +27,7 @@ from retrieval.search import (
     RRF_K, Channel, Fusion, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError,
 )
 from mmrag.retrieval_cmd import retrieval_app
+from tests.conftest import record_batches
 
 RECALL_TARGET = 0.9  # recall@5 of the text channel over all labelled questions (the target)
 SMALL_CORPUS = ("q3_quarterly_report.pdf", "allhands_02_q3_revenue.png", "sales_kickoff_02_pricing.png")
@@ -116,18 +117,11 @@ async def test_hits_name_the_page_with_a_score_a_snippet_and_its_image_key(searc
 
 
 async def test_all_sub_questions_go_to_qdrant_in_one_round_trip(searcher, monkeypatch):
-    calls = []
-    real = searcher.client.query_batch_points
-
-    async def spy(collection_name, requests, **kwargs):
-        calls.append(len(requests))
-        return await real(collection_name, requests=requests, **kwargs)
-
-    monkeypatch.setattr(searcher.client, "query_batch_points", spy)
+    calls = record_batches(monkeypatch, searcher.client)
     questions = ["Who signs off a production change?", "What was the gross margin?", "How many offices?",
                  "Which vector database stores page vectors?", "What does the platform cost?"]
     results = await searcher.search_many(questions, channels=Channel.TEXT)
-    assert calls == [len(questions)]
+    assert [len(c) for c in calls] == [len(questions)]
     assert len(results) == len(questions) and all(results)
 
 
@@ -246,16 +240,9 @@ async def test_hybrid_fuses_every_channel_by_weighted_reciprocal_rank(clip_searc
 
 
 async def test_one_round_trip_carries_every_channel_of_every_sub_question(clip_searcher, monkeypatch):
-    calls = []
-    real = clip_searcher.client.query_batch_points
-
-    async def spy(collection_name, requests, **kwargs):
-        calls.append([r.using for r in requests])
-        return await real(collection_name, requests=requests, **kwargs)
-
-    monkeypatch.setattr(clip_searcher.client, "query_batch_points", spy)
+    calls = record_batches(monkeypatch, clip_searcher.client)
     await clip_searcher.search_many(["What is the gross margin?", "Which slide shows the sales cycle?"])
-    assert calls == [["text", "lexical", "image"] * 2]
+    assert [[r.using for r in c] for c in calls] == [["text", "lexical", "image"] * 2]
 
 
 async def test_evaluate_scores_each_channel_over_every_question(clip_searcher, small_manifest):
