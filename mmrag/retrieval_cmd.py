@@ -165,13 +165,15 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
 
 
 async def cited_pages(settings: Settings, searcher: PageSearcher, questions: list[str]) -> list[list[tuple[str, int]]]:
-    """Per question, the pages its answer cites, best first, as rag/pipeline.py chooses them: the rule decomposer's
-    sub-questions, MMRAG_TOP_K fused pages each, cut to one prompt's room and, unless answers go per sub-question,
-    to one prompt's page budget (MMRAG_ONE_PROMPT_PAGES, each sub-question's best first). A real model's
-    decomposer (MMRAG_DECOMPOSER=model) may split a question otherwise."""
-    from rag.decompose import RuleDecomposer
+    """Per question, the pages its answer cites, best first, chosen by rag/plans.py's own functions as
+    rag/pipeline.py calls them: the rule decomposer's sub-questions, MMRAG_TOP_K fused pages each, cut to one
+    prompt's room and, unless answers go per sub-question, to one prompt's page budget (MMRAG_ONE_PROMPT_PAGES;
+    every prompt taken to fit the engine's context). A real model's decomposer (MMRAG_DECOMPOSER=model) may
+    split a question otherwise."""
     from core.engine import Layout
-    from rag.plans import cite, fit_pages, union_pages
+    from rag.decompose import RuleDecomposer
+    from rag.order import PagePopularity
+    from rag.plans import AnswerMode, choose_answer, cite, fit_pages
 
     rules = RuleDecomposer(max_n=settings.max_sub_questions)
     out = []
@@ -179,11 +181,11 @@ async def cited_pages(settings: Settings, searcher: PageSearcher, questions: lis
         subs = rules.split(question)
         hits = await searcher.search_many(subs, top_k=settings.top_k, context=question if len(subs) > 1 else None)
         shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout(settings.layout))
-        one_prompt = settings.answer_mode != "per_sub_question" and settings.layout != "per_page"
-        if one_prompt and settings.one_prompt_pages:
-            kept = union_pages(shown)[:settings.one_prompt_pages]
-            shown = [[h for h in hs if h in kept] for hs in shown]
-        out.append([(c.doc, c.page) for c in cite(shown)])
+        choice = choose_answer(AnswerMode(settings.answer_mode), shown, misfit=lambda pages: None,
+                               popularity=PagePopularity(), layout=Layout(settings.layout),
+                               max_pages=settings.one_prompt_pages)
+        dropped = {p.image_key for p in choice.left_out}
+        out.append([(c.doc, c.page) for c in cite([[h for h in hs if h.image_key not in dropped] for hs in shown])])
     return out
 
 

@@ -161,12 +161,16 @@ class Hit:
     image_tokens: int
     path: str
     text: str = ""  # the whole page text (empty for a page without text layer and OCR off)
+    # How far ``score`` stands above the median score of its query's candidates (the whole fused pool, or the
+    # channel's): comparable across sub-questions where raw scores are not (a vague sub-question's candidates all
+    # score alike, and high), so one prompt's page budget is spent on the pages that stand out (rag/plans.py).
+    margin: float = 0.0
 
     @classmethod
-    def of(cls, page: PagePayload, score: float, query: str) -> Hit:
+    def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0) -> Hit:
         return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
                    snippet=make_snippet(page.text, query), image_key=page.image_key,
-                   image_tokens=page.image_tokens, path=page.path, text=page.text)
+                   image_tokens=page.image_tokens, path=page.path, text=page.text, margin=margin)
 
 
 class PageSearcher:
@@ -318,10 +322,11 @@ class PageSearcher:
             around = self.fusion.fuse(ranked.pop())
             queries = queries[:-1]
         own = channels if every or len(channels) == 1 else []
-        out = {c: [[_hit(p, q) for p in r.get(c, [])[:limit]] for q, r in zip(queries, ranked)] for c in own}
+        out = {c: [_hits([(p.score, p) for p in r.get(c, [])], q, limit, depth) for q, r in zip(queries, ranked)]
+               for c in own}
         out.pop(Channel.CAPTION, None)  # a part of the fusion, not a channel to search alone
         if len(channels) > 1:
-            out[Channel.HYBRID] = [[_hit(p, q, score) for score, p in _with_context(self.fusion.fuse(r), around)[:limit]]
+            out[Channel.HYBRID] = [_hits(_with_context(self.fusion.fuse(r), around), q, limit, depth)
                                    for q, r in zip(queries, ranked)]
         else:  # HYBRID with every other channel weighted 0: the one channel left is the fusion
             out[Channel.HYBRID] = out[channels[0]]
@@ -485,9 +490,12 @@ def figure_query(text: str) -> tuple[list[int], list[float]]:
     return indices, [1.0] * len(indices)
 
 
-def _hit(point: models.ScoredPoint, query: str, score: float | None = None) -> Hit:
-    """The point as a hit: its channel's score, or ``score`` (the fused one)."""
-    return Hit.of(PagePayload.from_qdrant(point.payload), float(point.score if score is None else score), query)
+def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int, depth: int) -> list[Hit]:
+    """The first ``limit`` of a query's candidates (best first) as hits, each with its margin over the median
+    score of the first ``depth`` (Hit.margin; for fused hits, as deep as each channel was asked)."""
+    median = float(np.median([s for s, _ in scored[:depth]])) if scored else 0.0
+    return [Hit.of(PagePayload.from_qdrant(p.payload), float(s), query, margin=float(s) - median)
+            for s, p in scored[:limit]]
 
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")

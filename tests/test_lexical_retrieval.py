@@ -10,6 +10,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
@@ -154,3 +155,19 @@ async def test_sub_questions_lean_on_their_question_in_the_same_round_trip(searc
                     expected[h.page_id] + CONTEXT_WEIGHT * h.score)
                 checked += 1
     assert checked >= 2
+
+
+async def test_each_hit_carries_its_margin_over_the_median_of_its_querys_candidates(searcher):
+    """Hit.margin (what one prompt's page budget ranks by, rag/plans.union_pages): the hit's score minus the
+    median score of the candidates its query drew, fused or from one channel. Fused hits keep their margins
+    under a shallower top_k (the channels are asked MMRAG_CANDIDATE_K deep either way)."""
+    questions = ["Which option rotates the x tic labels?", "What does Figure 12 show?"]
+    for channel in (Channel.HYBRID, Channel.LEXICAL):
+        every = await searcher.search_many(questions, top_k=5, channels=channel)
+        first = await searcher.search_many(questions, top_k=2, channels=channel)
+        for hits, top in zip(every, first):
+            median = float(np.median([h.score for h in hits]))
+            assert [h.margin for h in hits] == pytest.approx([h.score - median for h in hits])
+            if channel is Channel.HYBRID:
+                assert [h.margin for h in top] == pytest.approx([h.margin for h in hits[:len(top)]])
+            assert hits[0].margin > 0 or len(hits) == 1  # a lone lexical match is its own median

@@ -4,6 +4,7 @@ layouts that turn a question's pages into prompt plans."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 
@@ -299,6 +300,17 @@ def test_the_union_keeps_each_sub_questions_best_pages_first_and_each_page_once(
     image = page_hit("question.png", 1).image_key
     assert union_pages([[a1, a2, a3], [b1, a1, b2]]) == [a1, b1, a2, a3, b2]
     assert union_pages([[a1, a2], [b1]], besides=(a1.image_key, image)) == [b1, a2]  # shown as the question's
+
+
+def test_after_each_best_page_the_union_ranks_pages_by_how_far_they_stand_out_not_by_raw_score():
+    """A vague sub-question's pages all score alike and high; a precise one's second page stands well clear of
+    its candidates. The one-prompt budget goes to the page that stands out (Hit.margin), whatever its score."""
+    precise = [replace(page_hit("a.pdf", 10, 3.4), margin=2.9), replace(page_hit("a.pdf", 11, 2.6), margin=2.1)]
+    vague = [replace(page_hit("b.pdf", n, 2.2 - n / 100), margin=0.1) for n in range(1, 4)]
+    assert union_pages([precise, vague])[:3] == [precise[0], vague[0], precise[1]]
+    budget = choose_answer(AnswerMode.ONE_PROMPT, [precise, vague], misfit=lambda pages: None,
+                           popularity=PagePopularity(), max_pages=3)
+    assert {p.page for p in budget.pages if p.doc == "a.pdf"} == {10, 11} and len(budget.left_out) == 2
 
 
 def test_auto_picks_one_prompt_when_it_fits_in_the_popularity_order_else_per_sub_question():
