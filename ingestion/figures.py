@@ -1,0 +1,376 @@
+"""Figure regions of a PDF page, found from the page's own structure (no layout model).
+
+What a page is made of tells where its figures are:
+
+* an image object is a picture (a screenshot, a photo, a raster plot), unless it is tiny (an icon, a bullet)
+  or covers the page (a scanned page: the page itself, not a figure on it);
+* a form XObject holding paths or images is an included graphic (asymptote.pdf includes each figure so);
+* path and shading objects that lie close together are one vector drawing (a plot, a mosaic, a table's rules);
+  what is thin (a header rule, an underline) is not a figure. Short text lines next to a drawing are its
+  labels (tick labels, a legend) and join it;
+* a caption line ("Figure 3: ...", "Table 2", parsed by ``core.text.captions``) names the regions right above
+  or below it; several regions named by one caption are the panels of one figure and become one region.
+
+Overlapping regions are merged and the result sorted in reading order. A pure function of a page: it reads
+the page's objects and text, renders nothing. About 1-3 ms a page on the realdocs PDFs (bench/figures).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pypdfium2 as pdfium
+import pypdfium2.raw as pdfium_c
+
+from core.figures import Box, FigureRegion, area, intersection, union_box
+from core.text import captions
+
+# --- what counts -------------------------------------------------------------------------------------------
+
+GAP_PT = 4.0  # paths this close belong to one drawing
+THIN_PT = 6.0  # a drawing thinner than this is a rule or an underline
+MIN_SIDE_PT = 20.0  # smaller vector drawings are marks (bullets, boxes around a word)
+MIN_AREA_SHARE = 0.004  # ... and so are drawings under this share of the page
+MIN_IMAGE_SIDE_PT = 40.0  # images smaller than this on a side, or under 1.5 % of the page, are icons
+MIN_IMAGE_SHARE = 0.015
+PAGE_SHARE = 0.85  # an image or path covering this much of the page is the page (a scan, a background)
+LABEL_GAP_PT = 6.0  # a short text line this close to a drawing is one of its labels
+CAPTION_GAP_PT = 30.0
+PANEL_GAP_PT = 24.0  # drawings this close, with nothing between them, are panels of one figure  # a caption this close above or below a region names it
+_LINE_JOIN_PT = 12.0  # text rectangles on one baseline closer than this are one line
+
+_GRAPHIC = (pdfium_c.FPDF_PAGEOBJ_PATH, pdfium_c.FPDF_PAGEOBJ_SHADING)
+
+
+@dataclass(slots=True)
+class _Line:
+    box: Box
+    text: str
+
+
+@dataclass(slots=True)
+class _Region:
+    box: Box
+    source: str
+    caption: str = ""
+    kind: str = ""
+    number: str | None = None
+
+
+def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None = None) -> list[FigureRegion]:
+    """The figure regions of ``page``, in reading order, boxes in points with a top-left origin."""
+    width, height = page.get_size()
+    page_area = width * height
+    textpage = textpage or page.get_textpage()
+
+    def flip(bounds: tuple[float, float, float, float]) -> Box:
+        left, bottom, right, top = bounds
+        return (max(0.0, left), max(0.0, height - top), min(width, right), min(height, height - bottom))
+
+    images: list[Box] = []
+    forms: list[Box] = []
+    graphics: list[Box] = []
+    for obj in page.get_objects(max_depth=1):
+        kind = obj.type
+        if kind == pdfium_c.FPDF_PAGEOBJ_FORM:
+            box = _form_box(page, obj)
+            if box is not None:
+                forms.append(flip(box))
+        elif kind == pdfium_c.FPDF_PAGEOBJ_IMAGE:
+            images.append(flip(obj.get_bounds()))
+        elif kind in _GRAPHIC:
+            graphics.append(flip(obj.get_bounds()))
+
+    lines = _text_lines(textpage, height)
+    regions: list[_Region] = []
+    for box in images:
+        w, h = box[2] - box[0], box[3] - box[1]
+        if min(w, h) < MIN_IMAGE_SIDE_PT or area(box) < MIN_IMAGE_SHARE * page_area:
+            continue
+        if area(box) >= PAGE_SHARE * page_area:
+            continue  # a scanned page or a background: the page itself
+        regions.append(_Region(box, "raster"))
+    for box in forms:
+        if _is_figure_sized(box, page_area) and area(box) < PAGE_SHARE * page_area:
+            regions.append(_Region(box, "form"))
+    graphics = [b for b in graphics if area(b) < PAGE_SHARE * page_area]
+    for box in _cluster(graphics, GAP_PT):
+        if min(box[2] - box[0], box[3] - box[1]) < THIN_PT or not _is_figure_sized(box, page_area):
+            continue
+        regions.append(_Region(box, "vector"))
+
+    regions = [r for r in regions if not _is_page_band(r.box, width, height)]
+    caption_lines = _caption_lines(lines)
+    regions = _merge_overlapping(regions)
+    regions = [_with_labels(r, lines, caption_lines) for r in regions]
+    regions = _merge_panels(regions, lines, caption_lines)
+    regions = _attach_captions(regions, caption_lines, [l.box for l in lines if _is_body(l)])
+    return [_finish(r) for r in _reading_order(regions)]
+
+
+def _form_box(page: pdfium.PdfPage, form: pdfium.PdfObject) -> tuple[float, float, float, float] | None:
+    """A form's drawn extent in page space (PDF coordinates), or None when it holds no paths or images.
+
+    Its own bounds also cover what its clipping hides (asymptote.pdf p.165: a clipped image reaching far past
+    the plot), so the extent is that of its paths and text, mapped through the form's matrix; a form of
+    images only keeps its bounds."""
+    graphic = False
+    drawn: tuple[float, float, float, float] | None = None
+    for child in page.get_objects(form=form, level=1, max_depth=2):
+        if child.type in (*_GRAPHIC, pdfium_c.FPDF_PAGEOBJ_IMAGE):
+            graphic = True
+        if child.type in (pdfium_c.FPDF_PAGEOBJ_PATH, pdfium_c.FPDF_PAGEOBJ_TEXT):
+            b = child.get_bounds()
+            drawn = b if drawn is None else (min(drawn[0], b[0]), min(drawn[1], b[1]), max(drawn[2], b[2]),
+                                             max(drawn[3], b[3]))
+    if not graphic:
+        return None
+    bounds = form.get_bounds()
+    a, b, c, d, e, f = form.get_matrix().get()
+    if drawn is None or b or c:  # images only, or a rotated form: its bounds
+        return bounds
+    xs = (a * drawn[0] + e, a * drawn[2] + e)
+    ys = (d * drawn[1] + f, d * drawn[3] + f)
+    box = (max(min(xs), bounds[0]), max(min(ys), bounds[1]), min(max(xs), bounds[2]), min(max(ys), bounds[3]))
+    return box if box[0] < box[2] and box[1] < box[3] else bounds
+
+
+def _is_page_band(box: Box, width: float, height: float) -> bool:
+    """A band across the page at its top or bottom edge: a slide's title bar or footer, a running head."""
+    across = box[2] - box[0] >= 0.9 * width
+    return across and (box[1] <= 2.0 or box[3] >= height - 2.0) and box[3] - box[1] < 0.2 * height
+
+
+def _is_figure_sized(box: Box, page_area: float) -> bool:
+    w, h = box[2] - box[0], box[3] - box[1]
+    return min(w, h) >= MIN_SIDE_PT and w * h >= MIN_AREA_SHARE * page_area
+
+
+# --- text ---------------------------------------------------------------------------------------------------
+
+
+def _text_lines(textpage: pdfium.PdfTextPage, height: float) -> list[_Line]:
+    """The text page's rectangles joined into lines (pdfium splits a line at font changes and wide gaps)."""
+    rects: list[_Line] = []
+    for i in range(textpage.count_rects()):
+        left, bottom, right, top = textpage.get_rect(i)
+        text = textpage.get_text_bounded(left, bottom, right, top)
+        if text.strip():
+            rects.append(_Line((left, height - top, right, height - bottom), text.strip()))
+    lines: list[_Line] = []
+    for rect in rects:  # pdfium gives them in reading order, a line's pieces one after another
+        last = lines[-1] if lines else None
+        if last is not None and _same_line(last.box, rect.box):
+            lines[-1] = _Line(union_box(last.box, rect.box), last.text + " " + rect.text)
+        else:
+            lines.append(rect)
+    return lines
+
+
+def _same_line(a: Box, b: Box) -> bool:
+    overlap = min(a[3], b[3]) - max(a[1], b[1])
+    return overlap > 0.5 * min(a[3] - a[1], b[3] - b[1]) and -2.0 <= b[0] - a[2] <= _LINE_JOIN_PT
+
+
+def _caption_lines(lines: list[_Line]) -> list[_Region]:
+    """Caption lines with their boxes: core.text.captions over the page's lines, mapped back to each line."""
+    found: list[_Region] = []
+    text = "\n".join(line.text for line in lines)
+    start = 0
+    for cap in captions(text):
+        for i in range(start, len(lines)):
+            if cap.text.startswith(lines[i].text):
+                box = lines[i].box
+                for nxt in lines[i + 1 : i + 4]:  # continuation lines the parser took into the caption
+                    if nxt.text in cap.text[len(lines[i].text) :]:
+                        box = union_box(box, nxt.box)
+                found.append(_Region(box, "caption", caption=" ".join(cap.text.split()), kind=cap.kind,
+                                     number=cap.number))
+                start = i + 1
+                break
+    return found
+
+
+def _with_labels(region: _Region, lines: list[_Line], caption_lines: list[_Region]) -> _Region:
+    """A drawing grows by the short text lines inside or just beside it: tick labels, a legend, axis titles."""
+    if region.source == "form":
+        return region  # a form's bounds already hold its text
+    box = region.box
+    for _ in range(3):
+        grown = box
+        for line in lines:
+            lb = line.box
+            if any(intersection(lb, c.box) > 0 for c in caption_lines):
+                continue
+            inside = intersection(lb, box) >= 0.9 * area(lb)
+            near = _gap(lb, box) <= LABEL_GAP_PT
+            short = (lb[2] - lb[0]) <= 1.05 * max(box[2] - box[0], 100.0)
+            if inside or (near and short):
+                grown = union_box(grown, lb)
+        if grown == box:
+            break
+        box = grown
+    return _Region(box, region.source)
+
+
+def _gap(a: Box, b: Box) -> float:
+    dx = max(0.0, max(a[0], b[0]) - min(a[2], b[2]))
+    dy = max(0.0, max(a[1], b[1]) - min(a[3], b[3]))
+    return max(dx, dy)
+
+
+# --- regions -----------------------------------------------------------------------------------------------
+
+
+def _cluster(boxes: list[Box], gap: float) -> list[Box]:
+    """Union of boxes that touch within ``gap``, transitively: a sweep over y with union-find."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][1])
+    parent = list(range(len(boxes)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    active: list[int] = []
+    for i in order:
+        b = boxes[i]
+        active = [j for j in active if boxes[j][3] + gap >= b[1]]
+        for j in active:
+            a = boxes[j]
+            if a[0] - gap <= b[2] and b[0] - gap <= a[2]:
+                parent[find(i)] = find(j)
+        active.append(i)
+    merged: dict[int, Box] = {}
+    for i, b in enumerate(boxes):
+        root = find(i)
+        merged[root] = union_box(merged[root], b) if root in merged else b
+    return list(merged.values())
+
+
+_SOURCE_RANK = {"raster": 0, "form": 1, "vector": 2, "page": 3}
+
+
+def _merge_overlapping(regions: list[_Region]) -> list[_Region]:
+    out = list(regions)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(out)):
+            for j in range(i + 1, len(out)):
+                a, b = out[i], out[j]
+                if intersection(a.box, b.box) > 0:
+                    source = min(a.source, b.source, key=_SOURCE_RANK.__getitem__)
+                    out[i] = _Region(union_box(a.box, b.box), source)
+                    del out[j]
+                    changed = True
+                    break
+            if changed:
+                break
+    return out
+
+
+def _merge_panels(regions: list[_Region], lines: list[_Line], caption_lines: list[_Region]) -> list[_Region]:
+    """Regions that overlap, or lie within PANEL_GAP_PT of each other with no caption and no body text between
+    them, are one figure (the tiles of a mosaic plot, the panels of a figure)."""
+    body = [line.box for line in lines if _is_body(line)] + [c.box for c in caption_lines]
+    out = list(regions)
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(out)):
+            for j in range(i + 1, len(out)):
+                a, b = out[i], out[j]
+                if _gap(a.box, b.box) > PANEL_GAP_PT:
+                    continue
+                joined = union_box(a.box, b.box)
+                if intersection(a.box, b.box) <= 0 and any(
+                    intersection(t, joined) > 0 and intersection(t, a.box) <= 0 and intersection(t, b.box) <= 0
+                    for t in body
+                ):
+                    continue
+                out[i] = _Region(joined, min(a.source, b.source, key=_SOURCE_RANK.__getitem__))
+                del out[j]
+                merged = True
+                break
+            if merged:
+                break
+    return out
+
+
+def _is_body(line: _Line) -> bool:
+    """A line of running text, not a label: long."""
+    return len(line.text) >= 50 or line.box[2] - line.box[0] >= 250.0
+
+
+def _attach_captions(regions: list[_Region], caption_lines: list[_Region], body: list[Box]) -> list[_Region]:
+    """Each region takes the nearest caption right below or above it (horizontally overlapping), else a
+    figure caption further below it with no body text or other caption between them (the upper panels of a
+    tall figure); the regions one caption names are merged into one (the panels of a figure)."""
+    named: dict[int, list[_Region]] = {}
+    loose: list[_Region] = []
+    for region in regions:
+        best, best_gap = None, CAPTION_GAP_PT
+        for k, cap in enumerate(caption_lines):
+            if min(region.box[2], cap.box[2]) - max(region.box[0], cap.box[0]) <= 0:
+                continue
+            below = cap.box[1] - region.box[3]  # caption under the region (figures)
+            above = region.box[1] - cap.box[3]  # caption over the region (tables)
+            for gap in (below, above):
+                if -2.0 <= gap < best_gap:
+                    best, best_gap = k, gap
+        if best is None:
+            best = _caption_below(region, caption_lines, body)
+        if best is None:
+            loose.append(region)
+        else:
+            named.setdefault(best, []).append(region)
+    out = loose
+    for k, group in named.items():
+        cap = caption_lines[k]
+        box = group[0].box
+        for r in group[1:]:
+            box = union_box(box, r.box)
+        source = min((r.source for r in group), key=_SOURCE_RANK.__getitem__)
+        out.append(_Region(box, source, caption=cap.caption, kind=cap.kind, number=cap.number))
+    return out
+
+
+def _caption_below(region: _Region, caption_lines: list[_Region], body: list[Box]) -> int | None:
+    for k, cap in sorted(enumerate(caption_lines), key=lambda kc: kc[1].box[1]):
+        if cap.kind != "figure" or cap.box[1] < region.box[3]:
+            continue
+        if min(region.box[2], cap.box[2]) - max(region.box[0], cap.box[0]) <= 0:
+            return None
+        between = (min(region.box[0], cap.box[0]), region.box[3], max(region.box[2], cap.box[2]), cap.box[1])
+        blockers = body + [c.box for c in caption_lines if c is not cap]
+        if any(intersection(b, between) > 0 for b in blockers):
+            return None
+        return k
+    return None
+
+
+def _reading_order(regions: list[_Region]) -> list[_Region]:
+    """Top to bottom; regions side by side (overlapping vertically) left to right."""
+    rows: list[list[_Region]] = []
+    for r in sorted(regions, key=lambda r: r.box[1]):
+        row = rows[-1] if rows else None
+        if row is not None and r.box[1] < min(x.box[3] for x in row):
+            row.append(r)
+        else:
+            rows.append([r])
+    return [r for row in rows for r in sorted(row, key=lambda r: r.box[0])]
+
+
+def _finish(region: _Region) -> FigureRegion:
+    if region.kind in ("figure", "table"):
+        kind = region.kind
+    elif region.kind == "listing":
+        kind = "figure"
+    else:
+        kind = "image" if region.source == "raster" else "figure"
+    number = int(region.number) if region.number is not None and re.fullmatch(r"\d+", region.number) else None
+    x0, y0, x1, y1 = region.box
+    return FigureRegion(number, kind, region.caption, (x0, y0, x1, y1), region.source)  # type: ignore[arg-type]
