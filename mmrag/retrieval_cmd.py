@@ -300,6 +300,7 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
     from adapters.embed import ImageEmbedder
     from adapters.lexical import LexicalEncoder
     from core.keys import ContentHash, EncoderVersion, ImageKey
+    from core.payload import EncoderScope
     from mmrag import wiring
     from retrieval.search import Channel, Fusion, PageSearcher
 
@@ -320,10 +321,13 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
         words = _zipf_words(rng, vocabulary, queries * 6)
         questions = [f"How does {' '.join(words[6 * i:6 * i + 6])} change in part {i % 4 + 1}?"
                      for i in range(queries)]
+        # As served: every request filtered to the encoder's pages (and no figure points), as wiring.searcher does.
+        scope = EncoderScope.of(key)
         texts = PageSearcher(client, "latency", text, None, lexical=lexical, top_k=settings.top_k,
-                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights | {"image": 0}))
+                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights | {"image": 0}),
+                             encoder=scope)
         every = PageSearcher(client, "latency", text, image, lexical=lexical, top_k=settings.top_k,
-                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights))
+                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights), encoder=scope)
         rows = [await _time_channel(s, questions, batch, ch, name) for s, ch, name in (
             (texts, Channel.TEXT, "text (dense)"), (texts, Channel.LEXICAL, "lexical (BM25)"),
             (texts, Channel.HYBRID, "text + lexical, fused"), (every, Channel.HYBRID, "text + lexical + image, fused"))]

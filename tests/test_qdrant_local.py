@@ -97,3 +97,52 @@ def test_a_multi_vector_re_rank_scores_only_the_prefetch_and_equals_qdrant_clien
         local_collection.LocalCollection._merge_sources = qdrant_local._merge_sources
     assert [p.id for p in fast] == [p.id for p in slow] and all(p.payload["group"] == 1 for p in fast)
     assert [p.score for p in fast] == pytest.approx([p.score for p in slow], rel=1e-6)
+
+
+def test_a_filtered_search_keeps_its_mask_until_the_collection_is_written_to():
+    """The payload mask is kept per filter (one evaluation, not one per query) and follows every kind of write:
+    an upsert, a payload change, a delete; filtered results equal a brute-force ranking of the matching points."""
+    rng = np.random.default_rng(3)
+    client = QdrantClient(":memory:")
+    client.create_collection("c", vectors_config={"d": models.VectorParams(size=8, distance=models.Distance.DOT)})
+    rows = {i: rng.standard_normal(8) for i in range(300)}
+    kinds = {i: "figure" if i % 7 == 0 else "page" for i in rows}
+    client.upsert("c", [models.PointStruct(id=i, vector={"d": v.tolist()}, payload={"kind": kinds[i]})
+                        for i, v in rows.items()])
+    query = rng.standard_normal(8)
+    pages = models.Filter(must_not=[models.FieldCondition(key="kind", match=models.MatchValue(value="figure"))])
+    evaluated = []
+    from qdrant_client.local import local_collection
+
+    real = local_collection.calculate_payload_mask
+
+    def counting(**kwargs):
+        evaluated.append(1)
+        return real(**kwargs)
+
+    local_collection.calculate_payload_mask = counting
+    try:
+        def found():
+            return [p.id for p in client.query_points("c", query=query.tolist(), using="d", query_filter=pages,
+                                                      limit=10).points]
+
+        def expected():
+            scores = {i: float(v @ query) for i, v in rows.items() if kinds[i] == "page"}
+            return sorted(scores, key=lambda i: -scores[i])[:10]
+
+        assert found() == expected() and found() == expected()
+        assert len(evaluated) == 1  # the second query reused the mask
+        best = expected()[0]
+        client.set_payload("c", payload={"kind": "figure"}, points=[best])  # now excluded
+        kinds[best] = "figure"
+        assert found() == expected() and best not in found()
+        rows[999] = query * 10  # a new page, the best match
+        kinds[999] = "page"
+        client.upsert("c", [models.PointStruct(id=999, vector={"d": rows[999].tolist()}, payload={"kind": "page"})])
+        assert found()[0] == 999 and found() == expected()
+        client.delete("c", points_selector=models.PointIdsList(points=[999]))
+        del rows[999], kinds[999]
+        assert found() == expected()
+        assert len(evaluated) == 4  # once per state of the collection
+    finally:
+        local_collection.calculate_payload_mask = real
