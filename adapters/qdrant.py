@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
 from adapters import qdrant_local
-from core.keys import ImageKey
+from core.keys import ImageKey, figure_point_id
 from core.payload import (
+    FIGURE_KIND,
+    FIGURE_PARENT,
     IMAGE_VECTOR,
     LEXICAL_VECTOR,
     PAGE_MEAN_VECTOR,
@@ -44,7 +46,11 @@ PAYLOAD_INDEXES: dict[PageField, models.PayloadSchemaType] = {
     PageField.TEXT_SOURCE: models.PayloadSchemaType.KEYWORD,
     PageField.ENCODER_VERSION: models.PayloadSchemaType.KEYWORD,
     PageField.RESOLUTION_POLICY: models.PayloadSchemaType.KEYWORD,
+    PageField.KIND: models.PayloadSchemaType.KEYWORD,
 }
+# Figure points (core/payload.py PageField.KIND) beside the pages: every page reader and count leaves them out.
+IS_FIGURE = models.FieldCondition(key=PageField.KIND.value, match=models.MatchValue(value=FIGURE_KIND))
+PAGES_ONLY = models.Filter(must_not=[IS_FIGURE])
 SCROLL_BATCH = 256
 T = TypeVar("T")
 
@@ -147,7 +153,12 @@ class PageIndex:
         self.ensure_collection()
 
     def count(self) -> int:
-        return self.client.count(self.collection, exact=True).count
+        """Indexed pages (figure points not counted)."""
+        return self.client.count(self.collection, count_filter=PAGES_ONLY, exact=True).count
+
+    def figure_points(self, *, with_vectors: bool = False) -> list[models.Record]:
+        """Every figure point as stored."""
+        return self._scroll(IS_FIGURE, with_vectors=with_vectors, pages_only=False)
 
     def doc_pages(self, doc_id: str) -> list[PagePayload]:
         points = self._scroll(_match(PageField.DOC_ID, doc_id), with_vectors=False)
@@ -173,12 +184,12 @@ class PageIndex:
         return removed
 
     def referenced_keys(self, base: str | None = None) -> set[ImageKey]:
-        """The feature-store keys indexed pages reference: any other entry is garbage (`mmrag store gc`,
+        """The feature-store keys indexed pages reference (their images and their figure crops): any other entry is garbage (`mmrag store gc`,
         DELETE /v1/documents). With ``base`` (MMRAG_QDRANT_COLLECTION): the pages of every tenant's
         collection, which all share the one feature store."""
         names = [self.collection] if base is None else tenant_collections(self.client, base)
-        return {PagePayload.from_qdrant(p.payload).image_key for name in names
-                for p in self._scroll(None, with_vectors=False, collection=name)}
+        return {key for name in names for p in self._scroll(None, with_vectors=False, collection=name)
+                for key in PagePayload.from_qdrant(p.payload).image_keys}  # a page's, and its figures' (issue 26)
 
     def find_page(self, doc: str, page: int) -> PagePayload | None:
         """Page ``page`` of the document named ``doc`` (file name or doc id), if indexed."""
@@ -200,16 +211,21 @@ class PageIndex:
         return [PagePayload.from_qdrant(p.payload) for p in points]
 
     def set_page_fields(self, page_id: str, fields: Mapping[str, Any]) -> None:
-        """Overwrite these payload fields of one page, leaving its other fields and its vectors as they are."""
-        self.client.set_payload(self.collection, payload=dict(fields), points=[page_id], wait=True)
+        """Overwrite these payload fields of one page and of its figure points (which carry its payload), leaving
+        their other fields and their vectors as they are."""
+        self.client.set_payload(self.collection, payload=dict(fields), wait=True, points=models.FilterSelector(
+            filter=models.Filter(should=[models.HasIdCondition(has_id=[page_id]), _match_parent(page_id)])))
 
     def points(self, *, with_vectors: bool = False) -> list[models.Record]:
-        """Every point as stored (tests and tools that look at vectors)."""
+        """Every page point as stored (tests and tools that look at vectors; figure points: figure_points)."""
         return self._scroll(None, with_vectors=with_vectors)
 
     def _scroll(self, condition: models.Condition | models.Filter | None, *, with_vectors: bool,
-                limit: int | None = None, collection: str | None = None) -> list[models.Record]:
+                limit: int | None = None, collection: str | None = None, pages_only: bool = True
+                ) -> list[models.Record]:
         flt = _as_filter(condition)
+        if pages_only:
+            flt = PAGES_ONLY if flt is None else models.Filter(must=[flt, PAGES_ONLY])
         out: list[models.Record] = []
         offset = None
         while True:
@@ -290,8 +306,8 @@ class AsyncPageReader:
         out: list[PagePayload] = []
         offset = None
         while True:
-            batch, offset = await self.client.scroll(self.collection, limit=SCROLL_BATCH, offset=offset,
-                                                     with_payload=True, with_vectors=False)
+            batch, offset = await self.client.scroll(self.collection, scroll_filter=PAGES_ONLY, limit=SCROLL_BATCH,
+                                                     offset=offset, with_payload=True, with_vectors=False)
             out.extend(PagePayload.from_qdrant(p.payload) for p in batch)
             if offset is None:
                 return out
@@ -330,12 +346,15 @@ def vector_params(name: str, dim: int) -> models.VectorParams:
     return models.VectorParams(size=dim, distance=models.Distance.COSINE)
 
 
-def make_point(vectors: dict[str, Any], payload: PagePayload) -> models.PointStruct:
-    """A page point. ``vectors``: dense rows as lists, multi-vectors as lists of rows, and the sparse lexical
-    vector as an ``(indices, values)`` pair."""
+def make_point(vectors: dict[str, Any], payload: PagePayload, figure: int | None = None) -> models.PointStruct:
+    """A page point, or with ``figure`` the point of the page's figure of that index. ``vectors``: dense rows as
+    lists, multi-vectors as lists of rows, and the sparse lexical vector as an ``(indices, values)`` pair."""
     named = {name: models.SparseVector(indices=v[0], values=v[1]) if name == LEXICAL_VECTOR else v
              for name, v in vectors.items()}
-    return models.PointStruct(id=payload.page_id, vector=named, payload=payload.to_qdrant())
+    if figure is None:
+        return models.PointStruct(id=payload.page_id, vector=named, payload=payload.to_qdrant())
+    return models.PointStruct(id=figure_point_id(payload.page_id, figure), vector=named,
+                              payload=payload.figure_payload(figure))
 
 
 def scope_filter(scope: EncoderScope) -> models.Filter:
@@ -348,6 +367,10 @@ def scope_filter(scope: EncoderScope) -> models.Filter:
 
 def _as_filter(condition: models.Condition | models.Filter | None) -> models.Filter | None:
     return condition if isinstance(condition, models.Filter) or condition is None else models.Filter(must=[condition])
+
+
+def _match_parent(page_id: str) -> models.FieldCondition:
+    return models.FieldCondition(key=FIGURE_PARENT, match=models.MatchValue(value=page_id))
 
 
 def _match(field: PageField, value: str | int) -> models.FieldCondition:

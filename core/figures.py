@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from core.keys import ImageKey
+
 Box = tuple[float, float, float, float]
 """x0, y0, x1, y1 in points, top-left origin, y down; x0 <= x1 and y0 <= y1."""
 
@@ -95,3 +97,33 @@ def iou(a: Box, b: Box) -> float:
 
 def union_box(a: Box, b: Box) -> Box:
     return min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3])
+
+
+@dataclass(frozen=True, slots=True)
+class PageFigure:
+    """A figure of an indexed page: its region, and the image entry of its crop (its own key, content-addressed
+    like a page's: the same figure in two documents is one key, one vision forward, one KV prefix)."""
+
+    region: FigureRegion
+    image_key: ImageKey
+    image_tokens: int
+
+    @property
+    def label(self) -> str:
+        """How an answer names it: "Figure 3", "Table 2", or "a figure" when uncaptioned."""
+        if self.region.number is None:
+            return "a table" if self.region.kind == "table" else "a figure"
+        return f"{'Table' if self.region.kind == 'table' else 'Figure'} {self.region.number}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.region.to_json(), "image_key": str(self.image_key), "image_tokens": self.image_tokens}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PageFigure:
+        return cls(FigureRegion.from_json(data), ImageKey.parse(data["image_key"]), int(data["image_tokens"]))
+
+    def citation(self) -> dict[str, Any]:
+        """What a citation says of it (REST ``figure``): number, caption, kind and box in points (top-left
+        origin) on the page."""
+        return {"number": self.region.number, "kind": self.region.kind, "caption": self.region.caption,
+                "bbox": [round(v, 1) for v in self.region.bbox_pt]}

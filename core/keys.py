@@ -191,3 +191,8 @@ def doc_id_for(path: str) -> str:
 def page_point_id(doc_id: str, page: int) -> str:
     """The Qdrant point id of one page of one document (Qdrant wants a UUID or an int)."""
     return str(uuid.uuid5(_POINT_NS, f"{doc_id}/{page}"))
+
+
+def figure_point_id(page_id: str, index: int) -> str:
+    """The Qdrant point id of a page's ``index``-th figure (core/payload.py PageField.KIND)."""
+    return str(uuid.uuid5(_POINT_NS, f"{page_id}/figure/{index}"))

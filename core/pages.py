@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from core.figures import FigureRegion
 from core.keys import ContentHash
 
 if TYPE_CHECKING:  # contracts import no torch/Pillow at run time (`mmrag --help` stays fast)
@@ -17,6 +18,16 @@ class TextSource(str, enum.Enum):
     TEXT_LAYER = "text_layer"  # the PDF's own text
     OCR = "ocr"  # tesseract, for pages without a text layer
     NONE = "none"  # no text layer and OCR off (or OCR found nothing)
+
+
+@dataclass(slots=True, frozen=True)
+class FigureCrop:
+    """A figure of a rendered page as an image of its own (ingestion/figures.py crop_figures): an embedded
+    picture's own pixels, or the figure's region rendered alone at a fixed scale."""
+
+    region: FigureRegion
+    image: Image.Image  # normalised: RGB
+    content_hash: ContentHash
 
 
 @dataclass(slots=True)
@@ -32,6 +43,7 @@ class RenderedPage:
     text: str = ""
     text_source: TextSource = TextSource.NONE
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    figures: list[FigureCrop] = field(default_factory=list)  # PDFs with MMRAG_FIGURES on; in reading order
 
 
 @dataclass(slots=True, frozen=True, eq=False)  # eq=False: tensors have no boolean ==

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from core.figures import PageFigure
 from core.keys import EncoderVersion, ImageKey, ResolutionPolicy, page_point_id
 from core.pages import TextSource
 
@@ -41,6 +42,17 @@ class PageField(str, enum.Enum):
     # filters on them so that pages encoded by another encoder are never retrieved (see EncoderScope).
     ENCODER_VERSION = "encoder_version"
     RESOLUTION_POLICY = "resolution_policy"
+    # "figure" on a figure point (issue 26): one per figure of a page with text to find it by (its caption, the
+    # page's sentences that name it), searched by the figure channel. Its payload is its page's, plus
+    # FIGURE_INDEX (which of the page's ``figures``) and FIGURE_PARENT (the page's point id), so a hit on it is a
+    # hit on its page with the figure named. A point without KIND is a page; every page reader leaves figure
+    # points out (adapters/qdrant.py PAGES_ONLY).
+    KIND = "kind"
+
+
+FIGURE_KIND = "figure"
+FIGURE_INDEX = "figure_index"
+FIGURE_PARENT = "parent"
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,17 +114,38 @@ class PagePayload:
     # Caption lines of the page ("Figure 12: ...", "Table 2 ...", a slide's title), normalised (core/text.py):
     # weighed in the lexical channel and shown with citations. Absent in pages indexed before issue 25.
     captions: tuple[str, ...] = ()
+    # The page's figures (PDFs, MMRAG_FIGURES on; core/figures.py), each with the image entry of its crop. Absent
+    # in pages indexed before issue 26.
+    figures: tuple[PageFigure, ...] = ()
+
+    @property
+    def image_keys(self) -> tuple[ImageKey, ...]:
+        """Every feature-store entry this page references: its image's, then each figure crop's. What keeps an
+        entry from `mmrag store gc` and what deleting the page frees."""
+        return (self.image_key, *(f.image_key for f in self.figures))
+
+    def figure(self, number: int) -> PageFigure | None:
+        """Its figure (or table) numbered ``number``, if it has one."""
+        return next((f for f in self.figures if f.region.number == number), None)
 
     @property
     def page_id(self) -> str:
         """The page's point id: what citations, ``GET /v1/documents`` and ``/v1/pages/{id}`` name."""
         return page_point_id(self.doc_id, self.page)
 
+    def figure_payload(self, index: int) -> dict[str, Any]:
+        """The payload of the figure point of its ``index``-th figure: the page's, and which figure of which page."""
+        if not 0 <= index < len(self.figures):
+            raise IndexError(f"page {self.page} of {self.doc} has {len(self.figures)} figures, not {index + 1}")
+        return {**self.to_qdrant(), PageField.KIND.value: FIGURE_KIND, FIGURE_INDEX: index,
+                FIGURE_PARENT: self.page_id}
+
     def to_qdrant(self) -> dict[str, Any]:
         out = asdict(self)
         out["image_key"] = str(self.image_key)
         out["text_source"] = self.text_source.value
         out["captions"] = list(self.captions)
+        out["figures"] = [f.to_json() for f in self.figures]
         out.update(EncoderScope.of(self.image_key).payload_match())
         return out
 
@@ -139,11 +172,12 @@ class PagePayload:
                 "height": int(data["height"]), "image_key": ImageKey.parse(data["image_key"]),
                 "text_source": TextSource(data["text_source"]),
                 "captions": tuple(str(c) for c in data.get("captions") or ()),
+                "figures": tuple(PageFigure.from_json(f) for f in data.get("figures") or ()),
             })
             if EncoderScope.of(page.image_key).payload_match() != {f: data[f] for f in _DERIVED_NAMES}:
                 raise ValueError(f"its encoder fields disagree with its image key {page.image_key}")
             return page
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             raise PayloadError(
                 f"a point in the page index has a malformed payload ({exc}); re-create the index with "
                 "`mmrag index reset --yes` and ingest again"
@@ -152,7 +186,7 @@ class PagePayload:
 
 _CONSTRUCTOR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(PagePayload))
 _DERIVED_NAMES: tuple[str, ...] = (PageField.ENCODER_VERSION.value, PageField.RESOLUTION_POLICY.value)
-_OPTIONAL_NAMES: frozenset[str] = frozenset({"captions"})  # fields added later: a page without one is whole
+_OPTIONAL_NAMES: frozenset[str] = frozenset({"captions", "figures"})  # fields added later: a page without one is whole
 FIELD_NAMES: tuple[str, ...] = _CONSTRUCTOR_FIELDS + _DERIVED_NAMES  # every key a page's payload has
 
 

@@ -22,9 +22,13 @@ from dataclasses import dataclass
 
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
+from PIL import Image
 
-from core.figures import Box, FigureRegion, area, intersection, union_box
+from core.figures import Box, FigureRegion, area, intersection, iou, union_box
+from core.keys import content_hash_of
+from core.pages import FigureCrop
 from core.text import captions
+from core.text import figure_refs as _refs
 
 # --- what counts -------------------------------------------------------------------------------------------
 
@@ -374,3 +378,99 @@ def _finish(region: _Region) -> FigureRegion:
     number = int(region.number) if region.number is not None and re.fullmatch(r"\d+", region.number) else None
     x0, y0, x1, y1 = region.box
     return FigureRegion(number, kind, region.caption, (x0, y0, x1, y1), region.source)  # type: ignore[arg-type]
+
+
+# --- crops: each figure as an image of its own -------------------------------------------------------------
+
+# A figure's crop is its own image entry, content-addressed like a page (core/keys.py), so its key must depend on
+# the figure only, never on where it sits on its page or what surrounds it:
+# - an embedded picture (a raster region that is one image object) keys by the image object's own bitmap, at its
+#   own resolution: the same chart pasted into a report and into a deck is one key, whatever size it is shown at;
+# - anything else (vector drawings, forms, a picture with labels around it) is rendered alone: the page's crop
+#   box set to the region, at FIGURE_SCALE pixels per point, so the pixel grid starts at the figure's own corner,
+#   not at the page's. Two files drawing the same figure at different places then render alike up to pdfium's
+#   float rounding of absolute coordinates (seen: 1 grey level on ~0.01 % of a chart's pixels), which does change
+#   the hash: such a pair is two keys (measured in bench/figures, `crop_keys`). A figure scaled differently is
+#   two keys too.
+FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
+FIGURES_VERSION = "fig-v1"  # in a page's fingerprint: a changed detector or crop re-ingests
+RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
+
+
+def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixels: int) -> list[FigureCrop]:
+    """Each region as an RGB image with its content hash (see above). ``max_pixels``: a picture larger than this
+    (MMRAG_MAX_IMAGE_PIXELS, the decompression-bomb bound) is rendered at FIGURE_SCALE instead of decoded."""
+    crops = []
+    images = _image_objects(page) if any(r.source == "raster" for r in regions) else []
+    for region in regions:
+        image = None
+        if region.source == "raster":
+            image = _own_pixels(images, region.bbox_pt, max_pixels)
+        if image is None:
+            image = _render_alone(page, region.bbox_pt)
+        crops.append(FigureCrop(region, image, content_hash_of(image.mode, image.size, image.tobytes())))
+    return crops
+
+
+def _image_objects(page: pdfium.PdfPage) -> list[tuple[Box, pdfium.PdfImage]]:
+    height = page.get_size()[1]
+    out = []
+    for obj in page.get_objects(max_depth=2):
+        if obj.type == pdfium_c.FPDF_PAGEOBJ_IMAGE:
+            left, bottom, right, top = obj.get_bounds()
+            out.append(((left, height - top, right, height - bottom), obj))
+    return out
+
+
+def _own_pixels(images: list[tuple[Box, pdfium.PdfImage]], box: Box, max_pixels: int) -> Image.Image | None:
+    """The one image object filling ``box``, decoded at its own resolution (its masks and matrix not applied);
+    None when no single object fills it, it is too large, or pdfium cannot decode it."""
+    fits = [obj for b, obj in images if iou(b, box) >= RASTER_MATCH_IOU]
+    if len(fits) != 1:
+        return None
+    try:
+        width, height = fits[0].get_px_size()
+        if width * height > max_pixels:
+            return None
+        bitmap = fits[0].get_bitmap(render=False)
+    except pdfium.PdfiumError:
+        return None
+    try:
+        return bitmap.to_pil().convert("RGB")  # convert copies out of pdfium's buffer
+    finally:
+        bitmap.close()
+
+
+def _render_alone(page: pdfium.PdfPage, box: Box) -> Image.Image:
+    """The page inside ``box`` (points, top-left origin) at FIGURE_SCALE, its pixel grid starting at the box's
+    corner. The crop box is set for the render and put back."""
+    left, bottom, right, top = page.get_cropbox()
+    x0, y0, x1, y1 = box
+    page.set_cropbox(left + x0, top - y1, left + x1, top - y0)
+    try:
+        bitmap = page.render(scale=FIGURE_SCALE)
+    finally:
+        page.set_cropbox(left, bottom, right, top)
+    try:
+        return bitmap.to_pil().convert("RGB")
+    finally:
+        bitmap.close()
+
+
+# --- what a figure point is found by ------------------------------------------------------------------------
+
+FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
+
+
+def figure_text(region: FigureRegion, page_text: str) -> str:
+    """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
+    it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page)."""
+    parts = [region.caption] if region.caption else []
+    if region.number is not None:
+        kind = "table" if region.kind == "table" else "figure"
+        for sentence in _SENTENCE.split(" ".join(page_text.split())):
+            if sentence.strip() and sentence.strip() not in region.caption and (kind, str(region.number)) in {
+                    (k, n) for k, n in _refs(sentence)}:
+                parts.append(sentence.strip())
+    return " ".join(parts)[:FIGURE_TEXT_CHARS]

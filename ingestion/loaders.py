@@ -28,10 +28,11 @@ from PIL import Image, ImageOps
 
 from adapters.lexical import known_words
 from core.keys import ContentHash, content_hash_of, doc_id_for
-from core.pages import RenderedPage, TextSource
+from core.pages import FigureCrop, RenderedPage, TextSource
 from core.settings import Settings
 from core.text import normalise
 from ingestion import ocr
+from ingestion.figures import crop_figures, detect_figures
 
 # Suffix -> the format its content must have (Pillow's format names; "PDF" for pdfium).
 SUPPORTED_FORMATS: dict[str, str] = {
@@ -344,7 +345,7 @@ def _open_pdf(path: Path, settings: Settings) -> _PdfSource:
         # before any page is loaded.
         pdf.init_forms()
         on_error.pop_all()  # valid: the source owns the handle from here on
-    return _PdfSource(pdf, settings.pdf_dpi)
+    return _PdfSource(pdf, settings.pdf_dpi, figures=settings.figures, max_pixels=settings.max_image_pixels)
 
 
 def _pdf_load_message(exc: pdfium.PdfiumError) -> str:
@@ -400,9 +401,13 @@ def _pixels_at(points: float, dpi: int) -> int:
 class _PdfSource:
     """Renders pages of one open pdfium document; owns the handle until close()."""
 
-    def __init__(self, pdf: pdfium.PdfDocument, dpi: int) -> None:
+    def __init__(self, pdf: pdfium.PdfDocument, dpi: int, *, figures: bool = False, max_pixels: int = 0) -> None:
+        """``figures``: detect each page's figures and crop them (MMRAG_FIGURES); ``max_pixels``: the largest
+        embedded picture decoded as it is (MMRAG_MAX_IMAGE_PIXELS)."""
         self._pdf = pdf
         self._dpi = dpi
+        self._figures_on = figures
+        self._max_pixels = max_pixels
         self.num_pages = len(pdf)
 
     def raster(self, index: int) -> _Raster:
@@ -417,11 +422,19 @@ class _PdfSource:
             started = time.perf_counter()
             image = self._render(page, number)
             rendered = time.perf_counter()
-            text = self._text_layer(page, number)
-            done = time.perf_counter()
+            textpage = self._textpage(page, number)
+            try:
+                text = self._text_layer(textpage)
+                done = time.perf_counter()
+                figures = self._figures(page, textpage, number) if self._figures_on else []
+            finally:
+                textpage.close()
         finally:
             page.close()
-        return _Raster(image, text, self._dpi, {"render": rendered - started, "text": done - rendered})
+        timings = {"render": rendered - started, "text": done - rendered}
+        if self._figures_on:
+            timings["figures"] = time.perf_counter() - done
+        return _Raster(image, text, self._dpi, timings, figures)
 
     def _render(self, page: pdfium.PdfPage, number: int) -> Image.Image:
         try:
@@ -435,18 +448,26 @@ class _PdfSource:
         finally:
             bitmap.close()
 
-    def _text_layer(self, page: pdfium.PdfPage, number: int) -> str:
+    @staticmethod
+    def _textpage(page: pdfium.PdfPage, number: int) -> pdfium.PdfTextPage:
         try:
-            textpage = page.get_textpage()
+            return page.get_textpage()
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(number, exc)) from exc
+
+    @staticmethod
+    def _text_layer(textpage: pdfium.PdfTextPage) -> str:
+        raw = textpage.get_text_range()
+        # The page's own words and an English word list tell a joined hyphenation or a restored ligature from a
+        # real compound (core/text.py, adapters/lexical.py known_words).
+        return normalise_text(raw, known=known_words(raw))
+
+    def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage, number: int) -> list[FigureCrop]:
+        """The page's figures, each cropped as an image of its own (ingestion/figures.py)."""
         try:
-            raw = textpage.get_text_range()
-            # The page's own words and an English word list tell a joined hyphenation or a restored ligature
-            # from a real compound (core/text.py, adapters/lexical.py known_words).
-            return normalise_text(raw, known=known_words(raw))
-        finally:
-            textpage.close()
+            return crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels)
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_page_damaged_message(number, exc)) from exc
 
     def close(self) -> None:
         self._pdf.close()
@@ -642,6 +663,7 @@ class _Raster:
     text_layer: str | None  # None: the source has no text layer (images)
     dpi: float | None
     timings: dict[str, float] = field(default_factory=dict)
+    figures: list[FigureCrop] = field(default_factory=list)
 
 
 class _PageSource(Protocol):
@@ -711,6 +733,7 @@ class Document:
             text=text,
             text_source=source,
             timings=timings,
+            figures=raster.figures,
         )
 
     def _text_for(self, raster: _Raster, number: int, timings: dict[str, float]) -> tuple[str, TextSource]:

@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from core.figures import PageFigure
 from core.keys import ImageKey, KeyLease
 from core.pages import RenderedPage, TextSource
 from core.settings import Settings
@@ -36,13 +37,17 @@ from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
 from adapters.lexical import LexicalEncoder
 from adapters.qdrant import PageIndex, make_point
+from ingestion.figures import FIGURES_VERSION, figure_text
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
 from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
 from adapters.vision import VisionEncoder
 
+if TYPE_CHECKING:
+    from PIL import Image
+
 log = logging.getLogger(__name__)
 
-STAGES = ("render", "text", "ocr", "encode", "embed", "index")
+STAGES = ("render", "text", "figures", "ocr", "encode", "embed", "index")
 # How long an ingest's lease on a file's keys outlives an ingest killed before indexing them. Renewed while the
 # file ingests (every quarter of it), so only a killed ingest's leases run out.
 INGEST_LEASE_S = 3600.0
@@ -54,6 +59,8 @@ class IngestReport:
     pages: int = 0
     encoded: int = 0  # vision forwards: pages newly encoded (once per tier with MMRAG_INGEST_TIERS)
     cached: int = 0  # pages whose image tokens were already stored (likewise per tier)
+    figures: int = 0  # figure crops of the pages (MMRAG_FIGURES), each an image entry of its own
+    figures_encoded: int = 0  # vision forwards for figure crops (a figure stored already, e.g. from another file: 0)
     failed: list[FileFailure] = field(default_factory=list)
     seconds: float = 0.0
     unchanged_files: int = 0
@@ -66,6 +73,8 @@ class IngestReport:
             "pages": self.pages,
             "encoded": self.encoded,
             "cached": self.cached,
+            "figures": self.figures,
+            "figures_encoded": self.figures_encoded,
             "failed": [asdict(f) for f in self.failed],
             "seconds": round(self.seconds, 3),
             "unchanged_files": self.unchanged_files,
@@ -116,6 +125,7 @@ class Ingestor:
             encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={settings.pdf_dpi}",
             f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
             f"image={page_channel}", f"lexical={self.lexical.version}", f"text_norm={TEXT_VERSION}",
+            f"figures={FIGURES_VERSION if settings.figures else 'off'}",
         ])
 
     def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None,
@@ -165,8 +175,9 @@ class Ingestor:
             finally:
                 lease.end()  # indexed now (or failed: its entries are garbage again)
         _merge(report, scratch)
-        log.info("ingested %s: %d pages, %d encoded, %d cached in %.2f s", path, scratch.pages, scratch.encoded,
-                 scratch.cached, time.perf_counter() - started)
+        log.info("ingested %s: %d pages, %d encoded, %d cached, %d figures (%d encoded) in %.2f s", path,
+                 scratch.pages, scratch.encoded, scratch.cached, scratch.figures, scratch.figures_encoded,
+                 time.perf_counter() - started)
 
     def _is_current(self, doc: Document) -> bool:
         have = self.index.doc_pages(doc.doc_id)
@@ -174,7 +185,7 @@ class Ingestor:
             return False
         if any(p.file_sha256 != doc.file_sha256 or p.fingerprint != self.fingerprint for p in have):
             return False
-        return all(self.store.contains(k) for p in have for k in self._tier_keys(p.image_key))
+        return all(self.store.contains(k) for p in have for key in p.image_keys for k in self._tier_keys(key))
 
     def _tier_keys(self, key: ImageKey) -> list[ImageKey]:
         # Each tier's key is its encoder's: the key names the encoder whose tokens it holds.
@@ -183,43 +194,68 @@ class Ingestor:
     def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport, lease: FileLease
                        ) -> list:
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
-        tiers = [(e, [e.key_for(p.content_hash) for p in pages]) for e in self.tier_encoders]
-        absent = lease.take({*keys, *(k for _, tier_keys in tiers for k in tier_keys)})
-        self._encode_missing(self.encoder, pages, keys, absent, report)
-        for encoder, tier_keys in tiers:
-            self._encode_missing(encoder, pages, tier_keys, absent, report)
+        crops = [c for p in pages for c in p.figures]
+        crop_keys = [self.encoder.key_for(c.content_hash) for c in crops]
+        tiers = [(e, [e.key_for(p.content_hash) for p in pages], [e.key_for(c.content_hash) for c in crops])
+                 for e in self.tier_encoders]
+        absent = lease.take({*keys, *crop_keys, *(k for _, a, b in tiers for k in (*a, *b))})
+        encoded, cached = self._encode_missing(self.encoder, [p.image for p in pages], keys, absent, report)
+        report.encoded, report.cached = report.encoded + encoded, report.cached + cached
+        encoded, _ = self._encode_missing(self.encoder, [c.image for c in crops], crop_keys, absent, report)
+        report.figures_encoded += encoded
+        for encoder, page_keys, tier_crop_keys in tiers:
+            encoded, cached = self._encode_missing(encoder, [p.image for p in pages], page_keys, absent, report)
+            report.encoded, report.cached = report.encoded + encoded, report.cached + cached
+            encoded, _ = self._encode_missing(encoder, [c.image for c in crops], tier_crop_keys, absent, report)
+            report.figures_encoded += encoded
+        crop_key = dict(zip(map(id, crops), crop_keys))
+        figures = [tuple(PageFigure(c.region, crop_key[id(c)], self.encoder.num_tokens_for(c.image))
+                         for c in p.figures) for p in pages]
         captions = [find_page_captions(p) for p in pages]
         vectors = self._embed(pages, captions, report)
         for p in pages:
             report.pages += 1
+            report.figures += len(p.figures)
             report.ocr_pages += p.text_source is TextSource.OCR
             for stage, secs in p.timings.items():
                 report.stage_seconds[stage] += secs
-        return [
-            make_point(vecs, self._payload(doc, p, key, caps))
-            for p, key, vecs, caps in zip(pages, keys, vectors, captions)
-        ]
+        payloads = [self._payload(doc, p, key, caps, figs) for p, key, caps, figs in zip(pages, keys, captions, figures)]
+        return [make_point(vecs, payload) for vecs, payload in zip(vectors, payloads)] + self._figure_points(
+            pages, payloads, report)
 
-    def _encode_missing(self, encoder: VisionEncoder, pages: list[RenderedPage], keys: list[ImageKey],
-                        absent: set[ImageKey], report: IngestReport) -> None:
-        """Encode and store the pages whose key is ``absent`` (what the lease found unstored), one forward per
-        distinct key, so a figure repeated within the batch is encoded once."""
-        missing: dict[ImageKey, RenderedPage] = {}
-        for page, key in zip(pages, keys):
+    def _figure_points(self, pages: list[RenderedPage], payloads: list[PagePayload], report: IngestReport) -> list:
+        """A point per figure that has text to be found by (its caption, the sentences naming it): that text's
+        dense vector, and its page's payload with which figure it is (core/payload.py figure_payload)."""
+        found = [(payload, i, text) for page, payload in zip(pages, payloads)
+                 for i, figure in enumerate(payload.figures) if (text := figure_text(figure.region, page.text))]
+        if not found:
+            return []
+        t0 = time.perf_counter()
+        vectors = self.text_embedder.embed([text for _, _, text in found])
+        report.stage_seconds["embed"] += time.perf_counter() - t0
+        return [make_point({TEXT_VECTOR: vec.tolist()}, payload, figure=i)
+                for (payload, i, _), vec in zip(found, vectors)]
+
+    def _encode_missing(self, encoder: VisionEncoder, images: list[Image.Image], keys: list[ImageKey],
+                        absent: set[ImageKey], report: IngestReport) -> tuple[int, int]:
+        """Encode and store the images whose key is ``absent`` (what the lease found unstored), one forward per
+        distinct key, so a figure repeated within the batch is encoded once. Returns (forwards, images whose
+        tokens were stored already or encoded for an earlier image of the batch)."""
+        missing: dict[ImageKey, Image.Image] = {}
+        for image, key in zip(images, keys):
             if key not in missing:
                 self.store.stats.record_lookup(hit=key not in absent)  # counted as a lookup, as `contains` does
                 if key in absent:
-                    missing[key] = page
-        report.cached += len(pages) - len(missing)
+                    missing[key] = image
         if not missing:
-            return
+            return 0, len(images)
         t0 = time.perf_counter()
-        encoded = encoder.encode([p.image for p in missing.values()])
+        encoded = encoder.encode(list(missing.values()))
         writer = ScopedFeatureStore(self.store, EncoderScope(encoder.version, encoder.policy))  # its keys only
         for key, value in zip(missing, encoded):
             writer.put(key, value)
-        report.encoded += len(missing)
         report.stage_seconds["encode"] += time.perf_counter() - t0
+        return len(missing), len(images) - len(missing)
 
     def _embed(self, pages: list[RenderedPage], captions: list[list[Caption]], report: IngestReport
                ) -> list[dict[str, Any]]:
@@ -246,7 +282,8 @@ class Ingestor:
         report.stage_seconds["embed"] += time.perf_counter() - t0
         return vectors
 
-    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey, captions: list[Caption]) -> PagePayload:
+    def _payload(self, doc: Document, page: RenderedPage, key: ImageKey, captions: list[Caption],
+                 figures: tuple[PageFigure, ...]) -> PagePayload:
         return PagePayload(
             doc_id=doc.doc_id,
             doc=doc.doc,
@@ -263,6 +300,7 @@ class Ingestor:
             text_source=page.text_source,
             fingerprint=self.fingerprint,
             captions=tuple(c.text for c in captions),
+            figures=figures,
         )
 
 
@@ -308,17 +346,17 @@ class FileLease:
                 f"so its pages are not indexed: its lease ran out or a deletion raced it; ingest the file again")
 
 
-def missing_keys(store: FeatureStore, pages: list[RenderedPage], keys: list[ImageKey]
-                 ) -> tuple[dict[ImageKey, RenderedPage], int]:
-    """The keys the store lacks, each with one page to encode it from, and how many pages need no forward:
+def missing_keys(store: FeatureStore, images: list[Image.Image], keys: list[ImageKey]
+                 ) -> tuple[dict[ImageKey, Image.Image], int]:
+    """The keys the store lacks, each with one image to encode it from, and how many images need no forward:
     one forward per distinct missing key, so a figure repeated within the batch is encoded once."""
-    missing: dict[ImageKey, RenderedPage] = {}
+    missing: dict[ImageKey, Image.Image] = {}
     cached = 0
-    for page, key in zip(pages, keys):
+    for image, key in zip(images, keys):
         if key in missing or store.contains(key):
             cached += 1
         else:
-            missing[key] = page
+            missing[key] = image
     return missing, cached
 
 
@@ -353,6 +391,8 @@ def _merge(into: IngestReport, part: IngestReport) -> None:
     into.pages += part.pages
     into.encoded += part.encoded
     into.cached += part.cached
+    into.figures += part.figures
+    into.figures_encoded += part.figures_encoded
     into.ocr_pages += part.ocr_pages
     for stage, secs in part.stage_seconds.items():
         into.stage_seconds[stage] += secs

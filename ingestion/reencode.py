@@ -26,17 +26,21 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adapters.qdrant import PageIndex
 from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
 from adapters.vision import VisionEncoder
+from core.figures import PageFigure
 from core.keys import ImageKey, Tiers
 from core.pages import RenderedPage
 from core.payload import EncoderScope, PagePayload
 from core.settings import Settings
 from ingestion.loaders import Document, IngestError, open_document
 from ingestion.pipeline import batches, encoder_fingerprint, missing_keys
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ SKIPPED_FIX = (
 FILE_CHANGED = "the file changed since it was indexed (its sha256 differs)"
 FILE_UNREADABLE = "its source file cannot be opened"
 PAGE_CHANGED = "the page renders differently than when it was indexed (the file or MMRAG_PDF_DPI changed)"
+FIGURES_CHANGED = ("its figures crop differently than when it was indexed (MMRAG_FIGURES or the figure detector "
+                   "changed)")
 
 ProgressFn = Callable[[int, int], None]  # (pages done, pages to re-encode)
 
@@ -95,7 +101,7 @@ def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: T
     are listed rather than keys made up for ``scope``: only an encoder mints keys, and a dry run loads none."""
     report, stale = _plan(index, scope, dry_run=True)
     stored = {k.content_hash for k in ScopedFeatureStore(store, scope).keys()}
-    report.encoded = len({p.content_hash for p in stale} - stored)
+    report.encoded = len({k.content_hash for p in stale for k in p.image_keys} - stored)
     report.unreferenced_entries = _unreferenced(index, store, tiers)
     return report
 
@@ -190,21 +196,33 @@ class Reencoder:
 
     def _reencode_batch(self, batch: list[tuple[PagePayload, RenderedPage]], report: ReencodeReport) -> None:
         keys = [self.encoder.key_for(rendered.content_hash) for _, rendered in batch]
-        failed = self._store_missing([r for _, r in batch], keys, report)
-        for (page, rendered), key in zip(batch, keys):
-            if key in failed:  # its tokens are not stored: it keeps its old key, still valid for the old encoder
-                self._skip(page, f"its new image tokens could not be stored: {failed[key]}", report)
+        # Each indexed figure's crop, found again by its content hash among the page's crops (None: not found).
+        crops = [[{c.content_hash: c for c in rendered.figures}.get(f.image_key.content_hash) for f in page.figures]
+                 for page, rendered in batch]
+        found = [c for cs in crops for c in cs if c is not None]
+        crop_keys = [self.encoder.key_for(c.content_hash) for c in found]
+        failed = self._store_missing([r.image for _, r in batch] + [c.image for c in found], keys + crop_keys, report)
+        for (page, rendered), key, page_crops in zip(batch, keys, crops):
+            if any(c is None for c in page_crops):
+                self._skip(page, FIGURES_CHANGED, report)
                 continue
-            self._switch(page, rendered, key)
+            figures = tuple(dataclasses.replace(f, image_key=self.encoder.key_for(c.content_hash),
+                                                image_tokens=self.encoder.num_tokens_for(c.image))
+                            for f, c in zip(page.figures, page_crops))
+            lost = [k for k in (key, *(f.image_key for f in figures)) if k in failed]
+            if lost:  # its tokens are not stored: it keeps its old keys, still valid for the old encoder
+                self._skip(page, f"its new image tokens could not be stored: {failed[lost[0]]}", report)
+                continue
+            self._switch(page, rendered, key, figures)
             report.reencoded += 1
 
-    def _store_missing(self, pages: list[RenderedPage], keys: list[ImageKey], report: ReencodeReport
+    def _store_missing(self, images: list[Image.Image], keys: list[ImageKey], report: ReencodeReport
                        ) -> dict[ImageKey, str]:
         """Encode and store the keys the store lacks (a repeated image once); the keys that failed, with why."""
-        missing, reused = missing_keys(self.store, pages, keys)
+        missing, reused = missing_keys(self.store, images, keys)
         report.reused += reused
         failed: dict[ImageKey, str] = {}
-        for key, value in zip(missing, self.encoder.encode([p.image for p in missing.values()])):
+        for key, value in zip(missing, self.encoder.encode(list(missing.values()))):
             try:
                 self._writer.put(key, value)
             except FeatureStoreError as exc:
@@ -212,9 +230,10 @@ class Reencoder:
         report.encoded += len(missing)
         return failed
 
-    def _switch(self, page: PagePayload, rendered: RenderedPage, key: ImageKey) -> None:
+    def _switch(self, page: PagePayload, rendered: RenderedPage, key: ImageKey, figures: tuple[PageFigure, ...]
+                ) -> None:
         new = dataclasses.replace(
-            page, image_key=key, image_tokens=self.encoder.num_tokens_for(rendered.image),
+            page, image_key=key, image_tokens=self.encoder.num_tokens_for(rendered.image), figures=figures,
             width=rendered.image.width, height=rendered.image.height,
             fingerprint=fingerprint_under(page.fingerprint, EncoderScope.of(page.image_key), self.scope),
         )
@@ -242,5 +261,5 @@ def _unchangeable(page: PagePayload, doc: Document, scope: EncoderScope) -> str:
 
 def _unreferenced(index: PageIndex, store: FeatureStore, tiers: Tiers) -> int:
     """Entries `mmrag store gc` would remove: neither an indexed page's key nor its page's entry in a tier."""
-    in_use = tiers.in_use(p.image_key for p in index.pages())
+    in_use = tiers.in_use(k for p in index.pages() for k in p.image_keys)
     return sum(not in_use(k) for k in store.keys())

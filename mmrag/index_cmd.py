@@ -28,10 +28,12 @@ class EncoderPages:
     documents: int
     servable: bool  # the configured model's encoder made these pages
     old_format: bool = False  # ... under a version from before it covered preprocessing: an old key format
+    figures: int = 0  # figure entries of these pages (their crops' keys name the same encoder as their pages')
 
     def to_json(self) -> dict[str, Any]:
         return {"encoder_version": self.encoder.version, "policy": str(self.encoder.policy), "pages": self.pages,
-                "documents": self.documents, "servable": self.servable, "old_format": self.old_format}
+                "figures": self.figures, "documents": self.documents, "servable": self.servable,
+                "old_format": self.old_format}
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,9 +79,12 @@ def check(settings: Settings) -> IndexCheck:
         index.client.close()
     counts = pages_per_encoder(pages)
     docs: dict[EncoderScope, set[str]] = defaultdict(set)
+    figures: dict[EncoderScope, int] = defaultdict(int)
     for page in pages:
         docs[EncoderScope.of(page.image_key)].add(page.doc_id)
-    encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving, scope == before_preprocessing)
+        figures[EncoderScope.of(page.image_key)] += len(page.figures)
+    encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving, scope == before_preprocessing,
+                             figures[scope])
                 for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
     return IndexCheck(serving, wiring.model_family(model), encoders)
 
@@ -87,10 +92,10 @@ def check(settings: Settings) -> IndexCheck:
 def print_check(result: IndexCheck, console: Console) -> None:
     console.print(f"configured encoder: {result.serving.version} ({result.family}), policy {result.serving.policy}")
     table = Table(title="indexed pages per encoder", show_header=True)
-    for column in ("encoder version", "policy", "pages", "documents", "servable"):
-        table.add_column(column, justify="right" if column in ("pages", "documents") else "left")
+    for column in ("encoder version", "policy", "pages", "figures", "documents", "servable"):
+        table.add_column(column, justify="right" if column in ("pages", "figures", "documents") else "left")
     for e in result.encoders:
-        table.add_row(e.encoder.version, str(e.encoder.policy), str(e.pages), str(e.documents),
+        table.add_row(e.encoder.version, str(e.encoder.policy), str(e.pages), str(e.figures), str(e.documents),
                       "yes" if e.servable else "[red]no, old key format[/]" if e.old_format else "[red]no[/]")
     console.print(table)
     if result.old_format_pages:

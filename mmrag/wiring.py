@@ -341,7 +341,7 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
                           answer_mode=AnswerMode(settings.answer_mode),
                           sub_answer_max_tokens=settings.sub_answer_max_tokens,
                           max_model_len=settings.max_model_len, fixed_length=settings.answer_fixed_length,
-                          one_prompt_pages=settings.one_prompt_pages)
+                          one_prompt_pages=settings.one_prompt_pages, figure_crops=settings.figure_crops)
 
 
 def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None) -> Decomposer:

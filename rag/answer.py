@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.engine import Engine, PromptPlan, SamplingSpec, Usage
+from core.figures import PageFigure
 from core.payload import PagePayload
 
 RANDOM_MODEL_NOTE = (
@@ -21,6 +22,13 @@ class Citation:
     page: int
     score: float
     image_key: str = ""
+    # The figure of the page the hit was on (a question naming its number, or its caption matching best): the
+    # citation's ``figure`` {number, kind, caption, bbox}. None: the page as a whole.
+    figure: PageFigure | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"page_id": self.page_id, "doc": self.doc, "page": self.page, "score": round(self.score, 4),
+                "figure": self.figure.citation() if self.figure is not None else None}
 
 
 @dataclass(slots=True)
@@ -40,8 +48,7 @@ class Answer:
             "answer": self.answer,
             "sub_questions": self.sub_questions,
             "sub_question_source": self.sub_question_source,
-            "citations": [{"page_id": c.page_id, "doc": c.doc, "page": c.page, "score": round(c.score, 4)}
-                          for c in self.citations],
+            "citations": [c.to_json() for c in self.citations],
             "usage": {
                 "prompt_tokens": u.prompt_tokens,
                 "cached_tokens": u.cached_tokens,

@@ -28,7 +28,7 @@ from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
 from rag.order import PagePopularity
 from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, one_prompt_plan,
-                       one_prompt_text, page_label, plan_prompts, synthesis_plan)
+                       one_prompt_text, page_label, plan_prompts, shown_as_figures, synthesis_plan)
 from rag.tiers import TieredHits, TierSource
 from retrieval.search import Hit, PageSearcher
 
@@ -51,6 +51,7 @@ class PipelineConfig:
     sub_answer_max_tokens: int = 64  # each sub-answer's, per sub-question: notes the synthesis reads
     max_model_len: int = 4096  # the engine's context: one prompt and its answer must fit in it
     one_prompt_pages: int = 4  # most pages one prompt shows, each sub-question's best first (0: every page)
+    figure_crops: bool = False  # a hit on a figure shows the figure's crop, not its page (MMRAG_FIGURE_CROPS)
     # Benchmarks only: every answer plan decodes exactly its max_tokens. A random-weight model stops at an end of
     # sequence wherever it happens to draw one, so answers of one length would differ by side and by mode.
     fixed_length: bool = False
@@ -182,6 +183,8 @@ class Pipeline:
         """Each sub-question's pages that a prompt has room for beside the question's images (and those cut),
         in the asked tier (its on-demand encodes counted in ``usage``), their token counts recorded for the
         scheduler and their use counted in the popularity order."""
+        if self.config.figure_crops:
+            retrieved = shown_as_figures(retrieved)
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None

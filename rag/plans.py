@@ -33,6 +33,7 @@ in every mode and layout, before its pages; pages make room for them, lowest sco
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,15 +128,31 @@ def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfi
     return AnswerChoice(AnswerMode.ONE_PROMPT, ordered, tuple(pages[kept:]))
 
 
+def shown_as_figures(hits: Sequence[Sequence[Hit]]) -> list[list[Hit]]:
+    """Each hit on a figure (``Hit.figure``) shown as the figure's crop: its image key and tokens, the page's
+    place kept for the citation. What the model then loses is the page around the figure: its body text, its
+    other figures, and the caption's look (the caption is given as text, one_prompt_text). A hit on no figure
+    stays its page."""
+    return [[dataclasses.replace(h, image_key=h.figure.image_key, image_tokens=h.figure.image_tokens)
+             if h.figure is not None else h for h in hs] for hs in hits]
+
+
+def image_label(hit: Hit) -> str:
+    """What an image in a prompt is: its page's label, and when it is a figure's crop, the figure's caption."""
+    if hit.figure is not None and hit.image_key == hit.figure.image_key:
+        return f"{page_label(hit)}, {hit.figure.region.caption or hit.figure.label} (the figure alone)"
+    return page_label(hit)
+
+
 def one_prompt_text(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], n_images: int,
                     hits: Sequence[Sequence[Hit]] = ()) -> str:
     """The text after the images: what each image is (the question's own, then pages by label, the form the
-    answer cites them in; a page whose image is in several documents by each of its places, from ``hits``),
-    the sub-questions when there are several, and the question last."""
-    places: dict[ImageKey, dict[str, None]] = {p.image_key: {page_label(p): None} for p in pages}
+    answer cites them in, a figure's crop with its caption; an image in several documents by each of its
+    places, from ``hits``), the sub-questions when there are several, and the question last."""
+    places: dict[ImageKey, dict[str, None]] = {p.image_key: {image_label(p): None} for p in pages}
     for hit in (h for hs in hits for h in hs):
         if hit.image_key in places:
-            places[hit.image_key][page_label(hit)] = None
+            places[hit.image_key][image_label(hit)] = None
     lines = ["Images, in the order shown:"]
     lines += [f"Image {i}: sent with the question" for i in range(1, n_images + 1)]
     lines += [f"Image {i}: {', also '.join(places[p.image_key])}" for i, p in enumerate(pages, n_images + 1)]
@@ -249,14 +266,19 @@ def _distinct_pages(hits: Sequence[Hit]) -> list[Hit]:
 
 
 def cite(hits: Sequence[Sequence[Hit]]) -> list[Citation]:
-    """Every retrieved page once, with its best score, best first."""
+    """Every retrieved page once, with its best score, best first, and the figure its best hit that was on a
+    figure named (Hit.figure)."""
     best: dict[tuple[str, int], Hit] = {}
+    figure: dict[tuple[str, int], Hit] = {}
     for hit in (h for hs in hits for h in hs):
         k = (hit.doc, hit.page)
         if k not in best or hit.score > best[k].score:
             best[k] = hit
+        if hit.figure is not None and (k not in figure or hit.score > figure[k].score):
+            figure[k] = hit
     ranked = sorted(best.values(), key=lambda h: (-h.score, h.doc, h.page))
-    return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key)) for h in ranked]
+    return [Citation(h.page_id, h.doc, h.page, h.score, str(h.image_key),
+                     figure[(h.doc, h.page)].figure if (h.doc, h.page) in figure else None) for h in ranked]
 
 
 def page_label(page: Hit | Citation) -> str:

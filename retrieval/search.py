@@ -35,9 +35,12 @@ from qdrant_client import AsyncQdrantClient, models
 from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.late import LateInteractionRetriever, mean_pool
 from adapters.lexical import LexicalEncoder, special_token, token_index
-from adapters.qdrant import IndexConfigError, check_vectors, scope_filter
+from adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
+from core.figures import PageFigure
 from core.keys import ImageKey
 from core.payload import (
+    FIGURE_INDEX,
+    FIGURE_PARENT,
     IMAGE_VECTOR,
     LEXICAL_VECTOR,
     PAGE_MEAN_VECTOR,
@@ -69,10 +72,13 @@ class Channel(str, enum.Enum):
     # vector's figure#N tokens alone. Asked only for such questions, and only as part of HYBRID: a question that
     # names a figure by number means that figure's page, not the pages that merely mention it.
     CAPTION = "caption"
+    # Figure points (issue 26: one per figure with a caption or sentences naming it), dense text, each found point
+    # counted as a hit on its page with that figure named. Like CAPTION, only a part of HYBRID.
+    FIGURE = "figure"
     HYBRID = "hybrid"  # every channel that is on, fused (class Fusion)
 
 
-FUSED = (Channel.TEXT, Channel.LEXICAL, Channel.IMAGE, Channel.CAPTION)
+FUSED = (Channel.TEXT, Channel.LEXICAL, Channel.IMAGE, Channel.CAPTION, Channel.FIGURE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +128,12 @@ class QueryVectors:
     caption: list[tuple[list[int], list[float]]] | None = None  # the figure#N tokens alone (empty: none named)
     image: np.ndarray | None = None  # CLIP text-tower vectors
     late: list[np.ndarray] | None = None  # late-interaction query multi-vectors (rows: query tokens)
+    figure: np.ndarray | None = None  # the figure points' query: the dense text vectors
 
     def channels(self) -> list[Channel]:
         return [c for c, v in ((Channel.TEXT, self.text), (Channel.LEXICAL, self.lexical),
                                (Channel.IMAGE, self.image if self.image is not None else self.late),
-                               (Channel.CAPTION, self.caption)) if v is not None]
+                               (Channel.CAPTION, self.caption), (Channel.FIGURE, self.figure)) if v is not None]
 
 
 class RetrievalError(LookupError):
@@ -165,12 +172,47 @@ class Hit:
     # channel's): comparable across sub-questions where raw scores are not (a vague sub-question's candidates all
     # score alike, and high), so one prompt's page budget is spent on the pages that stand out (rag/plans.py).
     margin: float = 0.0
+    # The page's figure this hit is on (hit_figure): the one the query names by number, else the one whose
+    # caption the query matches; None when the page as a whole answered.
+    figure: PageFigure | None = None
 
     @classmethod
-    def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0) -> Hit:
+    def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0, found: int | None = None
+           ) -> Hit:
+        """``found``: the index of the page's figure whose figure point the query found (the figure channel)."""
+        figure = hit_figure(page.figures, query)
+        if figure is None and found is not None and 0 <= found < len(page.figures):
+            figure = page.figures[found]
         return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
                    snippet=make_snippet(page.text, query), image_key=page.image_key,
-                   image_tokens=page.image_tokens, path=page.path, text=page.text, margin=margin)
+                   image_tokens=page.image_tokens, path=page.path, text=page.text, margin=margin, figure=figure)
+
+
+# A caption matches a query that shares at least this share of the caption's terms, and two of them at least.
+CAPTION_MATCH_SHARE = 0.5
+_CAPTION_LABEL = re.compile(r"^\s*(?:fig(?:ure)?s?|tab(?:le)?s?|listings?)\.?\s*[\w.\-]+\s*[:.]?\s*", re.IGNORECASE)
+_CAPTION_TERMS = LexicalEncoder()
+
+
+def hit_figure(figures: Sequence[PageFigure], query: str) -> PageFigure | None:
+    """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
+    "Table 2"; core/text.py figure_refs), else the one whose caption terms (without its "Figure N:" label) the
+    query shares most of, at least CAPTION_MATCH_SHARE of them and two; None when neither holds."""
+    if not figures:
+        return None
+    named = {(kind, number) for kind, number in figure_refs(query)}
+    for figure in figures:
+        kind = "table" if figure.region.kind == "table" else "figure"
+        if figure.region.number is not None and (kind, str(figure.region.number)) in named:
+            return figure
+    asked = set(_CAPTION_TERMS.tokens(query))
+    best, best_share = None, 0.0
+    for figure in figures:
+        terms = set(_CAPTION_TERMS.tokens(_CAPTION_LABEL.sub("", figure.region.caption)))
+        shared = len(asked & terms)
+        if terms and shared >= 2 and shared / len(terms) > best_share:
+            best, best_share = figure, shared / len(terms)
+    return best if best_share >= CAPTION_MATCH_SHARE else None
 
 
 class PageSearcher:
@@ -259,8 +301,8 @@ class PageSearcher:
         with_context = context is not None and channels is Channel.HYBRID and context not in queries
         if not queries:
             return {channels: []}
-        if channels is Channel.CAPTION:
-            raise ValueError("the caption channel is a part of hybrid search, not a channel to search alone")
+        if channels in (Channel.CAPTION, Channel.FIGURE):
+            raise ValueError(f"the {channels.value} channel is a part of hybrid search, not a channel to search alone")
         if channels is Channel.IMAGE and not self.image_channel:
             raise ImageChannelOffError(
                 "image-only search was asked for, but the page-image channel is off: set MMRAG_PAGE_RETRIEVER to a "
@@ -292,7 +334,7 @@ class PageSearcher:
         must = [self._scope] if self._scope is not None else []
         if doc_filter:
             must.append(await self._doc_filter(doc_filter))
-        return (models.Filter(must=must) if must else None), bool(doc_filter)
+        return models.Filter(must=must, must_not=[IS_FIGURE]), bool(doc_filter)  # pages; figure points: _request
 
     async def _query(self, queries: list[str], vectors: QueryVectors, prepared: tuple[models.Filter | None, bool],
                      limit: int, *, context: bool = False, every: bool = True) -> dict[Channel, list[list[Hit]]]:
@@ -313,21 +355,25 @@ class PageSearcher:
                     requests.append(request)
         responses = await self.client.query_batch_points(self.collection, requests=requests) if requests else []
         ranked: list[dict[Channel, list[models.ScoredPoint]]] = [{} for _ in queries]
+        found: list[dict[Any, int]] = [{} for _ in queries]  # per query: page id -> its figure the figure channel found
         for (i, channel), response in zip(slots, responses):
             ranked[i][channel] = response.points
+            if channel is Channel.FIGURE:
+                ranked[i][channel], found[i] = _as_pages(response.points)
         if not any(p for r in ranked for ps in r.values() for p in ps) and not by_doc:
             await self._check_not_empty()  # emptied since the first check (e.g. `mmrag index reset`)
         around: list[tuple[float, models.ScoredPoint]] = []
         if context:
             around = self.fusion.fuse(ranked.pop())
-            queries = queries[:-1]
+            queries, found = queries[:-1], found[:-1]
         own = channels if every or len(channels) == 1 else []
-        out = {c: [_hits([(p.score, p) for p in r.get(c, [])], q, limit, depth) for q, r in zip(queries, ranked)]
-               for c in own}
-        out.pop(Channel.CAPTION, None)  # a part of the fusion, not a channel to search alone
+        out = {c: [_hits([(p.score, p) for p in r.get(c, [])], q, limit, depth, f)
+                   for q, r, f in zip(queries, ranked, found)] for c in own}
+        out.pop(Channel.CAPTION, None)  # parts of the fusion, not channels to search alone
+        out.pop(Channel.FIGURE, None)
         if len(channels) > 1:
-            out[Channel.HYBRID] = [_hits(_with_context(self.fusion.fuse(r), around), q, limit, depth)
-                                   for q, r in zip(queries, ranked)]
+            out[Channel.HYBRID] = [_hits(_with_context(self.fusion.fuse(r), around), q, limit, depth, f)
+                                   for q, r, f in zip(queries, ranked, found)]
         else:  # HYBRID with every other channel weighted 0: the one channel left is the fusion
             out[Channel.HYBRID] = out[channels[0]]
         return out
@@ -348,6 +394,8 @@ class PageSearcher:
             out.lexical = [self.lexical.query(t) for t in texts]
         if channels is Channel.HYBRID and self.fusion.weight(Channel.CAPTION) > 0:
             out.caption = [figure_query(t) for t in texts]
+        if channels is Channel.HYBRID and self.fusion.weight(Channel.FIGURE) > 0:
+            out.figure = out.text if out.text is not None else self.text_embedder.embed(texts)
         if asked(Channel.IMAGE) and self.image_embedder is not None:
             out.image = self.image_embedder.embed_text(texts)
         if asked(Channel.IMAGE) and self.late is not None:
@@ -361,6 +409,10 @@ class PageSearcher:
         common: dict[str, Any] = {"filter": flt, "limit": limit, "with_payload": True}
         if channel is Channel.TEXT:
             return models.QueryRequest(query=vectors.text[i].tolist(), using=TEXT_VECTOR, **common)
+        if channel is Channel.FIGURE:  # the same filter, on figure points instead of pages
+            must = [] if flt is None else flt.must if isinstance(flt.must, list) else [flt.must] if flt.must else []
+            return models.QueryRequest(query=vectors.figure[i].tolist(), using=TEXT_VECTOR,
+                                       **{**common, "filter": models.Filter(must=[*must, IS_FIGURE])})
         if channel in (Channel.LEXICAL, Channel.CAPTION):
             indices, values = (vectors.lexical if channel is Channel.LEXICAL else vectors.caption)[i]
             if not indices:
@@ -425,7 +477,8 @@ class PageSearcher:
         warning with the count and the fix when there are any (again only when the counts change)."""
         if self._scope is None or not await self.client.collection_exists(self.collection):
             return 0, 0
-        counts = tuple(await asyncio.gather(self._count(models.Filter(must_not=[self._scope])), self._count(None)))
+        counts = tuple(await asyncio.gather(self._count(models.Filter(must_not=[self._scope, IS_FIGURE])),
+                                            self._count(models.Filter(must_not=[IS_FIGURE]))))
         if counts[0] and counts != self._warned:
             log.warning("%d of %d indexed pages were encoded by another vision encoder than the configured one "
                         "(%s): they are excluded from retrieval and their tokens are never fed to the model. "
@@ -490,12 +543,29 @@ def figure_query(text: str) -> tuple[list[int], list[float]]:
     return indices, [1.0] * len(indices)
 
 
-def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int, depth: int) -> list[Hit]:
+def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int, depth: int,
+          found: Mapping[Any, int] | None = None) -> list[Hit]:
     """The first ``limit`` of a query's candidates (best first) as hits, each with its margin over the median
-    score of the first ``depth`` (Hit.margin; for fused hits, as deep as each channel was asked)."""
+    score of the first ``depth`` (Hit.margin; for fused hits, as deep as each channel was asked) and the figure
+    the figure channel ``found`` on its page."""
     median = float(np.median([s for s, _ in scored[:depth]])) if scored else 0.0
-    return [Hit.of(PagePayload.from_qdrant(p.payload), float(s), query, margin=float(s) - median)
-            for s, p in scored[:limit]]
+    found = found or {}
+    return [Hit.of(PagePayload.from_qdrant(p.payload), float(s), query, margin=float(s) - median,
+                   found=found.get(p.id)) for s, p in scored[:limit]]
+
+
+def _as_pages(points: list[models.ScoredPoint]) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
+    """Figure points (best first) as their pages: each page once, at its best figure's score (the payload is
+    the page's own, core/payload.py figure_payload), and which figure that was."""
+    pages: list[models.ScoredPoint] = []
+    found: dict[Any, int] = {}
+    for p in points:
+        parent = (p.payload or {}).get(FIGURE_PARENT)
+        if parent is None or parent in found:
+            continue
+        found[parent] = int(p.payload[FIGURE_INDEX])
+        pages.append(p.model_copy(update={"id": parent}))
+    return pages, found
 
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")

@@ -422,7 +422,7 @@ class IngestJobs:
         removed = index.delete_document(doc_id)
         if not removed:
             return None
-        keys = {p.image_key for p in removed}
+        keys = {k for p in removed for k in p.image_keys}  # its pages' and their figures'
         in_use = self._tiers.in_use(self._referenced(index))
         tiered = keys | {k.in_policy(p) for k in keys for p in self._tiers.policies.values()}
         shared = {k for k in tiered if in_use(k)}

@@ -25,7 +25,7 @@ async def test_ask_returns_the_cli_json_shape_with_citations(http):
     assert r.status_code == 200, r.text
     body = r.json()
     assert {"answer", "sub_questions", "citations", "usage", "model"} <= body.keys()
-    assert body["citations"] and {"page_id", "doc", "page", "score"} == body["citations"][0].keys()
+    assert body["citations"] and {"page_id", "doc", "page", "score", "figure"} == body["citations"][0].keys()
     assert body["model"]["random_weights"] is True and "not meaningful" in body["model"]["note"]
 
 

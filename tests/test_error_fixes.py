@@ -33,6 +33,7 @@ RELY_ON_DEFAULT_FIX: set[tuple[str, str]] = set()  # (file, kind) of an ApiError
 # Kinds not triggered here, and why: each needs a broken dependency or a special index, which other tests set up
 # (named where they do); their fixes are still checked statically below.
 NOT_TRIGGERED = {
+    "unknown_figure": "a page with known figures, whose id only a listing gives (test_figure_citations.py)",
     "no_documents": "an empty collection (test_tenants.py)",
     "image_channel_off": "an image-only search, which no route asks for",
     "missing_image_tokens": "a page whose feature entry is gone",
@@ -201,6 +202,8 @@ CASES = [
     Case("bad_request", "POST", "/v1/ask/upload", multipart(QUESTION_PART, *[part('name="images"; filename="i.png"')
                                                                              for _ in range(1001)]), "at most 1,000"),
     Case("not_found", "GET", "/v1/nowhere", {}, "/docs", 404),
+    # bbox is checked before the page is looked up, so a fixed URL reaches it
+    Case("invalid_bbox", "GET", "/v1/pages/any/image?bbox=1,2,3", {}, "x0,y0,x1,y1", param="bbox"),
     Case("method_not_allowed", "PUT", "/v1/ask", {}, "Allow", 405),
     Case("unauthorized", "GET", "/v1/documents", {}, "Bearer", 401, headers={}),
     Case("unknown_page", "GET", "/v1/pages/not-a-page", {}, "GET /v1/documents", 404),

@@ -71,8 +71,12 @@ def test_ingesting_the_sample_corpus_indexes_every_page_and_shares_recurring_fig
     assert report.failed == []
     assert report.pages == len(pages) == ing.index.count()
     distinct = {p["image_key"] for p in points_by_id(ing.index).values()}
-    # One vision forward per distinct page image: duplicated pages are encoded once and shared.
-    assert report.encoded == len(distinct) == len(list(ing.store.keys()))
+    figures = {f["image_key"] for p in points_by_id(ing.index).values() for f in p["figures"]}
+    # One vision forward per distinct page image: duplicated pages are encoded once and shared; and one per
+    # distinct figure crop (the PDFs' charts, MMRAG_FIGURES), each an entry of its own.
+    assert report.encoded == len(distinct) and report.figures_encoded == len(figures - distinct) > 0
+    assert len(list(ing.store.keys())) == len(distinct | figures)
+    assert report.figures >= len(figures)
     assert report.cached == report.pages - report.encoded
     duplicates = [p for p in pages if p.get("duplicate_of")]
     assert duplicates and report.encoded < report.pages

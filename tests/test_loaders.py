@@ -314,7 +314,7 @@ def test_a_text_layer_pdf_yields_its_text_per_page(tmp_path):
     assert [p.text for p in pages] == ["Revenue grew 12% in the third quarter", "Costs fell sharply in 2024"]
     assert {p.text_source for p in pages} == {TextSource.TEXT_LAYER}
     assert all(p.image.mode == "RGB" and p.image.size == (384, 288) for p in pages)
-    assert all(set(p.timings) == {"render", "text"} for p in pages)
+    assert all(set(p.timings) == {"render", "text", "figures"} and p.figures == [] for p in pages)  # text only
 
 
 def test_a_document_carries_its_identity(tmp_path):

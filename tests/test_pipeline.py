@@ -35,7 +35,7 @@ async def test_a_two_part_question_is_answered_in_one_prompt_over_its_sub_questi
     out = answer.to_json()
     assert out["sub_question_source"] == "rules"  # the random model's JSON is never grounded
     assert len(out["sub_questions"]) == 2 and out["answer_mode"] == "one_prompt" and "sub_answers" not in out
-    assert out["citations"] and all({"page_id", "doc", "page", "score"} == c.keys() for c in out["citations"])
+    assert out["citations"] and all({"page_id", "doc", "page", "score", "figure"} == c.keys() for c in out["citations"])
     scores = [c["score"] for c in out["citations"]]
     assert scores == sorted(scores, reverse=True)
     (plan,) = p.submitted  # one request: no sub-answers, no synthesis
@@ -400,3 +400,23 @@ async def test_a_page_deleted_between_retrieval_and_the_answer_is_left_out_and_n
     assert str(key) not in {c.image_key for c in answer.citations}
     assert all(key not in plan.images for plan in p.submitted)
     assert out["pages_deleted"] and out["answer"], out
+
+
+async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_shown_the_crop_alone(pipeline_with):
+    """Issue 26: the sample paper's page 4 holds "Figure 4: hit rate by workload". Its citation names the figure
+    either way; MMRAG_FIGURE_CROPS shows the figure's crop (its own key, fewer tokens) instead of the page."""
+    question = "What does Figure 4 show about the hit rate by workload?"
+    pages = pipeline_with("canonical")
+    answer = await pages.ask(question)
+    (cited,) = [c for c in answer.citations if c.figure is not None]
+    assert (cited.doc, cited.page, cited.figure.region.number) == ("page_cache_paper.pdf", 4, 4)
+    (plan,) = pages.submitted
+    assert ImageKey.parse(cited.image_key) in plan.images and cited.figure.image_key not in plan.images
+
+    crops = pipeline_with("canonical", figure_crops=True)
+    shown = await crops.ask(question)
+    (crop,) = [c for c in shown.citations if c.figure is not None]
+    (plan,) = crops.submitted
+    assert crop.image_key == str(crop.figure.image_key) and crop.figure.image_key in plan.images
+    assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text
+    assert ImageKey.parse(cited.image_key) not in plan.images  # the page itself is not shown

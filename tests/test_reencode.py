@@ -129,12 +129,15 @@ def test_reencode_gives_every_page_the_tokens_and_payload_a_fresh_ingest_writes(
     settings, before, out = reencoded["settings"], reencoded["before"], reencoded["out"]
     fresh_settings = _settings(engine_settings, corpus.fresh, SALT_B)
     fresh = _pages(fresh_settings)
-    distinct = {p.image_key for p in fresh.values()}
+    # Each page's image and its figures' crops (issue 26): every entry a page references.
+    distinct = {k for p in fresh.values() for k in p.image_keys}
+    images = sum(len(p.image_keys) for p in fresh.values())
     assert (out["pages"], out["current"], out["reencoded"], out["skipped"]) == (len(before), 0, len(before), [])
     assert out["stale_by_encoder"] == {str(corpus.scope_a): len(before)}
-    assert out["encoded"] == len(distinct) < len(before)  # a figure repeated across pages is encoded once
-    assert out["reused"] == len(before) - len(distinct)
-    assert out["unreferenced_entries"] == len({PagePayload.from_qdrant(p).image_key for p, _ in before.values()})
+    assert out["encoded"] == len(distinct) < images  # a figure repeated across pages is encoded once
+    assert out["reused"] == images - len(distinct)
+    assert out["unreferenced_entries"] == len({k for p, _ in before.values()
+                                               for k in PagePayload.from_qdrant(p).image_keys})
 
     after = _points(settings)
     assert _pages(settings) == fresh  # every payload field, the fingerprint included, as a fresh ingest writes
@@ -142,7 +145,7 @@ def test_reencode_gives_every_page_the_tokens_and_payload_a_fresh_ingest_writes(
         old_payload, old_vectors = before[page_id]
         assert vectors == old_vectors  # untouched: nothing was embedded
         assert {k: v for k, v in payload.items() if v != old_payload[k]}.keys() <= {
-            "image_key", "encoder_version", "fingerprint", "image_tokens"}
+            "image_key", "encoder_version", "fingerprint", "image_tokens", "figures"}
         assert payload["text"] == old_payload["text"] and payload["text_source"] == old_payload["text_source"]
 
     store, reference = DiskFeatureStore(settings.features_dir), DiskFeatureStore(fresh_settings.features_dir)
@@ -181,7 +184,7 @@ def test_the_summary_says_how_to_free_the_old_entries(corpus, engine_settings, t
     result = runner.invoke(app, ["reencode"], env=_env(engine_settings, data, SALT_B))
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    n_old = len({p.image_key for p in _pages(_settings(engine_settings, corpus.old, SALT_A)).values()})
+    n_old = len({k for p in _pages(_settings(engine_settings, corpus.old, SALT_A)).values() for k in p.image_keys})
     assert f"run `mmrag store gc --apply` to free {n_old} old entries" in text
     total = len(_pages(_settings(engine_settings, corpus.old, SALT_A)))
     assert re.search(rf"reencode .* {total}/{total} pages", text), text  # the progress bar, as ingest shows it
@@ -336,7 +339,7 @@ def test_a_run_killed_half_way_and_rerun_ends_as_an_uninterrupted_run_and_a_thir
     reference, killed = _copy(corpus.old, tmp_path / "reference"), _copy(corpus.old, tmp_path / "killed")
     done = runner.invoke(app, ["reencode", "--json"], env=env_for(reference))  # uninterrupted, in this process
     assert done.exit_code == 0, done.output
-    new_keys = {p.image_key for p in _pages(_settings(engine_settings, reference, SALT_B)).values()}
+    new_keys = {k for p in _pages(_settings(engine_settings, reference, SALT_B)).values() for k in p.image_keys}
     pattern = f"??/img1-*-{corpus.scope_b.version}-*.safetensors"
 
     proc = subprocess.Popen(**cli(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -211,10 +211,10 @@ def _expected_garbage(upgraded, stored: set[ImageKey]) -> set[ImageKey]:
     """Independently of gc: the upgraded document's old keys no other page shares, plus anything the index
     never referenced."""
     before = upgraded["before"]
-    old_doc = {p.image_key for p in before if p.doc == UPGRADED_DOC}
-    others = {p.image_key for p in before if p.doc != UPGRADED_DOC}
-    referenced = {p.image_key for p in before}
-    return (old_doc - others) | (stored - referenced - {p.image_key for p in upgraded["after"]})
+    old_doc = {k for p in before if p.doc == UPGRADED_DOC for k in p.image_keys}  # pages' and figures' entries
+    others = {k for p in before if p.doc != UPGRADED_DOC for k in p.image_keys}
+    referenced = {k for p in before for k in p.image_keys}
+    return (old_doc - others) | (stored - referenced - {k for p in upgraded["after"] for k in p.image_keys})
 
 
 def _gc_cycle(settings, store: FeatureStore, expected: set[ImageKey]) -> None:

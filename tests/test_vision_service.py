@@ -163,10 +163,11 @@ def small_corpus(sample_corpus, tmp_path_factory) -> list[Path]:
             for name in ("design_review_ingest_v2.pdf", "allhands_02_q3_revenue.png")]
 
 
-def _indexed_keys(data_dir: Path, tiny_model: Path) -> dict[tuple[str, int], str]:
+def _indexed_keys(data_dir: Path, tiny_model: Path) -> dict[tuple[str, int], tuple[str, ...]]:
+    """Per page, the entries it references: its image's and its figures' crops'."""
     index = wiring.read_index(local_settings(tiny_model, data_dir))
     try:
-        return {(p.doc, p.page): str(p.image_key) for p in index.pages()}
+        return {(p.doc, p.page): tuple(map(str, p.image_keys)) for p in index.pages()}
     finally:
         index.client.close()
 
@@ -179,12 +180,14 @@ def test_ingest_through_the_service_gives_the_same_keys_and_tokens_as_in_process
     reports = [json.loads(p.stdout.strip().splitlines()[-1]) for p in (local, remote)]
     assert [p.returncode for p in (local, remote)] == [0, 0], remote.stderr[-2000:]
     assert reports[0]["pages"] == reports[1]["pages"] == reports[1]["encoded"] > 2
-    assert metric(vision_server["url"], "mmrag_vision_forwards_total") == forwards + reports[1]["encoded"]
+    assert metric(vision_server["url"], "mmrag_vision_forwards_total") == (
+        forwards + reports[1]["encoded"] + reports[1]["figures_encoded"])  # pages and figure crops
     keys = _indexed_keys(tmp_path / "local", tiny_model)
     assert keys == _indexed_keys(tmp_path / "remote", tiny_model) and len(keys) == reports[0]["pages"]
     stores = [DiskFeatureStore(tmp_path / name / "features") for name in ("local", "remote")]
     service_store = DiskFeatureStore(vision_server["data_dir"] / "features")
-    assert sorted(map(str, stores[0].keys())) == sorted(map(str, stores[1].keys())) == sorted(set(keys.values()))
+    assert sorted(map(str, stores[0].keys())) == sorted(map(str, stores[1].keys())) == sorted(
+        {k for ks in keys.values() for k in ks})
     for key in stores[0].keys():
         ours, theirs, services = stores[0].get(key), stores[1].get(key), service_store.get(key)
         assert torch.equal(ours.image_tokens, theirs.image_tokens) and torch.equal(ours.grid_thw, theirs.grid_thw)

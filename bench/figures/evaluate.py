@@ -109,18 +109,72 @@ def evaluate(docs_dir: Path, labels_path: Path) -> dict:
     return result
 
 
+# Where the same figures are placed again: whole points, and a fractional place (pixel phase at 144 dpi).
+KEY_OFFSETS: tuple[tuple[float, float], ...] = ((36.0, 24.0), (10.25, 17.5), (0.3, 0.7))
+
+
+def crop_key_stability(docs_dir: Path, labels_path: Path, offsets=KEY_OFFSETS) -> dict:
+    """How often the same drawn figure in another file gets the same key: each labelled page's detected figures
+    are cropped (ingestion.figures.crop_figures, as ingestion does), then the page is placed, as a form XObject
+    unchanged, on a larger page of a new PDF at each offset (as a figure included into another document is),
+    and the same regions, shifted, rendered again. A raster figure keys by its own bitmap, which no placement
+    changes, so only rendered crops (vector and form figures) are measured. Also: how many of them differ at
+    all from their original, and by how much."""
+    from ingestion.figures import _render_alone  # the crop a drawn figure gets
+
+    docs_dir, labels = Path(docs_dir), load_labels(labels_path)
+    same = total = 0
+    worst = 0
+    by_offset: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for row in labels:
+        src = pdfium.PdfDocument(docs_dir / row["doc"])
+        page = src[row["page"] - 1]
+        regions = [r for r in detect_figures(page) if r.source != "raster"]
+        if not regions:
+            continue
+        originals = [_render_alone(page, r.bbox_pt) for r in regions]
+        w, h = page.get_size()
+        for dx, dy in offsets:
+            dest = pdfium.PdfDocument.new()
+            xobject = src.page_as_xobject(row["page"] - 1, dest)
+            placed = dest.new_page(w + 72, h + 72)
+            obj = xobject.as_pageobject()
+            obj.set_matrix(pdfium.PdfMatrix().translate(dx, 72 - dy))  # top-left origin: down by dy
+            placed.insert_obj(obj)
+            placed.gen_content()
+            for region, original in zip(regions, originals):
+                x0, y0, x1, y1 = region.bbox_pt
+                again = _render_alone(placed, (x0 + dx, y0 + dy, x1 + dx, y1 + dy))
+                equal = again.size == original.size and again.tobytes() == original.tobytes()
+                if not equal and again.size == original.size:
+                    a, b = again.tobytes(), original.tobytes()
+                    worst = max(worst, max(abs(u - v) for u, v in zip(a, b)))
+                same += equal
+                total += 1
+                by_offset[f"{dx},{dy}"][0] += equal
+                by_offset[f"{dx},{dy}"][1] += 1
+    return {"rendered_figures_x_offsets": total, "same_key": same,
+            "same_key_share": round(same / total, 3) if total else None,
+            "by_offset": {k: {"same": v[0], "of": v[1]} for k, v in by_offset.items()},
+            "largest_pixel_difference": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=Path, required=True, help="folder holding the realdocs PDFs")
     ap.add_argument("--labels", type=Path, default=Path(__file__).with_name("boxes.jsonl"))
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON")
     ap.add_argument("--details", action="store_true", help="list misses and extra boxes per page")
+    ap.add_argument("--keys", action="store_true", help="also measure how often a drawn figure placed elsewhere "
+                                                        "in another file keeps its crop's key")
     args = ap.parse_args(argv)
     try:
         result = evaluate(args.docs, args.labels)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.keys:
+        result["crop_keys"] = crop_key_stability(args.docs, args.labels)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -132,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:22s} P {m['precision']}  R {m['recall']}  F1 {m['f1']}  (tp {m['tp']} fp {m['fp']} fn {m['fn']})")
     for name, m in result["per_source"].items():
         print(f"  source {name:8s} {m}")
+    if args.keys:
+        k = result["crop_keys"]
+        print(f"  crop keys: {k['same_key']} of {k['rendered_figures_x_offsets']} drawn figures placed elsewhere "
+              f"keep their key ({k['same_key_share']}); by offset {k['by_offset']}; largest pixel difference "
+              f"{k['largest_pixel_difference']}")
     if args.details:
         for p in result["page_details"]:
             if p["missed"] or p["extra"]:

@@ -7,10 +7,12 @@ being silently dropped from the answer or missing from the OpenAPI document.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from core.figures import FigureKind
 from core.pages import TextSource
 from core.payload import PagePayload
 
@@ -119,12 +121,52 @@ class AskRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description=MAX_TOKENS_DESCRIPTION)
 
 
+BBOX_DESCRIPTION = (
+    "x0, y0, x1, y1 in PDF points (1/72 inch) with a top-left origin, y growing down: the box on the page as GET "
+    "/v1/pages/{page_id}/image renders it, at scale MMRAG_PDF_DPI/72 pixels per point (an image document: its "
+    "pixels, scale 1). GET /v1/pages/{page_id}/image?figure=N draws it.")
+
+
+class FigureCitation(_Response):
+    """The figure (or table) of the cited page that the answer drew on."""
+
+    number: int | None = Field(description="N of its caption (\"Figure 3\", \"Table 2\"); null when it has no "
+                               "whole number (uncaptioned, or numbered like 3.2: the caption still says so).")
+    kind: FigureKind = Field(description="`figure`, `table`, `image` (an uncaptioned picture) or `slide`.")
+    caption: str = Field(description="Its caption line as printed on the page; empty when it has none.")
+    bbox: list[float] = Field(min_length=4, max_length=4, description=BBOX_DESCRIPTION)
+
+    @property
+    def label(self) -> str:
+        """"Figure 3", "Table 2"; "a figure" ("a table") without a whole number (as core.figures.PageFigure)."""
+        word = "table" if self.kind == "table" else "figure"
+        return f"a {word}" if self.number is None else f"{word.title()} {self.number}"
+
+    def reference(self) -> str:
+        """How a footnote or `mmrag ask` names it: "Figure 3: Revenue by quarter", its label and its caption
+        without the "Figure 3:" / "Fig. 3." the caption starts with; a caption that names it otherwise ("Figure
+        3.2 ...", "TABLE IV ...") as printed; the label alone without a caption."""
+        caption = " ".join(self.caption.split())
+        if not caption:
+            return self.label
+        if self.number is None:
+            return caption
+        rest, named = re.subn(rf"^[A-Za-z]+\.?\s*{self.number}(?![.\d]*\d)\s*[:.\-\u2013\u2014]?\s*", "", caption)
+        if not named:
+            return caption
+        return f"{self.label}: {rest}" if rest else self.label
+
+
 class Citation(_Response):
     page_id: str = Field(description="The cited page's id: fetch it with GET /v1/pages/{page_id}.")
     doc: str = Field(description="File name of the cited document.")
     page: int = Field(description="1-based page number in that document.")
     score: float = Field(description="Retrieval score, rounded to 4 places: cosine similarity for one channel, "
                                      "reciprocal-rank-fusion score for hybrid search. Citations are best first.")
+    figure: FigureCitation | None = Field(
+        default=None, description="The figure of the page the hit was on (the question named its number, or its "
+        "caption matched best); null when the hit was the page as a whole. GET "
+        "/v1/pages/{page_id}/image?figure=N shows it outlined (N: its `number`; `bbox=` for one without).")
 
 
 class Usage(_Response):
@@ -262,7 +304,8 @@ class Page(_Response):
 
 
 PNG_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The page image as PNG, rendered again from its source file.",
+    200: {"description": "The page image as PNG, rendered again from its source file; with `figure` or `bbox`, that "
+                         "box outlined in red (3 px, inside the box).",
           "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}},
 }
 
@@ -289,6 +332,10 @@ class IngestReport(_Response):
     pages: int = Field(description="Pages indexed.")
     encoded: int = Field(description="Pages newly vision-encoded.")
     cached: int = Field(description="Pages whose image tokens were already stored.")
+    figures: int = Field(default=0, description="Figures found on the PDF pages (MMRAG_FIGURES), each cropped as an "
+                                                "image entry of its own.")
+    figures_encoded: int = Field(default=0, description="Figure crops newly vision-encoded (a figure stored "
+                                                        "already, from this or another document, needs none).")
     failed: list[FileFailure] = Field(description="Files that failed; the others were ingested.")
     seconds: float = Field(description="Wall time of the run.")
     unchanged_files: int = Field(description="Files skipped: same bytes and settings as already indexed.")

@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import hashlib
 import io
+import math
 import re
 import uuid
 from collections.abc import Callable, Iterable
@@ -12,8 +13,10 @@ from typing import BinaryIO
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
+from PIL import Image, ImageDraw
 
 from adapters.files import atomic_file
+from core.figures import Box, FigureRegion
 from core.keys import doc_id_for
 from core.payload import PagePayload
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
@@ -169,21 +172,121 @@ async def page(page_id: str, services: TenantDep) -> Page:
     return Page.of(found, path=services.jobs.shown(found.path))
 
 
-@router.get("/pages/{page_id}/image", summary="The page image (PNG), rendered from its source file",
-            response_class=Response, responses={**PNG_RESPONSE, **error_responses({**PAGE_ERRORS, **SOURCE_GONE})})
-async def page_image(page_id: str, services: TenantDep) -> Response:
+IMAGE_ERRORS = {
+    **PAGE_ERRORS, **SOURCE_GONE,
+    404: "No indexed page has this id (`unknown_page`), or the page has no figure numbered `figure` "
+         "(`unknown_figure`; the message names the numbers it has).",
+    400: "`bbox` is not four numbers x0,y0,x1,y1 (points, top-left origin) with x0 < x1 and y0 < y1 inside the page "
+         "(`invalid_bbox`), or `figure` and `bbox` are both given (`conflicting_parameters`).",
+}
+BBOX_FIX = ("give bbox=x0,y0,x1,y1 in PDF points (1/72 inch), top-left origin, y down, inside the page: a "
+            "citation's `figure.bbox` is one")
+# The outline drawn for `figure`/`bbox`: red, 3 px, inside the box so that a box at the page's edge shows whole.
+OUTLINE_RGB = (255, 0, 0)
+OUTLINE_PX = 3
+
+
+@router.get("/pages/{page_id}/image", summary="The page image (PNG), rendered from its source file; with "
+            "`figure` or `bbox`, that box outlined", response_class=Response,
+            responses={**PNG_RESPONSE, **error_responses(IMAGE_ERRORS)})
+async def page_image(
+    page_id: str, services: TenantDep,
+    figure: int | None = Query(None, ge=1, description="Outline this figure (or table) of the page: the `number` of "
+                               "a citation's `figure`. The page's figures without a number: use their `bbox`."),
+    bbox: str | None = Query(None, max_length=200, description="Outline this box: `x0,y0,x1,y1` in PDF points "
+                             "(1/72 inch), top-left origin, y down (a citation's `figure.bbox`); drawn at the "
+                             "render's MMRAG_PDF_DPI/72 pixels per point (an image document: its pixels)."),
+) -> Response:
+    if figure is not None and bbox is not None:
+        raise ApiError(400, "conflicting_parameters", "`figure` and `bbox` both name a box to outline",
+                       "give one of them: figure=N for a numbered figure of the page, bbox=x0,y0,x1,y1 for any box",
+                       param="bbox")
+    box = _parse_bbox(bbox) if bbox is not None else None
     found = await _page(services, page_id)
-    png = await asyncio.to_thread(_render_png, Path(found.path), found.page, services.settings)
+    if figure is not None:
+        box = _figure_box(found, figure)
+    path = Path(found.path)
+    if box is None:  # the page as is: the bytes it always was
+        png = await asyncio.to_thread(_render_png, path, found.page, services.settings)
+    else:  # a figure's box is the page's own (clamped to it when drawn); the client's must lie on the page
+        png = await asyncio.to_thread(_render_outlined_png, path, found.page, services.settings, box,
+                                      on_page=figure is None)
     return Response(png, media_type="image/png")
 
 
+def _parse_bbox(text: str) -> Box:
+    """``x0,y0,x1,y1`` as four finite numbers with x0 < x1 and y0 < y1; whether it lies on the page is known
+    once the page is rendered."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4 or not all(math.isfinite(v) for v in values):
+        raise ApiError(400, "invalid_bbox", f"bbox={text!r} is not four numbers x0,y0,x1,y1", BBOX_FIX, param="bbox")
+    x0, y0, x1, y1 = values
+    if not (x0 < x1 and y0 < y1):
+        raise ApiError(400, "invalid_bbox", f"bbox={text!r} is empty or inverted: it needs x0 < x1 and y0 < y1",
+                       BBOX_FIX, param="bbox")
+    return x0, y0, x1, y1
+
+
+def _figure_box(page: PagePayload, number: int) -> Box:
+    """The box of the page's figure ``number``; 404 naming the numbers it has, or saying it has none."""
+    found = page.figure(number)
+    if found is not None:
+        return found.region.bbox_pt
+    where = f"page {page.page} of {page.doc}"
+    numbers = sorted({f.region.number for f in page.figures if f.region.number is not None})
+    if numbers:
+        listed = ", ".join(map(str, numbers))
+        raise ApiError(404, "unknown_figure", f"{where} has no figure {number}; its figures are numbered {listed}",
+                       f"ask for one of figure={listed}, or outline any box with bbox=x0,y0,x1,y1", param="figure")
+    if page.figures:
+        raise ApiError(404, "unknown_figure", f"{where} has no figure {number}: none of its {len(page.figures)} "
+                       "figures has a number", "outline one with bbox=x0,y0,x1,y1: a citation's `figure.bbox`",
+                       param="figure")
+    raise ApiError(404, "unknown_figure", f"{where} has no figure {number}: no figures were found on it",
+                   "outline any box with bbox=x0,y0,x1,y1 (PDF points, top-left origin, y down)", param="figure")
+
+
+def _points_scale(path: Path, settings) -> float:
+    """Pixels per point of the page as rendered: MMRAG_PDF_DPI/72 for a PDF; an image document is its pixels."""
+    return settings.pdf_dpi / 72 if SUPPORTED_FORMATS.get(path.suffix.lower()) == "PDF" else 1.0
+
+
 def _render_png(path: Path, number: int, settings) -> bytes:
+    return _png(_render(path, number, settings))
+
+
+def _render_outlined_png(path: Path, number: int, settings, box: Box, *, on_page: bool) -> bytes:
+    """The page with ``box`` (points) outlined; with ``on_page``, 400 when the box is not inside the page (half a
+    pixel of slack: a figure's box, rounded in its citation, may reach that far past the page's edge)."""
+    image = _render(path, number, settings)
+    scale = _points_scale(path, settings)
+    width_pt, height_pt = image.width / scale, image.height / scale
+    x0, y0, x1, y1 = box
+    slack = 0.5 / scale
+    if on_page and (x0 < -slack or y0 < -slack or x1 > width_pt + slack or y1 > height_pt + slack):
+        raise ApiError(400, "invalid_bbox", f"bbox {x0:g},{y0:g},{x1:g},{y1:g} is not inside the page "
+                       f"({width_pt:g} x {height_pt:g} points)", BBOX_FIX, param="bbox")
+    region = FigureRegion(None, "figure", "", box, "page")  # bbox_px: the one points-to-pixels rule
+    px0, py0, px1, py1 = region.bbox_px(scale, image.size)
+    ImageDraw.Draw(image).rectangle((px0, py0, max(px0, px1 - 1), max(py0, py1 - 1)), outline=OUTLINE_RGB,
+                                    width=OUTLINE_PX)
+    return _png(image)
+
+
+def _render(path: Path, number: int, settings) -> Image.Image:
     try:
         rendered = render_page(path, number, settings)
     except IngestError as exc:  # named by file name: the folder is the server's business
         raise ApiError(410, "source_gone", f"cannot render {path.name}: {exc}", "re-ingest the document") from exc
     if rendered is None:
         raise ApiError(410, "source_gone", f"{path.name} no longer has page {number}", "re-ingest the document")
+    return rendered.image
+
+
+def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
-    rendered.image.save(buf, format="PNG")
+    image.save(buf, format="PNG")
     return buf.getvalue()

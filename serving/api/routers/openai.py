@@ -25,7 +25,7 @@ from serving.api.limits import CHAT_ROUTE
 from serving.api.openai_schemas import (MODEL_ID, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatMessage, ImagePart, ModelList, TextPart)
 from serving.api.routers.ask import ASK_ERRORS
-from serving.api.schemas import UNAUTHORIZED, error_responses
+from serving.api.schemas import UNAUTHORIZED, FigureCitation, error_responses
 from serving.api.services import Services
 
 router = APIRouter(tags=["openai"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
@@ -115,9 +115,14 @@ async def _chunks(events: AsyncIterator[dict], head: dict, include_usage: bool) 
 
 
 def footnotes(citations: list[dict]) -> str:
-    """The citations as footnotes after the answer: ``[1] doc.pdf, page 3``, one a line; empty without any."""
-    lines = [f"[{i}] {c['doc']}, page {c['page']}" for i, c in enumerate(citations, 1)]
+    """The citations as footnotes after the answer, one a line: ``[1] doc.pdf, page 3``, and the figure where the
+    hit was one (``[2] report.pdf, page 23, Figure 3: Revenue by quarter``); empty without any."""
+    lines = [f"[{i}] {c['doc']}, page {c['page']}{_figure_note(c.get('figure'))}" for i, c in enumerate(citations, 1)]
     return "\n\n" + "\n".join(lines) if lines else ""
+
+
+def _figure_note(figure: dict | None) -> str:
+    return "" if figure is None else f", {FigureCitation.model_validate(figure).reference()}"
 
 
 def chat_usage(usage: dict) -> dict:

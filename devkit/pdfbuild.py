@@ -1,0 +1,95 @@
+"""PDF pages built object by object with pdfium: image objects, path objects and standard-font text placed at
+known boxes, so that what figure detection and ingestion find can be checked against where things were put.
+
+Shared by the tests (tests/test_figures.py, tests/test_figure_entries.py) and the benchmark's figure corpus
+(bench/figure_keys.py). Boxes are top-left-origin points, y down, as core.figures.FigureRegion reports them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+
+import pypdfium2 as pdfium
+import pypdfium2.raw as pdfium_c
+from PIL import Image
+
+W, H = 612.0, 792.0  # US letter, points
+
+
+class PageBuilder:
+    """Places objects by top-left-origin boxes, as FigureRegion reports them."""
+
+    def __init__(self, width: float = W, height: float = H) -> None:
+        self.h = height
+        self.pdf = pdfium.PdfDocument.new()
+        self.page = self.pdf.new_page(width, height)
+        self.font = pdfium_c.FPDFText_LoadStandardFont(self.pdf, b"Helvetica")
+
+    def text(self, x: float, y_top: float, text: str, size: float = 10.0) -> None:
+        obj = pdfium_c.FPDFPageObj_NewTextObj(self.pdf, b"Helvetica", ctypes.c_float(size))
+        data = (text + "\0").encode("utf-16-le")  # FPDF_WIDESTRING is UTF-16LE, NUL-terminated
+        pdfium_c.FPDFText_SetText(obj, ctypes.cast(ctypes.c_char_p(data), pdfium_c.FPDF_WIDESTRING))
+        pdfium_c.FPDFPageObj_Transform(obj, 1, 0, 0, 1, x, self.h - y_top - size)
+        pdfium_c.FPDFPage_InsertObject(self.page, obj)
+
+    def image(self, box: tuple[float, float, float, float], jpeg_bytes: bytes | None = None) -> None:
+        """A JPEG image object filling ``box`` (a flat navy picture unless ``jpeg_bytes`` are given)."""
+        x0, y0, x1, y1 = box
+        jpeg = io.BytesIO(jpeg_bytes or b"")
+        if jpeg_bytes is None:
+            Image.new("RGB", (64, 48), "navy").save(jpeg, "JPEG")
+        jpeg.seek(0)
+        img = pdfium.PdfImage.new(self.pdf)
+        img.load_jpeg(jpeg, inline=False, autoclose=False)
+        img.set_matrix(pdfium.PdfMatrix().scale(x1 - x0, y1 - y0).translate(x0, self.h - y1))
+        self.page.insert_obj(img)
+
+    def rect(self, box: tuple[float, float, float, float], fill: bool = False) -> None:
+        x0, y0, x1, y1 = box
+        path = pdfium_c.FPDFPageObj_CreateNewRect(x0, self.h - y1, x1 - x0, y1 - y0)
+        pdfium_c.FPDFPageObj_SetStrokeColor(path, 0, 0, 0, 255)
+        pdfium_c.FPDFPageObj_SetFillColor(path, 120, 120, 200, 255)
+        pdfium_c.FPDFPath_SetDrawMode(path, pdfium_c.FPDF_FILLMODE_WINDING if fill else 0, True)
+        pdfium_c.FPDFPage_InsertObject(self.page, path)
+
+    def line(self, x0: float, y: float, x1: float) -> None:
+        path = pdfium_c.FPDFPageObj_CreateNewPath(x0, self.h - y)
+        pdfium_c.FPDFPath_LineTo(path, x1, self.h - y)
+        pdfium_c.FPDFPageObj_SetStrokeColor(path, 0, 0, 0, 255)
+        pdfium_c.FPDFPath_SetDrawMode(path, 0, True)
+        pdfium_c.FPDFPage_InsertObject(self.page, path)
+
+    def body(self, y_top: float, lines: int) -> None:
+        for k in range(lines):
+            self.text(72, y_top + 14 * k, "This is running body text of the page, long enough to be a paragraph line.")
+
+    def chart(self, box: tuple[float, float, float, float]) -> None:
+        """A bar chart of many paths: a frame, bars, ticks."""
+        x0, y0, x1, y1 = box
+        self.rect(box)
+        n = 12
+        step = (x1 - x0) / n
+        for k in range(n):
+            top = y0 + 10 + (k * 37 % (y1 - y0 - 20))
+            self.rect((x0 + k * step + 3, top, x0 + (k + 1) * step - 3, y1), fill=True)
+            self.line(x0 + k * step + step / 2, y1, x0 + k * step + step / 2)  # a zero-length tick mark
+
+    def open(self) -> pdfium.PdfPage:
+        return pdfium.PdfDocument(self.bytes())[0]
+
+    def bytes(self) -> bytes:
+        self.page.gen_content()
+        out = io.BytesIO()
+        self.pdf.save(out)
+        return out.getvalue()
+
+
+def join_pages(documents: list[bytes]) -> bytes:
+    """One PDF of the pages of ``documents`` (each a PageBuilder's ``bytes()``), in order."""
+    out = pdfium.PdfDocument.new()
+    for data in documents:
+        out.import_pages(pdfium.PdfDocument(data))
+    buf = io.BytesIO()
+    out.save(buf)
+    return buf.getvalue()

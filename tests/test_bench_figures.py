@@ -1,0 +1,116 @@
+"""`mmrag bench --figures --tiny`: page-level against figure-level keys on one engine (issue 26); timings mean nothing.
+
+One real run in a subprocess (vLLM allows one in-process engine per process; the bench starts it once for both
+levels): the figure corpus built with pdfium, ingested by the real Ingestor with figures on, the one prompt per
+question at both levels through the scheduler. The session's tiny model is the bench's --tiny model, linked where
+the bench looks for it, so it is not built again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.figure_keys import FIGURE_LEVEL, PAGE_LEVEL, FigureCorpusSpec, build_figure_corpus
+from bench.model import TINY_SPEC
+
+ROOT = Path(__file__).resolve().parent.parent
+CHARTS, QUESTIONS, LENGTH = 4, 8, 4
+FIELDS = ("questions", "prompts", "questions_per_s", "ttft_p50_s", "image_hit_rate", "position_oracle_hit_rate",
+          "image_tokens", "cached_image_tokens", "image_tokens_per_prompt", "distinct_image_keys",
+          "vision_forwards_at_ingest", "wall_s")
+
+
+@pytest.fixture(scope="module")
+def figures_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    data = tmp_path_factory.mktemp("bench-figures")
+    (data / "models").mkdir()
+    (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
+    out = data / "figures.json"
+    # Only this run's settings (a session's MMRAG_REDIS_URL must not take its store); an emulated ISA stays.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_") or k == "MMRAG_EMULATE_ISA"}
+    env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmrag.bench_cmd", "--figures", "--tiny", "--charts", str(CHARTS), "--questions",
+         str(QUESTIONS), "--max-tokens", str(LENGTH), "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    return {"data": json.loads(out.read_text())["figures"], "stdout": proc.stdout}
+
+
+def levels(run: dict) -> dict[str, dict]:
+    return run["data"]["by_length"][str(LENGTH)]
+
+
+def test_both_levels_run_on_one_engine_and_report_every_figure_and_each_check(figures_run):
+    data = figures_run["data"]
+    assert list(data["by_length"]) == [str(LENGTH)]  # --max-tokens: that length only
+    assert list(levels(figures_run)) == [PAGE_LEVEL, FIGURE_LEVEL]
+    for name, r in levels(figures_run).items():
+        missing = [f for f in FIELDS if f not in r]
+        assert not missing, f"{name} lacks {missing}"
+        assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
+        assert r["questions_per_s"] > 0 and r["ttft_p50_s"] > 0 and 0 < r["position_oracle_hit_rate"] <= 1
+    assert data["machine"]["cpu"] and data["machine"]["dtype"] == data["engine"]["dtype"]
+    assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 3
+    for t in data["targets"]:
+        assert f"{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}" \
+            in figures_run["stdout"]
+    assert "| page_level |" in figures_run["stdout"] and data["machine"]["dtype"] in figures_run["stdout"]
+
+
+def test_figure_level_shows_fewer_distinct_images_and_fewer_image_tokens_per_prompt(figures_run):
+    page, figure = levels(figures_run)[PAGE_LEVEL], levels(figures_run)[FIGURE_LEVEL]
+    assert figure["distinct_image_keys"] < page["distinct_image_keys"]
+    assert figure["image_tokens_per_prompt"] < page["image_tokens_per_prompt"]
+    # A figure-level prompt shows the chart crops; the ingest's crops have fewer tokens than any page.
+    ing = figures_run["data"]["ingest"]
+    assert max(ing["image_tokens_per_figure"]) < min(ing["image_tokens_per_page"])
+
+
+def test_one_chart_pasted_into_different_layouts_is_one_figure_key_and_one_forward(figures_run):
+    ing = figures_run["data"]["ingest"]
+    layouts = figures_run["data"]["corpus"]["layouts"]
+    assert ing["chart_occurrences"] == ing["pages"] == sum(layouts.values()) >= 2 * CHARTS
+    assert ing["distinct_chart_keys"] == CHARTS < ing["chart_occurrences"]
+    assert ing["distinct_page_keys"] == ing["pages"]  # every page differs around its chart
+    report = ing["report"]
+    assert (report["figures"], report["figures_encoded"]) == (ing["figure_occurrences"], ing["distinct_figure_keys"])
+    assert ing["vision_forwards"] == {PAGE_LEVEL: report["encoded"],
+                                      FIGURE_LEVEL: report["encoded"] + report["figures_encoded"]}
+    for name, r in levels(figures_run).items():
+        assert r["vision_forwards_at_ingest"] == ing["vision_forwards"][name]
+        assert r["vision_forwards_at_serve"] == 0  # every image came from the feature store
+
+
+def test_the_rates_are_the_runs_own_counts(figures_run):
+    """Each rate is the quotient of the counts the engine reported for this run, not a constant."""
+    page, figure = levels(figures_run)[PAGE_LEVEL], levels(figures_run)[FIGURE_LEVEL]
+    for r in (page, figure):
+        assert 0 < r["cached_image_tokens"] <= r["image_tokens"]
+        assert r["image_hit_rate"] == round(r["cached_image_tokens"] / r["image_tokens"], 4)
+        assert r["image_tokens_per_prompt"] == round(r["image_tokens"] / r["prompts"], 2)
+        # wall_s is rounded to 10 ms
+        assert r["questions_per_s"] == pytest.approx(r["questions"] / r["wall_s"], rel=0.05)
+    assert page["image_hit_rate"] != figure["image_hit_rate"]
+    (oracle, over_page, tokens) = (t["measured"] for t in figures_run["data"]["targets"])
+    assert over_page == round(figure["image_hit_rate"] / page["image_hit_rate"], 3)
+    assert tokens == round(figure["image_tokens_per_prompt"] / page["image_tokens_per_prompt"], 3)
+    assert oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
+
+
+def test_the_corpus_is_seeded_and_puts_each_chart_into_two_or_three_layouts(tmp_path):
+    a = build_figure_corpus(tmp_path / "a", FigureCorpusSpec(charts=CHARTS, seed=3))
+    b = build_figure_corpus(tmp_path / "b", FigureCorpusSpec(charts=CHARTS, seed=3))
+    assert a.placements == b.placements and a.titles == b.titles and len(set(a.titles)) == CHARTS
+    for chart in range(CHARTS):
+        where = [p for p in a.placements if p.chart == chart]
+        assert 2 <= len(where) <= 3 and len({p.layout for p in where}) == len(where)
+        assert len({p.doc for p in where}) == len(where)  # each in another document
+    assert len({(p.doc, p.page) for p in a.placements}) == len(a.placements)

@@ -1,0 +1,279 @@
+"""Figures as image entries of their own (issue 26): each figure crop keyed by its content like a page, ingested
+once however many documents show it, referenced by its pages (store gc, deletion), re-encoded with them, counted
+by `index check`, and named by the hits and citations it answers.
+
+The documents are built here with pdfium (devkit/pdfbuild.py PageBuilder): a report page and a slide that
+paste the same JPEG chart at different places and sizes, with different text around it.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from core.figures import FigureRegion, PageFigure
+from core.keys import ImageKey
+from core.settings import Settings
+from ingestion.figures import FIGURE_SCALE, crop_figures, detect_figures
+from ingestion.pipeline import IngestReport
+from mmrag import wiring
+from rag.plans import cite
+from retrieval.search import Channel, Hit, hit_figure
+from devkit.pdfbuild import PageBuilder
+
+SLIDE = (792.0, 612.0)  # a landscape slide, points
+
+
+def chart_jpeg() -> bytes:
+    """A bar chart as a JPEG: what a team pastes into a report and a deck alike."""
+    im = Image.new("RGB", (320, 200), "white")
+    draw = ImageDraw.Draw(im)
+    for k, h in enumerate((40, 90, 60, 150, 120, 170)):
+        draw.rectangle((20 + 48 * k, 190 - h, 56 + 48 * k, 190), fill=(40 + 30 * k, 90, 200 - 20 * k))
+    draw.line((10, 190, 310, 190), fill="black", width=2)
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+def write_docs(folder: Path) -> Path:
+    jpeg = chart_jpeg()
+    report = PageBuilder()
+    report.body(72, 4)
+    report.image((150, 160, 450, 347.5), jpeg)
+    report.text(150, 360, "Figure 3: Quarterly revenue by region, in millions.")
+    report.body(410, 6)
+    (folder / "report.pdf").write_bytes(report.bytes())
+    deck = PageBuilder(*SLIDE)
+    deck.text(60, 40, "Revenue grew in every region", size=24)
+    deck.image((320, 140, 720, 390), jpeg)
+    deck.text(320, 400, "Figure 1: Quarterly revenue by region.")
+    deck.text(60, 160, "Europe leads the growth")
+    (folder / "deck.pdf").write_bytes(deck.bytes())
+    return folder
+
+
+@dataclass(frozen=True)
+class Ingested:
+    settings: Settings
+    report: IngestReport
+    docs: Path
+
+
+@pytest.fixture(scope="module")
+def ingested(tiny_model, tmp_path_factory) -> Ingested:
+    docs = write_docs(tmp_path_factory.mktemp("figure-docs"))
+    settings = Settings(model=str(tiny_model), data_dir=tmp_path_factory.mktemp("figure-data"), ocr=False)
+    ingestor = wiring.ingestor(settings)
+    try:
+        report = ingestor.run([docs / "report.pdf", docs / "deck.pdf"])
+    finally:
+        ingestor.index.client.close()
+    return Ingested(settings, report, docs)
+
+
+def copied(ingested: Ingested, to: Path, **update) -> Settings:
+    """Settings on a copy of the ingested index and store (a test that changes them leaves the others theirs)."""
+    data = to / "data"
+    shutil.copytree(ingested.settings.data_dir / "qdrant", data / "qdrant")
+    shutil.copytree(ingested.settings.data_dir / "features", data / "features",
+                    ignore=shutil.ignore_patterns(".leases"))
+    return ingested.settings.model_copy(update={"data_dir": data, **update})
+
+
+def pages_of(settings: Settings) -> dict[str, object]:
+    index = wiring.read_index(settings)
+    try:
+        return {p.doc: p for p in index.pages()}
+    finally:
+        index.client.close()
+
+
+def test_the_same_picture_in_a_report_and_on_a_slide_is_one_figure_entry_and_one_forward(ingested):
+    report = ingested.report
+    assert not report.failed and report.pages == 2
+    assert report.figures == 2 and report.figures_encoded == 1  # the slide's figure was stored already
+    pages = pages_of(ingested.settings)
+    (in_report,), (on_slide,) = pages["report.pdf"].figures, pages["deck.pdf"].figures
+    assert pages["report.pdf"].image_key != pages["deck.pdf"].image_key  # the pages differ ...
+    assert in_report.image_key == on_slide.image_key  # ... the figure is one key, keyed by the picture's own pixels
+    assert (in_report.region.number, on_slide.region.number) == (3, 1)
+    assert in_report.region.caption.startswith("Figure 3: Quarterly revenue")
+    assert in_report.region.source == "raster" and in_report.image_tokens > 0
+    assert max(abs(a - b) for a, b in zip(in_report.region.bbox_pt, (150, 160, 450, 347.5))) < 2
+    store = wiring.feature_store(ingested.settings)
+    assert store.contains(in_report.image_key)
+    assert pages["report.pdf"].image_keys == (pages["report.pdf"].image_key, in_report.image_key)
+
+
+def test_a_picture_crop_is_its_own_pixels_and_a_drawn_figure_renders_alone_at_a_fixed_scale():
+    b = PageBuilder()
+    b.image((100, 100, 300, 225), chart_jpeg())
+    b.text(100, 235, "Figure 1: Revenue.")
+    b.chart((100, 400, 400, 600))
+    b.text(100, 610, "Figure 2: Latency.")
+    page = b.open()
+    picture, drawing = crop_figures(page, detect_figures(page), max_pixels=10**8)
+    assert picture.image.size == (320, 200)  # the JPEG's own size, not its size on the page
+    x0, y0, x1, y1 = drawing.region.bbox_pt
+    assert abs(drawing.image.width - (x1 - x0) * FIGURE_SCALE) <= 1
+    assert abs(drawing.image.height - (y1 - y0) * FIGURE_SCALE) <= 1
+    assert page.get_cropbox() == (0.0, 0.0, 612.0, 792.0)  # put back after the render
+    # A picture over the decoding bound is rendered instead of decoded.
+    (small,) = crop_figures(page, detect_figures(page)[:1], max_pixels=1000)
+    assert small.image.size != (320, 200)
+
+
+def test_the_same_drawing_at_two_places_renders_alike_up_to_pdfium_rounding():
+    """What a vector figure's key can promise: its crop starts at its own corner, so the same drawing elsewhere
+    on another page gives the same size and the same pixels up to a grey level where pdfium rounds absolute
+    coordinates (bench/figures measures how often the hashes agree)."""
+    crops = []
+    for box in ((100, 100, 400, 300), (180, 430, 480, 630)):
+        b = PageBuilder()
+        b.chart(box)
+        b.text(box[0], box[3] + 10, "Figure 2: Latency.")
+        page = b.open()
+        crops += crop_figures(page, detect_figures(page), max_pixels=10**8)
+    a, c = (np.asarray(x.image, dtype=int) for x in crops)
+    assert a.shape == c.shape
+    assert np.abs(a - c).max() <= 2
+
+
+def test_store_gc_keeps_a_figure_entry_while_any_page_shows_it_and_frees_it_after(ingested, tmp_path):
+    from mmrag.store_cmd import gc
+
+    settings = copied(ingested, tmp_path)
+    pages = pages_of(settings)
+    figure_key = pages["report.pdf"].figures[0].image_key
+    assert not gc(settings, dry_run=True).unreferenced
+    index = wiring.read_index(settings)
+    try:
+        index.delete_document(pages["report.pdf"].doc_id)
+        assert figure_key in index.referenced_keys()  # the slide still shows it
+        index.delete_document(pages["deck.pdf"].doc_id)
+    finally:
+        index.client.close()
+    freed = {k for k, _ in gc(settings, dry_run=True).unreferenced}
+    assert figure_key in freed and pages["deck.pdf"].image_key in freed
+
+
+def test_reencode_gives_figure_crops_the_new_encoders_keys_and_index_check_counts_them(ingested, tmp_path):
+    from ingestion.reencode import Reencoder
+    from mmrag.index_cmd import check
+
+    settings = copied(ingested, tmp_path, encoder_salt="figures-b")
+    before = pages_of(settings)
+    assert sum(e.figures for e in check(settings).encoders) == 2
+    model = wiring.resolve_model(settings)
+    encoder = wiring.vision_encoder(settings, model)
+    index, store = wiring.read_index(settings), wiring.feature_store(settings)
+    try:
+        report = Reencoder(settings, encoder=encoder, store=store, index=index).run()
+    finally:
+        index.client.close()
+    assert report.reencoded == 2 and not report.skipped
+    assert report.encoded == 3  # two pages and ONE figure: the slide's is the report's
+    after = pages_of(settings)
+    for doc, page in after.items():
+        (figure,) = page.figures
+        assert figure.image_key == encoder.key_for(before[doc].figures[0].image_key.content_hash)
+        assert figure.region == before[doc].figures[0].region and store.contains(figure.image_key)
+    (current,) = [e for e in check(settings).encoders if e.servable]
+    assert (current.pages, current.figures) == (2, 2)
+
+
+def test_with_figures_off_pages_carry_none_and_their_fingerprint_says_so(tiny_model, ingested, tmp_path):
+    settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, figures=False)
+    ingestor = wiring.ingestor(settings)
+    try:
+        report = ingestor.run([ingested.docs / "report.pdf"])
+        (page,) = ingestor.index.pages()
+    finally:
+        ingestor.index.client.close()
+    assert report.figures == 0 and page.figures == () and "figures=off" in page.fingerprint
+
+
+KEY = ImageKey.parse(f"img1-{'a' * 64}-{'ab' * 8}-px1-2")
+
+
+def figure(number, caption, kind="figure") -> PageFigure:
+    return PageFigure(FigureRegion(number, kind, caption, (10, 20, 110, 220), "vector"), KEY, 64)
+
+
+def test_a_hit_names_the_figure_the_question_names_or_whose_caption_it_matches():
+    f3 = figure(3, "Figure 3: Quarterly revenue by region, in millions.")
+    t2 = figure(2, "Table 2: Latency of the page cache by batch size.", kind="table")
+    figures = (f3, t2)
+    assert hit_figure(figures, "What does Figure 3 show?") is f3
+    assert hit_figure(figures, "what is in table 2?") is t2
+    assert hit_figure(figures, "How does the page cache latency change with batch size?") is t2
+    assert hit_figure(figures, "What does Figure 4 show?") is None
+    assert hit_figure(figures, "Who wrote the cache?") is None  # one caption word is not a match
+    assert hit_figure((), "What does Figure 3 show?") is None
+
+
+def test_citations_carry_the_figure_of_the_pages_best_hit_on_a_figure():
+    def hit(score, fig):
+        return Hit("p1", "d", "report.pdf", 23, score, "", KEY, 64, "/r.pdf", figure=fig)
+
+    f3 = figure(3, "Figure 3: Quarterly revenue by region.")
+    (citation,) = cite([[hit(0.9, None)], [hit(0.7, f3)]])
+    assert citation.score == 0.9 and citation.figure is f3
+    assert citation.to_json()["figure"] == {"number": 3, "kind": "figure", "caption": f3.region.caption,
+                                            "bbox": [10.0, 20.0, 110.0, 220.0]}
+    (plain,) = cite([[hit(0.9, None)]])
+    assert plain.figure is None and plain.to_json()["figure"] is None
+
+
+def test_a_captioned_figure_is_a_point_of_its_own_that_no_page_reader_counts(ingested):
+    index = wiring.read_index(ingested.settings)
+    try:
+        figures = index.figure_points(with_vectors=True)
+        pages = {p.page_id: p for p in index.pages()}
+        assert index.count() == len(pages) == 2 and len(index.points()) == 2
+    finally:
+        index.client.close()
+    assert len(figures) == 2  # one per captioned figure, beside the two pages
+    for point in figures:
+        parent = pages[point.payload["parent"]]
+        assert point.payload["kind"] == "figure" and point.payload["figure_index"] == 0
+        assert point.payload["doc"] == parent.doc and point.payload["image_key"] == str(parent.image_key)
+        assert set(point.vector) == {"text"}  # found by its caption's dense vector
+
+
+async def test_a_question_about_a_figure_finds_its_page_with_the_figure_named(ingested):
+    searcher = wiring.searcher(ingested.settings)
+    try:
+        (hits,) = await searcher.search_many(["What does Figure 3 show about quarterly revenue by region?"], top_k=2)
+        every = await searcher.search_channels(["quarterly revenue by region"], top_k=2)
+    finally:
+        await searcher.client.close()
+    assert hits[0].doc == "report.pdf" and hits[0].figure is not None and hits[0].figure.region.number == 3
+    assert "figure" not in {c.value for c in every}  # a part of the fusion, like the caption channel
+    assert len({h.page_id for h in every[Channel.HYBRID][0]}) == len(every[Channel.HYBRID][0])  # pages, once
+
+
+def test_deleting_a_document_removes_its_figure_points_and_reencode_updates_them(ingested, tmp_path):
+    from ingestion.reencode import Reencoder
+
+    settings = copied(ingested, tmp_path, encoder_salt="figures-c")
+    encoder = wiring.vision_encoder(settings, wiring.resolve_model(settings))
+    index, store = wiring.read_index(settings), wiring.feature_store(settings)
+    try:
+        Reencoder(settings, encoder=encoder, store=store, index=index).run()
+        pages = {p.page_id: p for p in index.pages()}
+        for point in index.figure_points():  # the page's payload, copied onto its figure point, switched with it
+            assert point.payload["image_key"] == str(pages[point.payload["parent"]].image_key)
+            assert point.payload["figures"] == [f.to_json() for f in pages[point.payload["parent"]].figures]
+        report = next(p for p in pages.values() if p.doc == "report.pdf")
+        index.delete_document(report.doc_id)
+        assert [p.payload["doc"] for p in index.figure_points()] == ["deck.pdf"]
+    finally:
+        index.client.close()
