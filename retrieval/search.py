@@ -554,16 +554,26 @@ def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int
                    found=found.get(p.id)) for s, p in scored[:limit]]
 
 
+# The figure channel names a page's figure (Hit.figure) only when the figure point's text is this close to the
+# query (MiniLM cosine): the channel always returns its nearest figures, and a page it helped rank for an
+# unrelated question ("how long are backups retained?") must not be cited as that figure.
+FIGURE_NAMING_MIN_SIMILARITY = 0.5
+
+
 def _as_pages(points: list[models.ScoredPoint]) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
     """Figure points (best first) as their pages: each page once, at its best figure's score (the payload is
-    the page's own, core/payload.py figure_payload), and which figure that was."""
+    the page's own, core/payload.py figure_payload), and which figure that was where it is close enough to the
+    query to be named (FIGURE_NAMING_MIN_SIMILARITY)."""
     pages: list[models.ScoredPoint] = []
+    seen: set[Any] = set()
     found: dict[Any, int] = {}
     for p in points:
         parent = (p.payload or {}).get(FIGURE_PARENT)
-        if parent is None or parent in found:
+        if parent is None or parent in seen:
             continue
-        found[parent] = int(p.payload[FIGURE_INDEX])
+        seen.add(parent)
+        if p.score >= FIGURE_NAMING_MIN_SIMILARITY:
+            found[parent] = int(p.payload[FIGURE_INDEX])
         pages.append(p.model_copy(update={"id": parent}))
     return pages, found
 

@@ -256,6 +256,12 @@ async def test_a_question_about_a_figure_finds_its_page_with_the_figure_named(in
     finally:
         await searcher.client.close()
     assert hits[0].doc == "report.pdf" and hits[0].figure is not None and hits[0].figure.region.number == 3
+    searcher = wiring.searcher(ingested.settings)
+    try:
+        (unrelated,) = await searcher.search_many(["How long are backups retained?"], top_k=2)
+    finally:
+        await searcher.client.close()
+    assert unrelated and all(h.figure is None for h in unrelated)  # found near a figure is not being about it
     assert "figure" not in {c.value for c in every}  # a part of the fusion, like the caption channel
     assert len({h.page_id for h in every[Channel.HYBRID][0]}) == len(every[Channel.HYBRID][0])  # pages, once
 
