@@ -162,16 +162,23 @@ def _paragraph(b: PageBuilder, x: float, y: float, lines: int, rng: np.random.Ge
     return y + 14 * lines
 
 
+def _place_chart(b: PageBuilder, jpeg: bytes, x: float, y: float, width: float, caption: str = "") -> float:
+    """The chart at (x, y), ``width`` wide at its own aspect ratio, its caption 10 pt below; its bottom edge."""
+    bottom = y + width * CHART_PX[1] / CHART_PX[0]
+    b.image((x, y, x + width, bottom), jpeg)
+    if caption:
+        b.text(x, bottom + 10, caption)
+    return bottom
+
+
 def report_page(jpeg: bytes, title: str, number: int, doc: str, rng: np.random.Generator) -> bytes:
     b = PageBuilder(*LETTER)
     b.text(72, 48, f"{doc.removesuffix('.pdf').replace('-', ' ').title()}: section {number}", size=16)
     y = _paragraph(b, 72, 84, int(rng.integers(2, 7)), rng, f"{doc} {number}a") + 24
     width = float(rng.uniform(260, 440))
-    height = width * CHART_PX[1] / CHART_PX[0]
     x = float(rng.uniform(72, LETTER[0] - 72 - width))
-    b.image((x, y, x + width, y + height), jpeg)
-    b.text(x, y + height + 10, f"Figure {number}: {title}.")
-    _paragraph(b, 72, y + height + 50, int(rng.integers(3, 9)), rng, f"{doc} {number}b")
+    bottom = _place_chart(b, jpeg, x, y, width, f"Figure {number}: {title}.")
+    _paragraph(b, 72, bottom + 50, int(rng.integers(3, 9)), rng, f"{doc} {number}b")
     return b.bytes()
 
 
@@ -182,7 +189,7 @@ def slide_page(jpeg: bytes, title: str, doc: str, rng: np.random.Generator) -> b
     height = width * CHART_PX[1] / CHART_PX[0]
     x = float(rng.uniform(330, SLIDE[0] - 40 - width))
     y = float(rng.uniform(130, SLIDE[1] - 50 - height))
-    b.image((x, y, x + width, y + height), jpeg)
+    _place_chart(b, jpeg, x, y, width)
     for k in range(int(rng.integers(3, 6))):
         b.text(60, 150 + 34 * k, f"- {_SENTENCES[int(rng.integers(len(_SENTENCES)))][:38]}", size=12)
     b.text(60, SLIDE[1] - 40, f"{doc} - confidential", size=9)
@@ -194,12 +201,10 @@ def appendix_page(jpeg: bytes, title: str, number: int, doc: str, rng: np.random
     b.text(72, 48, f"Appendix {number}: data behind the charts", size=14)
     y = _paragraph(b, 72, 80, int(rng.integers(1, 4)), rng, f"{doc} {number}") + 24
     width = float(rng.uniform(200, 300))
-    height = width * CHART_PX[1] / CHART_PX[0]
-    b.image((72, y, 72 + width, y + height), jpeg)
-    b.text(72, y + height + 10, f"Figure {number}: {title} (raw data).")
+    bottom = _place_chart(b, jpeg, 72, y, width, f"Figure {number}: {title} (raw data).")
     for k in range(int(rng.integers(4, 12))):  # a table of figures, as text rows
         row = f"row {k + 1}    {rng.uniform(0, 1000):8.1f}    {rng.uniform(0, 100):5.1f} %"
-        b.text(72, y + height + 50 + 14 * k, row)
+        b.text(72, bottom + 50 + 14 * k, row)
     return b.bytes()
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from core.keys import ImageKey
+from core.text import caption_label
 
 Box = tuple[float, float, float, float]
 """x0, y0, x1, y1 in points, top-left origin, y down; x0 <= x1 and y0 <= y1."""
@@ -51,6 +52,14 @@ class FigureRegion:
         if not (x0 <= x1 and y0 <= y1) or not all(math.isfinite(v) for v in self.bbox_pt):
             raise ValueError(f"bbox_pt must be finite (x0, y0, x1, y1) with x0 <= x1 and y0 <= y1, not {self.bbox_pt}")
 
+    @property
+    def ref(self) -> tuple[str, str] | None:
+        """How a question names it, as core/text.py figure_refs gives it: ("figure" | "table", "3"); None without a
+        whole number."""
+        if self.number is None:
+            return None
+        return ("table" if self.kind == "table" else "figure"), str(self.number)
+
     def bbox_px(self, scale: float, size: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
         """The box on the page rendered at ``scale`` pixels per point: outward-rounded ints, clamped at 0 and,
         given the rendered image's ``size`` (width, height), at its edges."""
@@ -78,6 +87,27 @@ class FigureRegion:
             bbox_pt=(x0, y0, x1, y1),
             source=data["source"],
         )
+
+
+def figure_label(kind: str, number: int | None) -> str:
+    """"Figure 3", "Table 2"; "a figure" ("a table") without a whole number."""
+    word = "table" if kind == "table" else "figure"
+    return f"a {word}" if number is None else f"{word.title()} {number}"
+
+
+def figure_reference(kind: str, number: int | None, caption: str) -> str:
+    """How a footnote or `mmrag ask` names a figure: its label and its caption without the "Figure 3:" / "Fig. 3."
+    the caption starts with ("Figure 3: Revenue by quarter"); a caption that names it otherwise ("Figure 3.2 ...",
+    "TABLE IV ...") as printed; the label alone without a caption."""
+    caption = " ".join(caption.split())
+    if not caption:
+        return figure_label(kind, number)
+    if number is None:
+        return caption
+    parsed = caption_label(caption)
+    if parsed is None or parsed[1] != str(number):
+        return caption
+    return f"{figure_label(kind, number)}: {parsed[2]}" if parsed[2] else figure_label(kind, number)
 
 
 def area(box: Box) -> float:
@@ -111,9 +141,7 @@ class PageFigure:
     @property
     def label(self) -> str:
         """How an answer names it: "Figure 3", "Table 2", or "a figure" when uncaptioned."""
-        if self.region.number is None:
-            return "a table" if self.region.kind == "table" else "a figure"
-        return f"{'Table' if self.region.kind == 'table' else 'Figure'} {self.region.number}"
+        return figure_label(self.region.kind, self.region.number)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.region.to_json(), "image_key": str(self.image_key), "image_tokens": self.image_tokens}

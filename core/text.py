@@ -426,6 +426,15 @@ def captions(text: str, *, slide: bool = False) -> list[Caption]:
     return found
 
 
+def caption_label(caption: str) -> tuple[str, str, str] | None:
+    """A caption line's label and the rest: "Fig. 3. Revenue" -> ("figure", "3", "Revenue"), numbers as
+    :func:`captions` gives them; None for a line that does not start with a caption label."""
+    m = _CAPTION.match(caption.strip())
+    if m is None:
+        return None
+    return _KIND_WORDS[m.group("word").rstrip(".").lower()], _number(m.group("num")), caption.strip()[m.end():].strip()
+
+
 _REF = re.compile(
     rf"\b(?P<word>figures?|figs?\.?|tables?|tab\.|listings?)\s*(?P<nums>(?:{_NUMBER})(?!\w)"
     rf"(?:\s*(?:,|and|or|&|\u2013|-|to)\s*(?:{_NUMBER})(?!\w))*)",

@@ -18,6 +18,7 @@ the page's objects and text, renders nothing. About 1-3 ms a page on the realdoc
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pypdfium2 as pdfium
@@ -257,51 +258,38 @@ def _cluster(boxes: list[Box], gap: float) -> list[Box]:
 _SOURCE_RANK = {"raster": 0, "form": 1, "vector": 2, "page": 3}
 
 
-def _merge_overlapping(regions: list[_Region]) -> list[_Region]:
+def _merged_while(regions: list[_Region], joins: Callable[[_Region, _Region], bool]) -> list[_Region]:
+    """Merge the first pair (in list order) that ``joins`` into one region (the union box, the stronger source),
+    until no pair joins."""
     out = list(regions)
-    changed = True
-    while changed:
-        changed = False
-        for i in range(len(out)):
-            for j in range(i + 1, len(out)):
-                a, b = out[i], out[j]
-                if intersection(a.box, b.box) > 0:
-                    source = min(a.source, b.source, key=_SOURCE_RANK.__getitem__)
-                    out[i] = _Region(union_box(a.box, b.box), source)
-                    del out[j]
-                    changed = True
-                    break
-            if changed:
-                break
+    while pair := next(((i, j) for i in range(len(out)) for j in range(i + 1, len(out)) if joins(out[i], out[j])),
+                       None):
+        i, j = pair
+        a, b = out[i], out[j]
+        out[i] = _Region(union_box(a.box, b.box), min(a.source, b.source, key=_SOURCE_RANK.__getitem__))
+        del out[j]
     return out
+
+
+def _merge_overlapping(regions: list[_Region]) -> list[_Region]:
+    return _merged_while(regions, lambda a, b: intersection(a.box, b.box) > 0)
 
 
 def _merge_panels(regions: list[_Region], lines: list[_Line], caption_lines: list[_Region]) -> list[_Region]:
     """Regions that overlap, or lie within PANEL_GAP_PT of each other with no caption and no body text between
     them, are one figure (the tiles of a mosaic plot, the panels of a figure)."""
     body = [line.box for line in lines if _is_body(line)] + [c.box for c in caption_lines]
-    out = list(regions)
-    merged = True
-    while merged:
-        merged = False
-        for i in range(len(out)):
-            for j in range(i + 1, len(out)):
-                a, b = out[i], out[j]
-                if _gap(a.box, b.box) > PANEL_GAP_PT:
-                    continue
-                joined = union_box(a.box, b.box)
-                if intersection(a.box, b.box) <= 0 and any(
-                    intersection(t, joined) > 0 and intersection(t, a.box) <= 0 and intersection(t, b.box) <= 0
-                    for t in body
-                ):
-                    continue
-                out[i] = _Region(joined, min(a.source, b.source, key=_SOURCE_RANK.__getitem__))
-                del out[j]
-                merged = True
-                break
-            if merged:
-                break
-    return out
+
+    def joins(a: _Region, b: _Region) -> bool:
+        if _gap(a.box, b.box) > PANEL_GAP_PT:
+            return False
+        joined = union_box(a.box, b.box)
+        return intersection(a.box, b.box) > 0 or not any(
+            intersection(t, joined) > 0 and intersection(t, a.box) <= 0 and intersection(t, b.box) <= 0
+            for t in body
+        )
+
+    return _merged_while(regions, joins)
 
 
 def _is_body(line: _Line) -> bool:
@@ -467,10 +455,8 @@ def figure_text(region: FigureRegion, page_text: str) -> str:
     """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
     it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page)."""
     parts = [region.caption] if region.caption else []
-    if region.number is not None:
-        kind = "table" if region.kind == "table" else "figure"
+    if region.ref is not None:
         for sentence in _SENTENCE.split(" ".join(page_text.split())):
-            if sentence.strip() and sentence.strip() not in region.caption and (kind, str(region.number)) in {
-                    (k, n) for k, n in _refs(sentence)}:
+            if sentence.strip() and sentence.strip() not in region.caption and region.ref in _refs(sentence):
                 parts.append(sentence.strip())
     return " ".join(parts)[:FIGURE_TEXT_CHARS]

@@ -208,8 +208,8 @@ class Ingestor:
             report.encoded, report.cached = report.encoded + encoded, report.cached + cached
             encoded, _ = self._encode_missing(encoder, [c.image for c in crops], tier_crop_keys, absent, report)
             report.figures_encoded += encoded
-        crop_key = dict(zip(map(id, crops), crop_keys))
-        figures = [tuple(PageFigure(c.region, crop_key[id(c)], self.encoder.num_tokens_for(c.image))
+        in_order = iter(crop_keys)  # crops are the pages' figures in page order
+        figures = [tuple(PageFigure(c.region, next(in_order), self.encoder.num_tokens_for(c.image))
                          for c in p.figures) for p in pages]
         captions = [find_page_captions(p) for p in pages]
         vectors = self._embed(pages, captions, report)

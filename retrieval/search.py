@@ -52,7 +52,7 @@ from core.payload import (
     PagePayload,
 )
 from core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
-from core.text import figure_refs, normalise
+from core.text import caption_label, figure_refs, normalise
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,6 @@ class Hit:
 
 # A caption matches a query that shares at least this share of the caption's terms, and two of them at least.
 CAPTION_MATCH_SHARE = 0.5
-_CAPTION_LABEL = re.compile(r"^\s*(?:fig(?:ure)?s?|tab(?:le)?s?|listings?)\.?\s*[\w.\-]+\s*[:.]?\s*", re.IGNORECASE)
 _CAPTION_TERMS = LexicalEncoder()
 
 
@@ -200,15 +199,15 @@ def hit_figure(figures: Sequence[PageFigure], query: str) -> PageFigure | None:
     query shares most of, at least CAPTION_MATCH_SHARE of them and two; None when neither holds."""
     if not figures:
         return None
-    named = {(kind, number) for kind, number in figure_refs(query)}
+    named = set(figure_refs(query))
     for figure in figures:
-        kind = "table" if figure.region.kind == "table" else "figure"
-        if figure.region.number is not None and (kind, str(figure.region.number)) in named:
+        if figure.region.ref in named:
             return figure
     asked = set(_CAPTION_TERMS.tokens(query))
     best, best_share = None, 0.0
     for figure in figures:
-        terms = set(_CAPTION_TERMS.tokens(_CAPTION_LABEL.sub("", figure.region.caption)))
+        parsed = caption_label(figure.region.caption)
+        terms = set(_CAPTION_TERMS.tokens(parsed[2] if parsed else figure.region.caption))
         shared = len(asked & terms)
         if terms and shared >= 2 and shared / len(terms) > best_share:
             best, best_share = figure, shared / len(terms)
@@ -328,15 +327,15 @@ class PageSearcher:
     async def search(self, query: str, **kwargs: Any) -> list[Hit]:
         return (await self.search_many([query], **kwargs))[0]
 
-    async def _prepare(self, doc_filter: list[str] | None) -> tuple[models.Filter | None, bool]:
-        """The query filter (encoder scope and documents), and whether documents were named."""
+    async def _prepare(self, doc_filter: list[str] | None) -> tuple[models.Filter, bool]:
+        """The pages' filter (encoder scope, documents, no figure points), and whether documents were named."""
         await self._check_collection()
         must = [self._scope] if self._scope is not None else []
         if doc_filter:
             must.append(await self._doc_filter(doc_filter))
         return models.Filter(must=must, must_not=[IS_FIGURE]), bool(doc_filter)  # pages; figure points: _request
 
-    async def _query(self, queries: list[str], vectors: QueryVectors, prepared: tuple[models.Filter | None, bool],
+    async def _query(self, queries: list[str], vectors: QueryVectors, prepared: tuple[models.Filter, bool],
                      limit: int, *, context: bool = False, every: bool = True) -> dict[Channel, list[list[Hit]]]:
         """Every channel's request for every query in one batch; with more than one channel, the fused hits under
         HYBRID and, with ``every``, each channel's own (a hit is a parsed payload and a snippet: an answer needs
@@ -404,15 +403,14 @@ class PageSearcher:
             out.text = self.text_embedder.embed(texts)
         return out
 
-    def _request(self, channel: Channel, vectors: QueryVectors, i: int, flt: models.Filter | None, limit: int
+    def _request(self, channel: Channel, vectors: QueryVectors, i: int, flt: models.Filter, limit: int
                  ) -> models.QueryRequest | None:
         common: dict[str, Any] = {"filter": flt, "limit": limit, "with_payload": True}
         if channel is Channel.TEXT:
             return models.QueryRequest(query=vectors.text[i].tolist(), using=TEXT_VECTOR, **common)
-        if channel is Channel.FIGURE:  # the same filter, on figure points instead of pages
-            must = [] if flt is None else flt.must if isinstance(flt.must, list) else [flt.must] if flt.must else []
+        if channel is Channel.FIGURE:  # the pages' conditions (_prepare), on figure points instead of pages
             return models.QueryRequest(query=vectors.figure[i].tolist(), using=TEXT_VECTOR,
-                                       **{**common, "filter": models.Filter(must=[*must, IS_FIGURE])})
+                                       **{**common, "filter": models.Filter(must=[*flt.must, IS_FIGURE])})
         if channel in (Channel.LEXICAL, Channel.CAPTION):
             indices, values = (vectors.lexical if channel is Channel.LEXICAL else vectors.caption)[i]
             if not indices:

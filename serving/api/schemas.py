@@ -7,12 +7,11 @@ being silently dropped from the answer or missing from the OpenAPI document.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.figures import FigureKind
+from core.figures import FigureKind, figure_reference
 from core.pages import TextSource
 from core.payload import PagePayload
 
@@ -136,25 +135,10 @@ class FigureCitation(_Response):
     caption: str = Field(description="Its caption line as printed on the page; empty when it has none.")
     bbox: list[float] = Field(min_length=4, max_length=4, description=BBOX_DESCRIPTION)
 
-    @property
-    def label(self) -> str:
-        """"Figure 3", "Table 2"; "a figure" ("a table") without a whole number (as core.figures.PageFigure)."""
-        word = "table" if self.kind == "table" else "figure"
-        return f"a {word}" if self.number is None else f"{word.title()} {self.number}"
-
     def reference(self) -> str:
-        """How a footnote or `mmrag ask` names it: "Figure 3: Revenue by quarter", its label and its caption
-        without the "Figure 3:" / "Fig. 3." the caption starts with; a caption that names it otherwise ("Figure
-        3.2 ...", "TABLE IV ...") as printed; the label alone without a caption."""
-        caption = " ".join(self.caption.split())
-        if not caption:
-            return self.label
-        if self.number is None:
-            return caption
-        rest, named = re.subn(rf"^[A-Za-z]+\.?\s*{self.number}(?![.\d]*\d)\s*[:.\-\u2013\u2014]?\s*", "", caption)
-        if not named:
-            return caption
-        return f"{self.label}: {rest}" if rest else self.label
+        """How a footnote or `mmrag ask` names it (core/figures.py figure_reference): "Figure 3: Revenue by
+        quarter"."""
+        return figure_reference(self.kind, self.number, self.caption)
 
 
 class Citation(_Response):
