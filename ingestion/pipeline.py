@@ -125,7 +125,9 @@ class Ingestor:
             encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={settings.pdf_dpi}",
             f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
             f"image={page_channel}", f"lexical={self.lexical.version}", f"text_norm={TEXT_VERSION}",
-            f"figures={FIGURES_VERSION if settings.figures else 'off'}",
+            # Figure points carry their crop's page-image vectors where that channel is on (an index from before
+            # has figure points without them: its documents re-ingest, re-embedding only).
+            f"figures={FIGURES_VERSION + ('+image' if page_channel != 'off' else '') if settings.figures else 'off'}",
         ])
 
     def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None,
@@ -224,17 +226,31 @@ class Ingestor:
             pages, payloads, report)
 
     def _figure_points(self, pages: list[RenderedPage], payloads: list[PagePayload], report: IngestReport) -> list:
-        """A point per figure that has text to be found by (its caption, the sentences naming it): that text's
-        dense vector, and its page's payload with which figure it is (core/payload.py figure_payload)."""
-        found = [(payload, i, text) for page, payload in zip(pages, payloads)
-                 for i, figure in enumerate(payload.figures) if (text := figure_text(figure.region, page.text))]
+        """A point per figure that can be found: its page's payload with which figure it is (core/payload.py
+        figure_payload), the dense vector of its text (its caption, the sentences naming it) where it has text,
+        and where the page-image channel is configured, its crop's image vectors as a page's (CLIP, or the late
+        retriever's pooled multi-vector and mean): then an uncaptioned chart on a slide is found by its pixels."""
+        image_channel = self.image_embedder is not None or self.late is not None
+        found = [(payload, i, figure_text(figure.region, page.text), page.figures[i].image)
+                 for page, payload in zip(pages, payloads) for i, figure in enumerate(payload.figures)]
+        found = [row for row in found if row[2] or image_channel]
         if not found:
             return []
         t0 = time.perf_counter()
-        vectors = self.text_embedder.embed([text for _, _, text in found])
+        vectors: list[dict[str, Any]] = [{} for _ in found]
+        with_text = [j for j, row in enumerate(found) if row[2]]
+        for j, vec in zip(with_text, self.text_embedder.embed([found[j][2] for j in with_text])):
+            vectors[j][TEXT_VECTOR] = vec.tolist()
+        crops = [row[3] for row in found]
+        if self.image_embedder is not None:
+            for j, vec in enumerate(self.image_embedder.embed(crops)):
+                vectors[j][IMAGE_VECTOR] = vec.tolist()
+        if self.late is not None:
+            for j, multi in enumerate(self.late.embed_pages(crops)):
+                vectors[j][PAGE_VECTOR] = pool_tokens(multi, self.late_pool_factor).tolist()
+                vectors[j][PAGE_MEAN_VECTOR] = mean_pool(multi).tolist()
         report.stage_seconds["embed"] += time.perf_counter() - t0
-        return [make_point({TEXT_VECTOR: vec.tolist()}, payload, figure=i)
-                for (payload, i, _), vec in zip(found, vectors)]
+        return [make_point(vecs, payload, figure=i) for (payload, i, _, _), vecs in zip(found, vectors)]
 
     def _encode_missing(self, encoder: VisionEncoder, images: list[Image.Image], keys: list[ImageKey],
                         absent: set[ImageKey], report: IngestReport) -> tuple[int, int]:

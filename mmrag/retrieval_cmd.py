@@ -116,6 +116,7 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
     from qdrant_client import models
 
     from core.pages import TextSource
+    from adapters.qdrant import PAGES_ONLY
     from core.payload import PageField
     from mmrag import wiring
     from retrieval.evaluate import DEPTH, by_kind, chance_recall, score, unknown_docs
@@ -124,9 +125,12 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
     searcher = wiring.searcher(settings)
     try:
         client, collection = searcher.client, searcher.collection
-        pages = (await client.count(collection, exact=True)).count if await client.collection_exists(collection) else 0
+        # Pages only: figure points (issue 26) carry their page's payload, and are not pages to count.
+        pages = (await client.count(collection, count_filter=PAGES_ONLY, exact=True)).count \
+            if await client.collection_exists(collection) else 0
         if pages:
-            facet = await client.facet(collection, key=PageField.DOC.value, limit=100_000, exact=True)
+            facet = await client.facet(collection, key=PageField.DOC.value, facet_filter=PAGES_ONLY, limit=100_000,
+                                       exact=True)
             missing = unknown_docs(labelled, {str(h.value): h.count for h in facet.hits})
             if missing:
                 raise typer.BadParameter(
@@ -138,7 +142,8 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
         search_ms = (time.perf_counter() - t0) * 1e3 / len(questions)
         cited = await cited_pages(settings, searcher, questions)
         no_text = models.Filter(must=[models.FieldCondition(key=PageField.TEXT_SOURCE.value,
-                                                            match=models.MatchValue(value=TextSource.NONE.value))])
+                                                            match=models.MatchValue(value=TextSource.NONE.value))],
+                                must_not=PAGES_ONLY.must_not)
         without_text = (await client.count(collection, count_filter=no_text, exact=True)).count
     finally:
         await searcher.client.close()

@@ -24,6 +24,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -344,21 +345,31 @@ class PageSearcher:
         flt, by_doc = prepared
         channels = vectors.channels()
         depth = self.candidate_k if len(channels) > 1 else limit
-        slots: list[tuple[int, Channel]] = []
         requests: list[models.QueryRequest] = []
+        slots: list[tuple[int, Channel, bool]] = []  # (query, channel, on figure points)
         for i in range(len(queries)):
             for channel in channels:
                 request = self._request(channel, vectors, i, flt, depth)
                 if request is not None:  # a question with no lexical term (only stop words) has no lexical query
-                    slots.append((i, channel))
+                    slots.append((i, channel, channel is Channel.FIGURE))
                     requests.append(request)
+                if channel is Channel.IMAGE:  # the same query on the figure crops' image vectors
+                    slots.append((i, channel, True))
+                    requests.append(self._request(channel, vectors, i, _on_figures(flt), depth))
         responses = await self.client.query_batch_points(self.collection, requests=requests) if requests else []
         ranked: list[dict[Channel, list[models.ScoredPoint]]] = [{} for _ in queries]
-        found: list[dict[Any, int]] = [{} for _ in queries]  # per query: page id -> its figure the figure channel found
-        for (i, channel), response in zip(slots, responses):
-            ranked[i][channel] = response.points
+        found: list[dict[Any, int]] = [{} for _ in queries]  # per query: page id -> the figure a channel found on it
+        by_image: list[dict[Any, int]] = [{} for _ in queries]
+        for (i, channel, figures), response in zip(slots, responses):
             if channel is Channel.FIGURE:
                 ranked[i][channel], found[i] = _as_pages(response.points)
+            elif figures:  # after the pages' request of the same channel and query
+                ranked[i][channel], by_image[i] = _with_figures(ranked[i][channel], response.points)
+            else:
+                ranked[i][channel] = response.points
+        for f, image in zip(found, by_image):
+            for page_id, figure in image.items():
+                f.setdefault(page_id, figure)  # the figure channel's (text) naming first
         if not any(p for r in ranked for ps in r.values() for p in ps) and not by_doc:
             await self._check_not_empty()  # emptied since the first check (e.g. `mmrag index reset`)
         around: list[tuple[float, models.ScoredPoint]] = []
@@ -410,7 +421,7 @@ class PageSearcher:
             return models.QueryRequest(query=vectors.text[i].tolist(), using=TEXT_VECTOR, **common)
         if channel is Channel.FIGURE:  # the pages' conditions (_prepare), on figure points instead of pages
             return models.QueryRequest(query=vectors.figure[i].tolist(), using=TEXT_VECTOR,
-                                       **{**common, "filter": models.Filter(must=[*flt.must, IS_FIGURE])})
+                                       **{**common, "filter": _on_figures(flt)})
         if channel in (Channel.LEXICAL, Channel.CAPTION):
             indices, values = (vectors.lexical if channel is Channel.LEXICAL else vectors.caption)[i]
             if not indices:
@@ -558,10 +569,11 @@ def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int
 FIGURE_NAMING_MIN_SIMILARITY = 0.5
 
 
-def _as_pages(points: list[models.ScoredPoint]) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
+def _as_pages(points: list[models.ScoredPoint], named_from: float = FIGURE_NAMING_MIN_SIMILARITY
+              ) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
     """Figure points (best first) as their pages: each page once, at its best figure's score (the payload is
     the page's own, core/payload.py figure_payload), and which figure that was where it is close enough to the
-    query to be named (FIGURE_NAMING_MIN_SIMILARITY)."""
+    query to be named (score >= ``named_from``)."""
     pages: list[models.ScoredPoint] = []
     seen: set[Any] = set()
     found: dict[Any, int] = {}
@@ -570,10 +582,34 @@ def _as_pages(points: list[models.ScoredPoint]) -> tuple[list[models.ScoredPoint
         if parent is None or parent in seen:
             continue
         seen.add(parent)
-        if p.score >= FIGURE_NAMING_MIN_SIMILARITY:
+        if p.score >= named_from:
             found[parent] = int(p.payload[FIGURE_INDEX])
         pages.append(p.model_copy(update={"id": parent}))
     return pages, found
+
+
+def _on_figures(flt: models.Filter) -> models.Filter:
+    """The pages' conditions (_prepare: encoder scope, documents), on figure points instead of pages."""
+    return models.Filter(must=[*(flt.must or []), IS_FIGURE])
+
+
+def _with_figures(pages: list[models.ScoredPoint], figures: list[models.ScoredPoint]
+                  ) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
+    """The page-image channel over pages and their figure crops (issue 26): each page at the better of its own
+    score and its best crop's, best first, as deep as the two requests were; a page is found by its figure (the
+    figure named) where the crop scores at least the whole page. No absolute threshold, unlike the figure
+    channel's: CLIP's and the late retriever's scores have no fixed scale, but a crop that matches the query
+    better than its page is what the page was found for."""
+    by_page = {p.id: p for p in pages}
+    crops, best = _as_pages(figures, named_from=-math.inf)  # each page once, at its best crop
+    named: dict[Any, int] = {}
+    for crop in crops:
+        page = by_page.get(crop.id)
+        if page is None or crop.score >= page.score:
+            by_page[crop.id] = crop
+            named[crop.id] = best[crop.id]
+    merged = sorted(by_page.values(), key=lambda p: -p.score)
+    return merged[:max(len(pages), len(figures))], named
 
 
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")

@@ -150,9 +150,13 @@ def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_c
     ing = Ingestor(settings, encoder=encoder, store=feature_store(settings),
                    index=page_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
     one = sorted(sample_corpus.glob("*.png"))[:2]
-    ing.run(one)
+    ing.run([*one, sample_corpus / "q3_quarterly_report.pdf"])
     points = ing.index.points(with_vectors=True)
-    assert len(points) == 2 and all(len(p.vector["image"]) == image.dim for p in points)
+    assert len(points) > 2 and all(len(p.vector["image"]) == image.dim for p in points)
+    # Issue 26: every figure of the report is a point with its crop's CLIP vector (the page-image channel).
+    figures = ing.index.figure_points(with_vectors=True)
+    assert figures and len(figures) == sum(len(p.payload["figures"]) for p in points)
+    assert all(len(f.vector["image"]) == image.dim for f in figures)
     close(ing)
 
 

@@ -242,8 +242,8 @@ async def test_hybrid_fuses_every_channel_by_weighted_reciprocal_rank(clip_searc
 async def test_one_round_trip_carries_every_channel_of_every_sub_question(clip_searcher, monkeypatch):
     calls = record_batches(monkeypatch, clip_searcher.client)
     await clip_searcher.search_many(["What is the gross margin?", "Which slide shows the sales cycle?"])
-    # text, lexical, image on pages; the figure channel on figure points (dense text too)
-    assert [[r.using for r in c] for c in calls] == [["text", "lexical", "image", "text"] * 2]
+    # text, lexical, image on pages, image on figure crops; the figure channel on figure points (dense text)
+    assert [[r.using for r in c] for c in calls] == [["text", "lexical", "image", "image", "text"] * 2]
 
 
 async def test_evaluate_scores_each_channel_over_every_question(clip_searcher, small_manifest):
