@@ -13,9 +13,12 @@ prompt mmrag serves (rag/plans: choose_answer's pages in the popularity order, o
 on the indexed payloads (retrieval.search.Hit with ``figure`` = the page's chart):
 
 - ``page_level``: every hit shows its page (the page's key);
-- ``figure_level``: the same hits through ``shown_as_figures`` (MMRAG_FIGURE_CROPS): the chart's crop key.
+- ``figure_level``: the same hits through ``shown_as_figures`` (MMRAG_FIGURE_CROPS): the chart's crop key;
+- ``page_level_per_image``, ``figure_level_per_image``: the same, answered per image (MMRAG_ANSWER_MODE=per_image:
+  each image leads a prompt of its own, the answer's length shared among them), so an image after the first
+  one of a question hits too.
 
-Both run back to back on ONE in-process engine, prefix caching on, every cache reset before each
+All four run back to back on ONE in-process engine, prefix caching on, every cache reset before each
 (runner._cold), through the scheduler at the same concurrency (runner.run_config), at each answer length.
 """
 
@@ -40,7 +43,7 @@ from core.keys import ImageKey
 from core.payload import PagePayload
 from devkit.pdfbuild import PageBuilder, join_pages
 from rag.order import PagePopularity
-from rag.plans import AnswerMode, choose_answer, one_prompt_plan, shown_as_figures
+from rag.plans import AnswerMode, choose_answer, one_prompt_plan, per_image_plans, shown_as_figures
 from retrieval.search import Hit
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
@@ -54,6 +57,11 @@ from bench.workload import (Question, SubQuestion, Workload, WorkloadSpec, oracl
                             zipf_probabilities)
 
 PAGE_LEVEL, FIGURE_LEVEL = "page_level", "figure_level"
+PER_IMAGE = "_per_image"
+# name -> (which level's keys, the answer mode): the one prompt first, as mmrag answers by default.
+CONFIGS = {PAGE_LEVEL: (PAGE_LEVEL, AnswerMode.ONE_PROMPT), FIGURE_LEVEL: (FIGURE_LEVEL, AnswerMode.ONE_PROMPT),
+           PAGE_LEVEL + PER_IMAGE: (PAGE_LEVEL, AnswerMode.PER_IMAGE),
+           FIGURE_LEVEL + PER_IMAGE: (FIGURE_LEVEL, AnswerMode.PER_IMAGE)}
 LENGTHS = (4, 128)
 CHART_PX = (400, 260)  # each chart's JPEG: a quarter of a page's pixels, about half its image tokens
 SLIDE = (792.0, 612.0)  # landscape, points
@@ -331,9 +339,10 @@ def question_hits(q: FigureQuestion, titles: Sequence[str], ingested: Ingested) 
 
 
 def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], ingested: Ingested, max_tokens: int,
-                *, figures: bool) -> dict[int, list[PromptPlan]]:
-    """The one prompt per question, as Pipeline.ask builds it: its hits (as figures: shown_as_figures), the
-    popularity observed, choose_answer's pages in the popularity order, one_prompt_plan; a fixed answer length."""
+                *, figures: bool, mode: AnswerMode = AnswerMode.ONE_PROMPT) -> dict[int, list[PromptPlan]]:
+    """Each question's prompts as Pipeline.ask builds them: its hits (as figures: shown_as_figures), the
+    popularity observed, choose_answer's pages; one_prompt_plan over them, or per image per_image_plans (a
+    prompt per page, the length shared); a fixed answer length."""
     popularity = PagePopularity()
     plans = {}
     for q in questions:
@@ -342,10 +351,14 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
             hits = shown_as_figures(hits)
         for hs in hits:
             popularity.observe(h.image_key for h in hs)
-        choice = choose_answer(AnswerMode.ONE_PROMPT, hits, misfit=lambda pages: None, popularity=popularity)
+        choice = choose_answer(mode, hits, misfit=lambda pages: None, popularity=popularity)
         subs = q.sub_texts(titles)
-        plan = one_prompt_plan(" ".join(subs), subs, choice.pages, max_tokens=max_tokens, hits=hits)
-        plans[q.qid] = [replace(plan, sampling=fixed_length(max_tokens))]
+        question = " ".join(subs)
+        if choice.mode is AnswerMode.PER_IMAGE:
+            shown = [p.plan for p in per_image_plans(question, subs, choice.pages, max_tokens=max_tokens, hits=hits)]
+        else:
+            shown = [one_prompt_plan(question, subs, choice.pages, max_tokens=max_tokens, hits=hits)]
+        plans[q.qid] = [replace(plan, sampling=fixed_length(plan.sampling.max_tokens)) for plan in shown]
     return plans
 
 
@@ -430,7 +443,9 @@ async def _run_level(engine: InProcessEngine, name: str, length: int, questions:
                      inputs: FigureBenchInputs, keys: Keys, forwards: int) -> dict[str, Any]:
     """One level at one length, from cold caches, through the scheduler as run_config drives every bench config;
     the oracle and the prefix bound over its own prompts."""
-    plans = level_plans(questions, inputs.corpus.titles, inputs.ingested, length, figures=name == FIGURE_LEVEL)
+    level, mode = CONFIGS[name]
+    plans = level_plans(questions, inputs.corpus.titles, inputs.ingested, length, figures=level == FIGURE_LEVEL,
+                        mode=mode)
     spec = ConfigSpec(name, ImageInput.TOKENS, caching=True, layout=Layout.CANONICAL, policy=Policy.DFS_WEIGHT,
                       answer_mode=AnswerMode.ONE_PROMPT, max_tokens=length)
     # run_config reads the workload, the engine config and the scheduler's concurrency; the plans are given.
@@ -444,10 +459,14 @@ async def _run_level(engine: InProcessEngine, name: str, length: int, questions:
     prompts = Prompts(engine.renderer)
     shown = prompt_images(flat, keys, prompts)
     block = (await engine.kv_capacity()).block_size
-    result.position_oracle_hit_rate = oracle_bound(shown, block)
+    # The position oracle to the token: every use of an image after its first hits, all its tokens. The
+    # block-rounded one (runner's, which leaves out each run's last partial block) is no bound here: a prompt
+    # that recurs whole (the same page, label and sub-question) hits its image's last block too.
+    result.position_oracle_hit_rate = oracle_bound(shown, 1)
     result.prefix_bound_hit_rate = prefix_bound(shown, block)
     _hits_by_position(result, keys, prompts)
     out = _summary(result, flat, forwards)
+    out["position_oracle_full_blocks_hit_rate"] = round(oracle_bound(shown, block), 4)
     inputs.log(f"  {name} at {length} tokens: {result.wall_s:.1f} s, image hit rate {out['image_hit_rate']:.3f} "
                f"(oracle {out['position_oracle_hit_rate']:.3f}, prefix bound {out['prefix_bound_hit_rate']:.3f})")
     return out
@@ -469,8 +488,9 @@ async def run_figure_bench(inputs: FigureBenchInputs) -> dict[str, Any]:
         dtype = str(engine.llm.vllm_config.model_config.dtype).removeprefix("torch.")
         for length in inputs.lengths:
             by_length[str(length)] = {
-                name: await _run_level(engine, name, length, questions, inputs, keys, summary["vision_forwards"][name])
-                for name in (PAGE_LEVEL, FIGURE_LEVEL)}
+                name: await _run_level(engine, name, length, questions, inputs, keys,
+                                       summary["vision_forwards"][level])
+                for name, (level, _) in CONFIGS.items()}
     finally:
         await engine.close()
     machine = machine_info()
@@ -503,23 +523,26 @@ def _target(name: str, measured: float | None, wanted: str, met: bool) -> dict[s
 
 
 def targets(by_length: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
-    """Issue 26's checks at each length: figure-level keys reach 0.9 of their own oracle and twice page-level's
-    hit rate, with fewer image tokens per prompt."""
+    """Issue 26's checks at each length: figure-level keys reach 0.9 of their own oracle (answered per image, and
+    in one prompt) and twice page-level's hit rate (page-level answered as by default, in one prompt, and in the
+    same per-image mode), with fewer image tokens per prompt."""
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
     out = []
     for length, r in by_length.items():
-        page, fig = r[PAGE_LEVEL], r[FIGURE_LEVEL]
         at = f"at {length} tokens"
-        ratio = round(fig["image_hit_rate"] / fig["position_oracle_hit_rate"], 3) \
-            if fig["position_oracle_hit_rate"] else None
-        out.append(_target(f"figure-level hit rate / its position oracle {at}", ratio, ">= 0.9",
-                           ratio is not None and ratio >= 0.9))
-        ratio = round(fig["image_hit_rate"] / page["image_hit_rate"], 3) if page["image_hit_rate"] else None
-        out.append(_target(f"figure-level hit rate / page-level hit rate {at}", ratio, ">= 2.0",
-                           ratio is None and fig["image_hit_rate"] > 0 or ratio is not None and ratio >= 2.0))
-        ratio = round(fig["image_tokens_per_prompt"] / page["image_tokens_per_prompt"], 3) \
-            if page["image_tokens_per_prompt"] else None
-        out.append(_target(f"image tokens per prompt, figure-level / page-level {at}", ratio, "< 1.0",
-                           ratio is not None and ratio < 1.0))
+        for name in (FIGURE_LEVEL + PER_IMAGE, FIGURE_LEVEL):
+            x = ratio(r[name]["image_hit_rate"], r[name]["position_oracle_hit_rate"])
+            out.append(_target(f"{name} hit rate / its position oracle {at}", x, ">= 0.9", x is not None and x >= 0.9))
+        fig = r[FIGURE_LEVEL + PER_IMAGE]
+        for name in (PAGE_LEVEL, PAGE_LEVEL + PER_IMAGE):
+            x = ratio(fig["image_hit_rate"], r[name]["image_hit_rate"])
+            out.append(_target(f"{FIGURE_LEVEL + PER_IMAGE} hit rate / {name} hit rate {at}", x, ">= 2.0",
+                               x is None and fig["image_hit_rate"] > 0 or x is not None and x >= 2.0))
+        x = ratio(r[FIGURE_LEVEL]["image_tokens_per_prompt"], r[PAGE_LEVEL]["image_tokens_per_prompt"])
+        out.append(_target(f"image tokens per prompt, figure-level / page-level {at}", x, "< 1.0",
+                           x is not None and x < 1.0))
     return out
 
 

@@ -234,9 +234,11 @@ class Settings(BaseSettings):
     # question (rag/decompose.ModelDecomposer): a real model's decomposition cost on a random-weight one. 0: off.
     decompose_fixed_tokens: int = Field(default=0, ge=0)
     # How retrieved pages become the answer (rag/plans.py): one_prompt (one prompt over the union of the
-    # sub-questions' pages, one decode), per_sub_question (a prompt per sub-question, then a synthesis), or
-    # auto: one prompt when the union fits one (max_images_per_prompt, max_model_len), else per sub-question.
-    answer_mode: Literal["auto", "one_prompt", "per_sub_question"] = "auto"
+    # sub-questions' pages, one decode), per_image (each of those pages leads its own prompt, the answer's length
+    # shared, the parts joined: every recurrence of a page or figure crop hits its prefix), per_sub_question (a
+    # prompt per sub-question, then a synthesis), or auto: one prompt when the union fits one
+    # (max_images_per_prompt, max_model_len), else per sub-question.
+    answer_mode: Literal["auto", "one_prompt", "per_image", "per_sub_question"] = "auto"
     sub_answer_max_tokens: int = Field(default=64, ge=1)  # per sub-question: each sub-answer's length
     # One prompt's page budget: at most this many pages, each sub-question's best first (0: every retrieved page).
     # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (BENCHMARKS.md).

@@ -26,7 +26,7 @@ from mmrag.retrieval_cmd import retrieval_app
 from mmrag.tenant_cmd import TenantOption, tenant_app
 from mmrag.vision_cmd import vision_app
 
-ANSWER_MODES = ("auto", "one_prompt", "per_sub_question")  # MMRAG_ANSWER_MODE's values (core/settings.py)
+ANSWER_MODES = ("auto", "one_prompt", "per_image", "per_sub_question")  # MMRAG_ANSWER_MODE's values (core/settings.py)
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -175,8 +175,9 @@ def ask(
     tenant: TenantOption = "default",
     answer_mode: Annotated[str | None, typer.Option(
         "--answer-mode", callback=_one_of(ANSWER_MODES),
-        help="one_prompt: one prompt over every retrieved page, one decode; per_sub_question: a prompt per "
-             "sub-question, then a synthesis; auto: one prompt when the pages fit one "
+        help="one_prompt: one prompt over every retrieved page, one decode; per_image: each page (or figure "
+             "crop) leads a prompt of its own, the answer's length shared, the parts joined; per_sub_question: "
+             "a prompt per sub-question, then a synthesis; auto: one prompt when the pages fit one "
              "(default: MMRAG_ANSWER_MODE, auto).")] = None,
 ) -> None:
     """Ask a question: split it into sub-questions, retrieve pages for each, answer with page citations.

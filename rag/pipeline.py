@@ -1,8 +1,9 @@
 """The RAG pipeline: question → sub-questions → pages → prompt plans (rag/plans.py) → cited answer.
 
 The answer mode (``PipelineConfig.answer_mode``, MMRAG_ANSWER_MODE; per question ``answer_mode``) decides
-whether one prompt answers over the union of the sub-questions' pages or each sub-question gets a prompt and
-a synthesis combines them (rag/plans.py says what each costs and shows). The layout shapes the
+whether one prompt answers over the union of the sub-questions' pages, each of those pages leads a prompt of
+its own and the parts are joined (per image), or each sub-question gets a prompt and a synthesis combines them
+(rag/plans.py says what each costs and shows). The layout shapes the
 per-sub-question plans. Every step is async; nothing here blocks the event loop.
 
 Streaming (``Pipeline.ask_events``, what `POST /v1/ask` with `"stream": true` sends as server-sent events): the
@@ -10,7 +11,8 @@ same ``ask``, telling each step as it happens, as JSON-ready dicts —
 ``{"event": "sub_questions", "sub_questions", "sub_question_source"}``, ``{"event": "citations", "citations",
 "answer_mode"}``, per sub-question only ``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as each
 plan finishes, ``{"event": "token", "text"}`` per piece of the final answer as it is generated (the one prompt's
-answer, the synthesis, or the one plan's answer when there is one), and last ``{"event": "done", "answer":
+answer, the synthesis, or the one plan's answer when there is one; per image, the first part's tokens, then
+each later part whole), and last ``{"event": "done", "answer":
 <Answer.to_json()>}``; the tokens concatenate to its ``answer``.
 """
 
@@ -28,6 +30,7 @@ from rag.answer import Answer, Citation
 from rag.decompose import Decomposer
 from rag.order import PagePopularity
 from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, one_prompt_plan,
+                       image_label, part_heading, per_image_plans,
                        one_prompt_text, page_label, plan_prompts, shown_as_figures, synthesis_plan)
 from rag.tiers import TieredHits, TierSource
 from retrieval.search import Hit, PageSearcher
@@ -169,6 +172,8 @@ class Pipeline:
         extra: dict = {"answer_mode": choice.mode.value, **({"answer_mode_reason": choice.why} if choice.why else {})}
         if choice.mode is AnswerMode.ONE_PROMPT:
             text = await self._one_prompt(run, subs, choice, hits, images, limit, usage)
+        elif choice.mode is AnswerMode.PER_IMAGE:
+            text, extra["image_answers"] = await self._per_image(run, subs, choice, hits, images, limit, usage)
         else:
             text, extra["sub_answers"] = await self._per_sub_question(run, subs, hits, images, limit, usage)
         answer = self._answer(text, decomposition, citations, usage)
@@ -220,6 +225,36 @@ class Pipeline:
         usage.add(completion.usage)
         run.clock.lap("answer_s")
         return completion.text
+
+    async def _per_image(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
+                         images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
+        """Each shown image's prompt at once, its share of the answer's length each; the answer is their parts
+        in ``choice.pages`` order, each under its heading. Streamed: the first part as it is generated, then
+        each later part whole once it and those before it are done (they decode side by side)."""
+        planned = per_image_plans(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+        headings = [part_heading(p.page, i == 0) for i, p in enumerate(planned)]
+        if run.streamed:
+            run.text(headings[0])
+
+        async def part(i: int, p: PlannedPrompt) -> str:
+            c = await self._submit(p.plan, run if i == 0 else None)
+            usage.add(c.usage)
+            return c.text
+
+        tasks = [asyncio.ensure_future(part(i, p)) for i, p in enumerate(planned)]
+        try:
+            parts = []
+            for i, task in enumerate(tasks):
+                parts.append(await task)
+                if i and run.streamed:
+                    run.text(headings[i] + parts[i])
+        finally:
+            for task in tasks:
+                task.cancel()
+        run.clock.lap("answer_s")
+        rows = [{"page": image_label(p.page, in_prompt=False), "image": str(p.page.image_key), "answer": text}
+                for p, text in zip(planned, parts)]
+        return "".join(h + t for h, t in zip(headings, parts)), rows
 
     async def _per_sub_question(self, run: _Run, subs: Sequence[str], hits: list[list[Hit]],
                                 images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:

@@ -55,6 +55,9 @@ class AnswerMode(str, enum.Enum):
     ONE_PROMPT = "one_prompt"
     # One prompt per sub-question (or per page), then a synthesis over the sub-answers.
     PER_SUB_QUESTION = "per_sub_question"
+    # One prompt per image one prompt would show, each image leading its own prompt, the answer's length shared
+    # among them and their answers joined in order (no synthesis): every recurrence of an image hits its prefix.
+    PER_IMAGE = "per_image"
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +117,8 @@ def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfi
     the popularity order, so the pages most asked across questions lead it and its prefix recurs."""
     if requested is AnswerMode.PER_SUB_QUESTION:
         return AnswerChoice(AnswerMode.PER_SUB_QUESTION)
+    if requested is AnswerMode.PER_IMAGE:
+        return _per_image_choice(hits, misfit, images, max_pages)
     if requested is AnswerMode.AUTO and layout is Layout.PER_PAGE:
         return AnswerChoice(AnswerMode.PER_SUB_QUESTION, why="MMRAG_LAYOUT=per_page shows one page per prompt")
     pages = union_pages(hits, besides=images)
@@ -128,6 +133,47 @@ def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfi
     return AnswerChoice(AnswerMode.ONE_PROMPT, ordered, tuple(pages[kept:]))
 
 
+def _per_image_choice(hits: Sequence[Sequence[Hit]], misfit: Misfit, images: Sequence[ImageKey], max_pages: int
+                      ) -> AnswerChoice:
+    """Per image: the pages one prompt would keep (:func:`union_pages`, at most ``max_pages``), each in its own
+    prompt, in that ranking (each sub-question's best first: the order the joined answer reads in); a page whose
+    own prompt does not fit is left out. One page or none is the one prompt itself."""
+    pages = union_pages(hits, besides=images)
+    kept = pages[:max_pages] if max_pages else pages
+    shown = tuple(p for p in kept if misfit([p]) is None)
+    left = tuple(p for p in pages if p not in shown)
+    return AnswerChoice(AnswerMode.PER_IMAGE if len(shown) > 1 else AnswerMode.ONE_PROMPT, shown, left)
+
+
+def per_image_plans(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
+                    images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> list[PlannedPrompt]:
+    """A prompt per page of ``pages`` (the per-image answer, :class:`AnswerMode`): the question's own images,
+    then that page alone, then :func:`one_prompt_text` over it with the sub-questions that retrieved it (all of
+    them when none did). Each decodes ``ceil(max_tokens / len(pages))`` tokens, so the joined answer is one
+    answer's length and decode, as the one prompt's.
+
+    Why: one prompt over two pages reuses the second page's KV only behind the same first page; a page that
+    leads its own prompt hits wherever it recurs, after any other page (the position oracle's reuse, exactly:
+    each prompt is the same tokens a lone page's prompt is, warm-up's included). What it gives up: no prompt
+    sees two images together, so a comparison across them is the reader's, from the joined parts."""
+    share = -(-max_tokens // max(1, len(pages)))
+    planned = []
+    for page in pages:
+        asked = [i for i, hs in enumerate(hits) if any(h.image_key == page.image_key for h in hs)]
+        subs = [sub_questions[i] for i in asked] or list(sub_questions)
+        keys = tuple(dict.fromkeys((*images, page.image_key)))
+        plan = PromptPlan(keys, one_prompt_text(question, subs, [page], len(images), hits),
+                          sampling=SamplingSpec(max_tokens=share))
+        planned.append(PlannedPrompt(plan, asked[0] if asked else 0, page))
+    return planned
+
+
+def part_heading(page: Hit, first: bool) -> str:
+    """What leads one image's part of a per-image answer: its label (with a figure's caption when the image is
+    a figure's crop) and a colon, parts a blank line apart. The answer is each heading and its part's text."""
+    return f"{'' if first else chr(10) * 2}{image_label(page, in_prompt=False)}: "
+
+
 def shown_as_figures(hits: Sequence[Sequence[Hit]]) -> list[list[Hit]]:
     """Each hit on a figure (``Hit.figure``) shown as the figure's crop: its image key and tokens, the page's
     place kept for the citation. What the model then loses is the page around the figure: its body text, its
@@ -137,10 +183,12 @@ def shown_as_figures(hits: Sequence[Sequence[Hit]]) -> list[list[Hit]]:
              if h.figure is not None else h for h in hs] for hs in hits]
 
 
-def image_label(hit: Hit) -> str:
-    """What an image in a prompt is: its page's label, and when it is a figure's crop, the figure's caption."""
+def image_label(hit: Hit, *, in_prompt: bool = True) -> str:
+    """What an image is: its page's label, and when it is a figure's crop, the figure's caption (in a prompt, said
+    to be the figure alone)."""
     if hit.figure is not None and hit.image_key == hit.figure.image_key:
-        return f"{page_label(hit)}, {hit.figure.region.caption or hit.figure.label} (the figure alone)"
+        alone = " (the figure alone)" if in_prompt else ""
+        return f"{page_label(hit)}, {hit.figure.region.caption or hit.figure.label}{alone}"
     return page_label(hit)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.figure_keys import FIGURE_LEVEL, PAGE_LEVEL, FigureCorpusSpec, build_figure_corpus
+from bench.figure_keys import CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, PER_IMAGE, FigureCorpusSpec, build_figure_corpus
 from bench.model import TINY_SPEC
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,14 +51,18 @@ def levels(run: dict) -> dict[str, dict]:
 def test_both_levels_run_on_one_engine_and_report_every_figure_and_each_check(figures_run):
     data = figures_run["data"]
     assert list(data["by_length"]) == [str(LENGTH)]  # --max-tokens: that length only
-    assert list(levels(figures_run)) == [PAGE_LEVEL, FIGURE_LEVEL]
+    assert list(levels(figures_run)) == [PAGE_LEVEL, FIGURE_LEVEL, PAGE_LEVEL + PER_IMAGE, FIGURE_LEVEL + PER_IMAGE]
     for name, r in levels(figures_run).items():
         missing = [f for f in FIELDS if f not in r]
         assert not missing, f"{name} lacks {missing}"
-        assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
+        if name.endswith(PER_IMAGE):  # a prompt per image: as many as the images the one prompt would show
+            assert r["questions"] == QUESTIONS and r["images_per_prompt"] == 1.0
+            assert r["prompts"] == round(levels(figures_run)[CONFIGS[name][0]]["images_per_prompt"] * QUESTIONS)
+        else:
+            assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
         assert r["questions_per_s"] > 0 and r["ttft_p50_s"] > 0 and 0 < r["position_oracle_hit_rate"] <= 1
     assert data["machine"]["cpu"] and data["machine"]["dtype"] == data["engine"]["dtype"]
-    assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 3
+    assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 5
     for t in data["targets"]:
         assert f"{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}" \
             in figures_run["stdout"]
@@ -85,7 +89,7 @@ def test_one_chart_pasted_into_different_layouts_is_one_figure_key_and_one_forwa
     assert ing["vision_forwards"] == {PAGE_LEVEL: report["encoded"],
                                       FIGURE_LEVEL: report["encoded"] + report["figures_encoded"]}
     for name, r in levels(figures_run).items():
-        assert r["vision_forwards_at_ingest"] == ing["vision_forwards"][name]
+        assert r["vision_forwards_at_ingest"] == ing["vision_forwards"][CONFIGS[name][0]]
         assert r["vision_forwards_at_serve"] == 0  # every image came from the feature store
 
 
@@ -99,10 +103,23 @@ def test_the_rates_are_the_runs_own_counts(figures_run):
         # wall_s is rounded to 10 ms
         assert r["questions_per_s"] == pytest.approx(r["questions"] / r["wall_s"], rel=0.05)
     assert page["image_hit_rate"] != figure["image_hit_rate"]
-    (oracle, over_page, tokens) = (t["measured"] for t in figures_run["data"]["targets"])
-    assert over_page == round(figure["image_hit_rate"] / page["image_hit_rate"], 3)
+    per_image = levels(figures_run)[FIGURE_LEVEL + PER_IMAGE]
+    page_per_image = levels(figures_run)[PAGE_LEVEL + PER_IMAGE]
+    oracle, one_oracle, over_page, over_page_per_image, tokens = (t["measured"] for t in figures_run["data"]["targets"])
+    assert oracle == round(per_image["image_hit_rate"] / per_image["position_oracle_hit_rate"], 3)
+    assert one_oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
+    assert over_page == round(per_image["image_hit_rate"] / page["image_hit_rate"], 3)
+    assert over_page_per_image == round(per_image["image_hit_rate"] / page_per_image["image_hit_rate"], 3)
     assert tokens == round(figure["image_tokens_per_prompt"] / page["image_tokens_per_prompt"], 3)
-    assert oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
+
+
+def test_per_image_prompts_reuse_every_image_that_recurs_not_only_the_first(figures_run):
+    """Each image leads its own prompt, so every recurrence of it can hit (the position oracle's reuse), where
+    one prompt's later images hit only behind the same first image."""
+    for name in (PAGE_LEVEL, FIGURE_LEVEL):
+        one, per = levels(figures_run)[name], levels(figures_run)[name + PER_IMAGE]
+        assert per["image_hit_rate"] >= one["image_hit_rate"]
+        assert per["image_hit_rate"] >= 0.8 * per["position_oracle_hit_rate"]
 
 
 def test_the_corpus_is_seeded_and_puts_each_chart_into_two_or_three_layouts(tmp_path):

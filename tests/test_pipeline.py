@@ -14,7 +14,7 @@ from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
 from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, one_prompt_plan, one_prompt_text,
-                       plan_prompts, synthesis_plan, union_pages)
+                       per_image_plans, plan_prompts, synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
@@ -356,6 +356,45 @@ def test_one_prompts_page_budget_keeps_each_sub_questions_best_pages_and_leaves_
     assert len(choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=PagePopularity()).pages) == 5
 
 
+def test_per_image_gives_each_kept_page_its_own_prompt_with_its_sub_questions_and_a_share_of_the_length():
+    a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.95)
+    hits, fits = [[a1, a2], [b1, a1]], lambda pages: None  # noqa: E731
+    choice = choose_answer(AnswerMode.PER_IMAGE, hits, misfit=fits, popularity=PagePopularity(), max_pages=2)
+    assert choice.mode is AnswerMode.PER_IMAGE and choice.pages == (a1, b1) and choice.left_out == (a2,)
+    image = page_hit("question.png", 1).image_key
+    planned = per_image_plans("Q?", ["q1", "q2"], choice.pages, max_tokens=9, images=(image,), hits=hits)
+    assert [p.plan.images for p in planned] == [(image, a1.image_key), (image, b1.image_key)]
+    assert [p.plan.sampling.max_tokens for p in planned] == [5, 5]  # ceil(9 / 2): one answer's length in all
+    assert "1. q1\n2. q2" in planned[0].plan.text  # a1 was retrieved by both sub-questions
+    assert planned[1].plan.text.endswith("Image 2: [b.pdf, page 1]\nQuestion: Q?") and "q1" not in planned[1].plan.text
+    # A page whose own prompt does not fit is left out; one page left is the one prompt itself.
+    no_b = lambda pages: "too big" if pages[0] == b1 else None  # noqa: E731
+    one = choose_answer(AnswerMode.PER_IMAGE, hits, misfit=no_b, popularity=PagePopularity(), max_pages=2)
+    assert one.mode is AnswerMode.ONE_PROMPT and one.pages == (a1,) and set(one.left_out) == {a2, b1}
+
+
+async def test_per_image_answers_from_one_prompt_per_page_joined_and_streamed_and_cached_as_cold(pipeline_with):
+    """Each page leads its own prompt, so every one of them reuses its prefix when it recurs (not only the first
+    of a prompt); fp32 greedy: the cached answer is the cold one, token for token."""
+    p = pipeline_with("canonical")
+    await p.engine.reset_prefix_cache()
+    cold = await p.ask(TWO_PART, answer_mode="per_image")
+    out = cold.to_json()
+    assert out["answer_mode"] == "per_image" and len(out["image_answers"]) == len(p.submitted) > 1
+    assert all(len(plan.images) == 1 for plan in p.submitted)
+    assert {str(plan.images[0]) for plan in p.submitted} == {c.image_key for c in cold.citations} \
+        == {a["image"] for a in out["image_answers"]}
+    assert all(plan.sampling.max_tokens == -(-8 // len(p.submitted)) for plan in p.submitted)
+    assert cold.answer == "".join(f"{'' if i == 0 else chr(10) * 2}{a['page']}: {a['answer']}"
+                                  for i, a in enumerate(out["image_answers"]))
+    assert cold.usage.cached_image_tokens == 0
+    events = [e async for e in p.ask_events(TWO_PART, answer_mode="per_image")]
+    done = events[-1]["answer"]
+    assert "".join(e["text"] for e in events if e["event"] == "token") == done["answer"] == cold.answer
+    # Every image, wherever it sat, came from the prefix cache (all but its last partial block).
+    assert done["usage"]["cached_image_tokens"] >= done["usage"]["image_tokens"] - 32 * len(p.submitted)
+
+
 async def test_an_answer_leases_the_pages_it_shows_until_its_last_token(engine_settings, pipeline_with):
     """While an answer runs, a deletion (a document's, `mmrag store gc`) keeps its pages' tokens: the store's
     delete finds them leased. The lease ends with the answer."""
@@ -419,4 +458,9 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     (plan,) = crops.submitted
     assert crop.image_key == str(crop.figure.image_key) and crop.figure.image_key in plan.images
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text
+    # Per image, the crop leads a prompt of its own and its part of the answer is headed by the figure.
+    led = await crops.ask(question, answer_mode="per_image")
+    alone = [plan for plan in crops.submitted[1:] if plan.images == (crop.figure.image_key,)]
+    assert len(alone) == 1 and len(crops.submitted) - 1 == len(led.extra["image_answers"]) > 1
+    assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload: " in led.answer
     assert ImageKey.parse(cited.image_key) not in plan.images  # the page itself is not shown

@@ -95,10 +95,12 @@ TIER_DESCRIPTION = (
     "Absent: `standard`, as ingested. The question's own images stay in `standard`.")
 
 
-AnswerModeName = Literal["auto", "one_prompt", "per_sub_question"]
+AnswerModeName = Literal["auto", "one_prompt", "per_image", "per_sub_question"]
 ANSWER_MODE_DESCRIPTION = (
     "How the retrieved pages become the answer: `one_prompt` (one prompt over the union of the sub-questions' "
-    "pages, each page once, one decode), `per_sub_question` (a prompt per sub-question, each sub-answer "
+    "pages, each page once, one decode), `per_image` (each of those pages leads a prompt of its own, the "
+    "answer's length shared among them, their answers joined: every recurring page or figure reuses its "
+    "cached prefix), `per_sub_question` (a prompt per sub-question, each sub-answer "
     "within MMRAG_SUB_ANSWER_MAX_TOKENS, then a synthesis), or `auto` (one prompt when the union fits "
     "MMRAG_MAX_IMAGES_PER_PROMPT images and MMRAG_MAX_MODEL_LEN tokens, else per sub-question). Absent: "
     "MMRAG_ANSWER_MODE. The answer's `answer_mode` says which one served.")
@@ -178,6 +180,13 @@ class SubAnswer(_Response):
                              "as `[document, page N]`; absent when the sub-question's pages were seen together.")
 
 
+class ImageAnswer(_Response):
+    page: str = Field(description="The page this part saw, as `[document, page N]`, and the figure's caption when "
+                      "it saw the figure's crop alone (MMRAG_FIGURE_CROPS).")
+    image: str = Field(description="The image key it saw: the page's, or its figure crop's.")
+    answer: str = Field(description="The model's answer from that image alone (the answer joins these parts).")
+
+
 class Timings(_Response):
     """Where the answer's time went, in seconds of wall time, stage by stage (a stage that did not run is
     absent: no pages found; one prompt, so no sub-answers; or one sub-answer and so no synthesis)."""
@@ -211,11 +220,13 @@ class AskResponse(_Response):
     citations: list[Citation] = Field(description="Every retrieved page once, best score first.")
     usage: Usage = Field(description="Token and cache accounting over every completion of this answer.")
     model: ModelInfo = Field(description="The model that answered.")
-    answer_mode: Literal["one_prompt", "per_sub_question"] | None = Field(
+    answer_mode: Literal["one_prompt", "per_image", "per_sub_question"] | None = Field(
         default=None, description="The answer mode that served (see the request's `answer_mode`); absent when no "
         "page was found.")
     answer_mode_reason: str | None = Field(
         default=None, description="`auto` that answered per sub-question: why one prompt did not fit.")
+    image_answers: list[ImageAnswer] | None = Field(
+        default=None, description="`per_image`: each image's own part of the answer, in the answer's order.")
     sub_answers: list[SubAnswer] | None = Field(
         default=None, description="`per_sub_question`: each sub-question's own answer; absent in one prompt and "
         "when no page was found."
@@ -351,7 +362,7 @@ class AskEvent(_Response):
     sub_question_source: str | None = Field(default=None, description="`sub_questions`: who split the question.")
     citations: list[Citation] | None = Field(default=None, description="`citations`: every page shown.")
     answer_mode: str | None = Field(default=None, description="`citations`: the answer mode that will answer "
-                                    "(`one_prompt` or `per_sub_question`).")
+                                    "(`one_prompt`, `per_image` or `per_sub_question`).")
     sub_question: str | None = Field(default=None, description="`sub_answer`: the sub-question answered.")
     page: str | None = Field(default=None, description="`sub_answer`, per-page layout: the page it is about.")
     text: str | None = Field(default=None, description="`token`: the next piece of the answer's text.")
