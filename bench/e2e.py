@@ -9,10 +9,11 @@ only), greedy, a closed loop of ``concurrency`` questions in flight, every answe
   default answer mode (auto). TTFT is the first ``token`` event. It warms the replica at start-up as it does by
   default (MMRAG_WARM_TOP=-1), before the clock: a fresh process per run, since the page-popularity order it
   learns is per process, so every length starts warm and equal.
-- **mmrag_every_page**, **mmrag_per_sub_question**, **mmrag_model_decomposer** (at the reference length only,
-  below): the same with MMRAG_ONE_PROMPT_PAGES=0 (the one prompt shows every retrieved page, not the default
-  budget: the other candidate), with the request's ``answer_mode`` "per_sub_question" (a prompt per
-  sub-question, then a synthesis), and with
+- **mmrag_every_page**, **mmrag_per_image**, **mmrag_per_sub_question**, **mmrag_model_decomposer** (at the
+  reference length only, below): the same with MMRAG_ONE_PROMPT_PAGES=0 (the one prompt shows every retrieved
+  page, not the default budget: the other candidate), with the request's ``answer_mode`` "per_image" (each of
+  the one prompt's pages leads a prompt of its own, the length shared, the parts joined), with "per_sub_question"
+  (a prompt per sub-question, then a synthesis), and with
   MMRAG_DECOMPOSER=model, MMRAG_DECOMPOSE_FIXED_TOKENS=N: the model decodes exactly N tokens per question, a
   stand-in for a real model's decomposition (:func:`decompose_stand_in` says how N is computed; a random-weight
   model's reply is then rejected and the rules split, so sub-questions stay the same).
@@ -122,15 +123,16 @@ FLOOR_TEXT_TOKENS = 512  # a floor plan's KV beyond its image tokens (text, temp
 
 MMRAG = "mmrag"
 MMRAG_PER_SUB_QUESTION = "mmrag_per_sub_question"
+MMRAG_PER_IMAGE = "mmrag_per_image"
 MMRAG_MODEL_DECOMPOSER = "mmrag_model_decomposer"
 MMRAG_EVERY_PAGE = "mmrag_every_page"
 FLOOR = "floor"
 LLAMAINDEX = "llamaindex"
 LLAMAINDEX_SUBQ = "llamaindex_subq"
 # The order they run in at each length: the floor right after mmrag (it opens the index mmrag serve held).
-SIDES = (MMRAG, FLOOR, MMRAG_EVERY_PAGE, MMRAG_PER_SUB_QUESTION, MMRAG_MODEL_DECOMPOSER, LLAMAINDEX,
-         LLAMAINDEX_SUBQ)
-REFERENCE_ONLY = (MMRAG_EVERY_PAGE, MMRAG_PER_SUB_QUESTION, MMRAG_MODEL_DECOMPOSER)
+SIDES = (MMRAG, FLOOR, MMRAG_EVERY_PAGE, MMRAG_PER_IMAGE, MMRAG_PER_SUB_QUESTION, MMRAG_MODEL_DECOMPOSER,
+         LLAMAINDEX, LLAMAINDEX_SUBQ)
+REFERENCE_ONLY = (MMRAG_EVERY_PAGE, MMRAG_PER_IMAGE, MMRAG_PER_SUB_QUESTION, MMRAG_MODEL_DECOMPOSER)
 # mmrag's own one-prompt page budget (MMRAG_ONE_PROMPT_PAGES), pinned for its default side whatever is set here;
 # mmrag_every_page, the other candidate, shows every retrieved page (0).
 ONE_PROMPT_PAGES = Settings.model_fields["one_prompt_pages"].default
@@ -495,7 +497,7 @@ def _check_contract(answer: dict, question: str, length: int, variant: MmragVari
     """The request fields this bench relies on were honoured: a server that ignores them would be measured at
     another length or mode without saying so."""
     mode = answer.get("answer_mode")
-    if answer["citations"] and mode not in ("one_prompt", "per_sub_question"):
+    if answer["citations"] and mode not in ("one_prompt", "per_image", "per_sub_question"):
         raise E2EError(f"mmrag serve's answer to {question!r} has no answer_mode: this checkout's server predates "
                        "the one-prompt answer mode (issue 22)")
     wanted = variant.request.get("answer_mode")
@@ -904,7 +906,8 @@ def estimate_runs(spec: E2ESpec, step_s: float, request_s: float, stand_in_token
     out = {}
     for length in spec.lengths:
         sub = min(64, length)  # mmrag's sub-answers (MMRAG_SUB_ANSWER_MAX_TOKENS)
-        chains = {MMRAG: (length, 1), MMRAG_EVERY_PAGE: (length, 1), MMRAG_PER_SUB_QUESTION: (sub + length, 2),
+        chains = {MMRAG: (length, 1), MMRAG_EVERY_PAGE: (length, 1), MMRAG_PER_IMAGE: (-(-length // subs), 1),
+                  MMRAG_PER_SUB_QUESTION: (sub + length, 2),
                   MMRAG_MODEL_DECOMPOSER: (stand_in_tokens + length, 2), FLOOR: (length, 1),
                   LLAMAINDEX: (length, 1), LLAMAINDEX_SUBQ: (2 * length, subs + 1)}
         for side in spec.sides_at(length):
@@ -972,6 +975,7 @@ async def run_e2e(inputs: E2EInputs) -> dict:
             retriever = make_retriever(aclient, LLAMAINDEX_COLLECTION, embed, spec.top_k)
             variants = {MMRAG: MmragVariant(MMRAG),
                         MMRAG_EVERY_PAGE: MmragVariant(MMRAG_EVERY_PAGE, env={"MMRAG_ONE_PROMPT_PAGES": "0"}),
+                        MMRAG_PER_IMAGE: MmragVariant(MMRAG_PER_IMAGE, request={"answer_mode": "per_image"}),
                         MMRAG_PER_SUB_QUESTION: MmragVariant(MMRAG_PER_SUB_QUESTION,
                                                              request={"answer_mode": "per_sub_question"}),
                         MMRAG_MODEL_DECOMPOSER: MmragVariant(MMRAG_MODEL_DECOMPOSER, env={

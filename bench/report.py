@@ -55,7 +55,7 @@ COLORS = {"no_cache": "#9ca3af", "vision_cache": "#6b7280", "apc_naive": "#f28e2
           "floor": "#1f2a44", "floor_one_prompt": "#3b4a6b", "mixed": "#edc948", "mixed_tiered": "#9c755f",
           # mmrag bench --e2e's sides
           "llamaindex": "#e15759", "llamaindex_subq": "#ff9d9a", "mmrag_every_page": "#76b7b2",
-          "mmrag_per_sub_question": "#b07aa1", "mmrag_model_decomposer": "#59a14f"}
+          "mmrag_per_sub_question": "#b07aa1", "mmrag_model_decomposer": "#59a14f", "mmrag_per_image": "#17becf"}
 
 # On the mixed-resolution corpus and workload, each against ``mixed``: the scheduler's short queue, and the
 # pages under the standard tier's bounds and pooled 2x2.

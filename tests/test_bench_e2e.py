@@ -18,8 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTH = 8
-SIDES = ("mmrag", "floor", "mmrag_every_page", "mmrag_per_sub_question", "mmrag_model_decomposer", "llamaindex",
-         "llamaindex_subq")
+SIDES = ("mmrag", "floor", "mmrag_every_page", "mmrag_per_image", "mmrag_per_sub_question", "mmrag_model_decomposer",
+         "llamaindex", "llamaindex_subq")
 SIDE_FIELDS = ("questions", "questions_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
                "engine_queue_s", "engine_prefill_s", "engine_decode_s", "engine_requests_per_question",
                "prompt_tokens_per_question", "generation_tokens_per_question", "prefix_cache_hit_rate",
@@ -65,7 +65,7 @@ def test_every_side_reports_every_figure_with_a_streamed_ttft(e2e_run):
 
 def test_mmrag_answers_cite_pages_and_say_their_answer_mode(e2e_run):
     r = sides(e2e_run)
-    for side in ("mmrag", "mmrag_every_page", "mmrag_per_sub_question", "mmrag_model_decomposer"):
+    for side in ("mmrag", "mmrag_every_page", "mmrag_per_image", "mmrag_per_sub_question", "mmrag_model_decomposer"):
         missing = [f for f in MMRAG_FIELDS if f not in r[side]]
         assert not missing, f"{side} lacks {missing}"
         assert r[side]["sample_answer"]["cited_pages"], side
@@ -83,6 +83,11 @@ def test_mmrag_answers_cite_pages_and_say_their_answer_mode(e2e_run):
     assert 0 < r["mmrag"]["pages_cited_per_question"] <= budget
     assert r["mmrag_every_page"]["pages_cited_per_question"] >= r["mmrag"]["pages_cited_per_question"]
     assert r["mmrag"]["stage_s"]["answer_s"] > 0 and r["mmrag"]["stage_s"]["sub_answers_s"] == 0
+    # Per image: a request per page the one prompt would show, each leading its own prompt, the length shared.
+    per_image = r["mmrag_per_image"]
+    assert set(per_image["answer_modes"]) <= {"per_image", "one_prompt"} and "per_image" in per_image["answer_modes"]
+    assert per_image["pages_cited_per_question"] == r["mmrag"]["pages_cited_per_question"]
+    assert per_image["engine_requests_per_question"] == pytest.approx(per_image["pages_cited_per_question"], abs=0.01)
     # The request's answer_mode was honoured: a prompt per sub-question, then a synthesis.
     per_sub = r["mmrag_per_sub_question"]
     assert per_sub["answer_modes"] == {"per_sub_question": 3}
