@@ -16,6 +16,7 @@ import io
 import math
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -333,18 +334,26 @@ def _check_content_matches(path: Path, head: bytes, expected: str) -> None:
 # --- PDF ---------------------------------------------------------------------------------------------
 
 
+# pdfium is not thread-safe, not even across documents (pypdfium2 says so), and one process uses it from several
+# threads: ingest workers, the page-image route's renders, on-demand tier encodes. Two page images rendered at
+# once crashed `mmrag serve` with SIGSEGV. Every pdfium call of this module (opening, a page's render, text and
+# figures, closing) holds this lock; OCR, encoding and embedding run outside it.
+PDFIUM_LOCK = threading.RLock()
+
+
 def _open_pdf(path: Path, settings: Settings) -> _PdfSource:
-    try:
-        pdf = pdfium.PdfDocument(path)
-    except pdfium.PdfiumError as exc:
-        raise IngestError(_pdf_load_message(exc)) from exc
-    with contextlib.ExitStack() as on_error:
-        on_error.callback(pdf.close)
-        _validate_pdf(pdf, settings)
-        # So that filled-in form fields appear in page images as they do in a viewer; pdfium wants this
-        # before any page is loaded.
-        pdf.init_forms()
-        on_error.pop_all()  # valid: the source owns the handle from here on
+    with PDFIUM_LOCK:
+        try:
+            pdf = pdfium.PdfDocument(path)
+        except pdfium.PdfiumError as exc:
+            raise IngestError(_pdf_load_message(exc)) from exc
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(pdf.close)
+            _validate_pdf(pdf, settings)
+            # So that filled-in form fields appear in page images as they do in a viewer; pdfium wants this
+            # before any page is loaded.
+            pdf.init_forms()
+            on_error.pop_all()  # valid: the source owns the handle from here on
     return _PdfSource(pdf, settings.pdf_dpi, figures=settings.figures, max_pixels=settings.max_image_pixels)
 
 
@@ -411,6 +420,10 @@ class _PdfSource:
         self.num_pages = len(pdf)
 
     def raster(self, index: int) -> _Raster:
+        with PDFIUM_LOCK:
+            return self._raster(index)
+
+    def _raster(self, index: int) -> _Raster:
         number = index + 1
         try:
             page = self._pdf[index]
@@ -470,7 +483,8 @@ class _PdfSource:
             raise IngestError(_page_damaged_message(number, exc)) from exc
 
     def close(self) -> None:
-        self._pdf.close()
+        with PDFIUM_LOCK:
+            self._pdf.close()
 
 
 def _page_damaged_message(number: int, exc: Exception) -> str:
@@ -677,8 +691,8 @@ class _PageSource(Protocol):
 class Document:
     """An opened, validated source file; ``pages()`` renders one page at a time.
 
-    Holds a pdfium handle for PDFs: use it as a context manager, from one thread (pdfium is not
-    thread-safe).
+    Holds a pdfium handle for PDFs: use it as a context manager, from one thread at a time. Documents may be open
+    in several threads at once: their pdfium calls take turns (PDFIUM_LOCK).
     """
 
     def __init__(self, path: Path, file_sha256: str, source: _PageSource, settings: Settings) -> None:

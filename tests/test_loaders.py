@@ -445,3 +445,28 @@ def test_one_page_renders_alone_as_the_walk_renders_it(tmp_path):
     assert render_page(path, 4, settings()) is None
     with pytest.raises(ValueError, match="closed"):
         doc.page(1)
+
+
+def test_pdf_pages_render_from_many_threads_at_once_as_they_do_alone(sample_corpus):
+    """pdfium is not thread-safe: page images rendered at once (the page-image route, ingest workers, tier
+    encodes) crashed the server with SIGSEGV. Its calls take turns (PDFIUM_LOCK): from 8 threads, every page,
+    figure crops included, comes out as it does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    conf = settings(figures=True)
+    jobs = [(path, n) for path in sorted(sample_corpus.glob("*.pdf"))[:3] for n in (1, 2)] * 4
+    alone = {(path, n): render_page(path, n, conf) for path, n in set(jobs)}
+
+    def whole_document(path: Path) -> list[str]:
+        with open_document(path, conf) as doc:
+            return [p.content_hash for p in doc.pages()]
+
+    with ThreadPoolExecutor(8) as pool:
+        pages = list(pool.map(lambda job: render_page(*job, conf), jobs))
+        documents = list(pool.map(whole_document, [path for path, _ in jobs[:6]]))
+    for (path, n), page in zip(jobs, pages):
+        want = alone[(path, n)]
+        assert page.content_hash == want.content_hash and page.text == want.text
+        assert [c.content_hash for c in page.figures] == [c.content_hash for c in want.figures]
+    for path, hashes in zip([path for path, _ in jobs[:6]], documents):
+        assert hashes[:2] == [alone[(path, 1)].content_hash, alone[(path, 2)].content_hash]
