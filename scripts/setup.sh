@@ -14,11 +14,15 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     for bin in redis-server prometheus tesseract qpdf; do
         command -v "$bin" >/dev/null || missing=1
     done
+    # tests/test_ui.py drives Debian's chromium headless through its chromedriver (no browser download).
+    for exe in /usr/bin/chromium /usr/bin/chromedriver; do
+        [ -x "$exe" ] || missing=1
+    done
     if [ -n "$missing" ]; then
-        echo "[setup] installing Debian packages: redis-server prometheus tesseract-ocr qpdf"
+        echo "[setup] installing Debian packages: redis-server prometheus tesseract-ocr qpdf chromium chromium-driver"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server prometheus \
-            tesseract-ocr tesseract-ocr-eng qpdf >/dev/null
+            tesseract-ocr tesseract-ocr-eng qpdf chromium chromium-driver >/dev/null
     fi
 fi
 
@@ -46,6 +50,6 @@ fi
 
 echo "[setup] installing mmrag and the rest of its dependencies"
 $PIP install -q -c constraints.txt -e ".[dev,dashboards,ray]" "setuptools>=80.9,<81" 2> >(grep -v -e "is ignored" -e "dependency resolver" -e "requires torch" -e "requires setuptools" >&2)
-"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, ray.serve, mmrag" 
+"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, ray.serve, selenium, mmrag"
 echo "$want_stamp" > "$STAMP"
 echo "[setup] done: $VENV"

@@ -60,11 +60,13 @@ class Job:
     files: list[str] = field(default_factory=list)  # the resolved paths: what a resumed job ingests (server-only)
     tenant: str = DEFAULT_TENANT  # whose collection it writes, who may see and cancel it (server-only)
     tiers: list[str] = field(default_factory=list)  # resolution tiers encoded beside MMRAG_INGEST_TIERS
+    progress: dict[str, int] | None = None  # files_done, files_total, pages_done: None until it runs
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "paths": self.paths, "recursive": self.recursive, "status": self.status,
                 "report": self.report, "error": self.error, "submitted_at": self.submitted_at,
-                "finished_at": self.finished_at, "resumed": self.resumed, "tiers": self.tiers}
+                "finished_at": self.finished_at, "resumed": self.resumed, "tiers": self.tiers,
+                "progress": self.progress}
 
 
 UNFINISHED = ("queued", "running")
@@ -498,6 +500,8 @@ class IngestJobs:
         log.info("ingest %s started: %s%s", job.id, ", ".join(job.paths), " (recursive)" if job.recursive else "")
 
         def progress(files_done: int, files_total: int, pages_done: int) -> None:
+            # One new dict, not edited in place: GET /v1/ingest/{id} reads it from the event loop meanwhile.
+            job.progress = {"files_done": files_done, "files_total": files_total, "pages_done": pages_done}
             if job.status == "cancelling":
                 raise JobCancelled
             if self._closed:

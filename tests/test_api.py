@@ -243,8 +243,11 @@ async def test_no_route_shows_a_server_path_in_any_body(http, api_server, engine
     await call("GET", "/v1/models")
     await call("POST", "/v1/chat/completions", json={"model": "mmrag", "messages": [
         {"role": "user", "content": "How long are backups retained?"}]})
-    for public in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"):
+    for public in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                   "/ui"):
         await call("GET", public)
+    for asset in ("index.html", "app.js", "api.js", "app.css"):
+        await call("GET", "/ui/{name}", f"/ui/{asset}")
     # And errors, some of which name files: outside the root, a NUL byte, a missing page, a file gone.
     await call("POST", "/v1/ingest", json={"paths": ["/etc"]})
     await call("POST", "/v1/ingest", json={"paths": ["../.."]})

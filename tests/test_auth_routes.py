@@ -16,8 +16,10 @@ from starlette.routing import BaseRoute, Mount
 from serving.api.deps import require_api_key
 from tests.conftest import API_KEY
 
-# Probes and scrapers carry no key (liveness, readiness, Prometheus), and the API's own documentation is public.
-PUBLIC = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+# Probes and scrapers carry no key (liveness, readiness, Prometheus), and the API's own documentation is public; so
+# is the page (/ui: static files holding no data, which ask for the key and send it to the routes above).
+PUBLIC = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/ui",
+          "/ui/{name}"}
 NO_KEY = {"none": {}, "wrong bearer": {"Authorization": "Bearer not-the-key"}, "wrong X-API-Key": {"X-API-Key": "nope"},
           "right key, wrong scheme": {"Authorization": f"Basic {API_KEY}"}}
 DUMMY_PARAMS = ["1", "00000000-0000-0000-0000-000000000000"]  # the first that a path parameter's convertor takes

@@ -30,12 +30,21 @@ class DocumentsPage(Paged):
     documents: list[Document] = Field(description="Ingested documents, by file name then id.")
 
 
+class JobProgress(_Response):
+    files_done: int = Field(description="Files of the job finished (ingested, unchanged or failed).")
+    files_total: int = Field(description="Files the job ingests (a folder's, once listed).")
+    pages_done: int = Field(description="Pages indexed so far, the file being ingested included, batch by batch "
+                                        "(MMRAG_VISION_BATCH_SIZE pages at a time).")
+
+
 class Job(IngestJob):
     status: Literal["queued", "running", "cancelling", "done", "failed", "cancelled"] = Field(
         description="Where the job is: `cancelling` is a running job asked to stop (it does before its next "
         "page batch); a job a restarted server took up again is `queued` or `running` with `resumed` > 0.")
     resumed: int = Field(description="How many restarts of the server the job was resumed after.")
     tiers: list[str] = Field(default=[], description="Resolution tiers it encodes beside MMRAG_INGEST_TIERS.")
+    progress: JobProgress | None = Field(default=None, description="How far it got: files finished and pages "
+                                         "indexed, updated after each page batch; null until it starts.")
 
 
 class JobsPage(Paged):

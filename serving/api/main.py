@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from core.settings import Settings
 from serving.api import errors
 from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
-from serving.api.routers import ask, documents, health, ingest, openai
+from serving.api.routers import ask, documents, health, ingest, openai, ui
 from serving.api.services import Services
 from serving.api.startup import warm_at_startup
 from serving.metrics import Metrics, VllmFromGlobalRegistry
@@ -40,6 +40,6 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, allowances=body_allowances(settings))
     errors.install(app, errors.ServerPaths.of(settings))
     metrics.instrument_app(app)
-    for module in (health, ask, documents, ingest, openai):
+    for module in (health, ask, documents, ingest, openai, ui):
         app.include_router(module.router)
     return app
