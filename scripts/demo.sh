@@ -33,4 +33,4 @@ done
 curl -fs "$URL/readyz" > /dev/null || { echo "[demo] server not ready after 300 s"; tail -30 "$MMRAG_DATA_DIR/serve.log"; exit 1; }
 echo "[demo] ready; asking questions"
 .venv/bin/python scripts/demo_ask.py "$URL"
-echo "[demo] done: the API docs are at $URL/docs while \`mmrag serve\` runs"
+echo "[demo] done: the page is at $URL/ui and the API docs at $URL/docs while \`mmrag serve\` runs"
