@@ -53,11 +53,11 @@ class AnswerMode(str, enum.Enum):
     AUTO = "auto"
     # One prompt over the union of the pages; pages that do not fit it are left out (lowest ranks first).
     ONE_PROMPT = "one_prompt"
-    # One prompt per sub-question (or per page), then a synthesis over the sub-answers.
-    PER_SUB_QUESTION = "per_sub_question"
     # One prompt per image one prompt would show, each image leading its own prompt, the answer's length shared
     # among them and their answers joined in order (no synthesis): every recurrence of an image hits its prefix.
     PER_IMAGE = "per_image"
+    # One prompt per sub-question (or per page), then a synthesis over the sub-answers.
+    PER_SUB_QUESTION = "per_sub_question"
 
 
 @dataclass(slots=True, frozen=True)

@@ -319,12 +319,13 @@ async def test_cancelling_generate_aborts_the_request_in_the_replica(engine_sett
     engine = remote(engine_settings, [vllm_server])
     async with httpx.AsyncClient(timeout=30) as scrape:
         try:
-            # A round in which this process itself stalled for over a second may let the replica finish an
-            # answer before the disconnect reaches it; such a round proves nothing either way and is run again.
+            # A round in which this process itself stalled for over a second (a session thread holding the GIL)
+            # may let the replica decode on, or finish an answer, before the disconnect reaches it; such a round
+            # proves nothing either way and is run again.
             for attempt in range(3):
                 plans = long_plans(keys, vllm_server, [vllm_server], f"cancel {attempt}")
                 r = await cancel_round(engine, plans, scrape, vllm_server)
-                if r.after.at_max == r.before.at_max or r.lag_s < 1.0:
+                if r.lag_s < 1.0:
                     break
             prompt_tokens = [engine.renderer.tokens(engine.renderer.render(p), [f.num_tokens for f in await
                                                     engine.features.load(p.images)]).prompt_tokens for p in plans]
@@ -337,7 +338,7 @@ async def test_cancelling_generate_aborts_the_request_in_the_replica(engine_sett
     assert r.after.at_max == r.before.at_max, f"an answer ran to its end (this process lagged {r.lag_s:.1f} s)"
     reached = round((r.after.queried - r.before.queried) / (sum(prompt_tokens) / N))  # the rest: cancelled sooner
     spent = r.idle.generated - r.before.generated
-    assert reached >= 1 and 0 < spent < N * LONG.max_tokens / 2, (reached, spent)
+    assert reached >= 1 and 0 < spent < N * LONG.max_tokens / 2, (reached, spent, f"lag {r.lag_s:.1f} s")
     print(f"\ncancel of {N} long requests once one streamed (round {attempt + 1}; {reached} had reached the "
           f"replica's scheduler): its running + waiting read 0 {r.idle_after_s * 1000:.0f} ms after the cancel; "
           f"{spent} tokens made in all, of {N * LONG.max_tokens}")
