@@ -241,14 +241,7 @@ class Ingestor:
         with_text = [j for j, row in enumerate(found) if row[2]]
         for j, vec in zip(with_text, self.text_embedder.embed([found[j][2] for j in with_text])):
             vectors[j][TEXT_VECTOR] = vec.tolist()
-        crops = [row[3] for row in found]
-        if self.image_embedder is not None:
-            for j, vec in enumerate(self.image_embedder.embed(crops)):
-                vectors[j][IMAGE_VECTOR] = vec.tolist()
-        if self.late is not None:
-            for j, multi in enumerate(self.late.embed_pages(crops)):
-                vectors[j][PAGE_VECTOR] = pool_tokens(multi, self.late_pool_factor).tolist()
-                vectors[j][PAGE_MEAN_VECTOR] = mean_pool(multi).tolist()
+        self._image_vectors([row[3] for row in found], vectors)
         report.stage_seconds["embed"] += time.perf_counter() - t0
         return [make_point(vecs, payload, figure=i) for (payload, i, _, _), vecs in zip(found, vectors)]
 
@@ -288,15 +281,20 @@ class Ingestor:
             indices, values = self.lexical.document(pages[i].text, captions[i])
             if indices:
                 vectors[i][LEXICAL_VECTOR] = (indices, values)  # sparse: make_point makes it Qdrant's
-        if self.image_embedder is not None:
-            for i, vec in enumerate(self.image_embedder.embed([p.image for p in pages])):
-                vectors[i][IMAGE_VECTOR] = vec.tolist()
-        if self.late is not None:
-            for i, multi in enumerate(self.late.embed_pages([p.image for p in pages])):
-                vectors[i][PAGE_VECTOR] = pool_tokens(multi, self.late_pool_factor).tolist()
-                vectors[i][PAGE_MEAN_VECTOR] = mean_pool(multi).tolist()
+        self._image_vectors([p.image for p in pages], vectors)
         report.stage_seconds["embed"] += time.perf_counter() - t0
         return vectors
+
+    def _image_vectors(self, images: list[Image.Image], into: list[dict[str, Any]]) -> None:
+        """The page-image channel's vectors of ``images`` (pages, or figure crops) into the matching dicts:
+        CLIP's, or the late retriever's multi-vector pooled to 1/late_pool_factor of its rows and its mean."""
+        if self.image_embedder is not None:
+            for vectors, vec in zip(into, self.image_embedder.embed(images)):
+                vectors[IMAGE_VECTOR] = vec.tolist()
+        if self.late is not None:
+            for vectors, multi in zip(into, self.late.embed_pages(images)):
+                vectors[PAGE_VECTOR] = pool_tokens(multi, self.late_pool_factor).tolist()
+                vectors[PAGE_MEAN_VECTOR] = mean_pool(multi).tolist()
 
     def _payload(self, doc: Document, page: RenderedPage, key: ImageKey, captions: list[Caption],
                  figures: tuple[PageFigure, ...]) -> PagePayload:
