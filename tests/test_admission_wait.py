@@ -328,6 +328,11 @@ async def until(condition, what: str, limit_s: float = 60.0) -> None:
             await asyncio.sleep(0.01)
 
 
+def waited(error: dict) -> bool:
+    """A refusal at the deadline (the question waited), not at arrival."""
+    return error["message"].startswith("the question waited")
+
+
 def not_ok(results: list[dict]) -> list[tuple]:
     return [(r["status"], round(r["s"], 2), r["error"]["message"]) for r in results if r["status"] != 200]
 
@@ -395,7 +400,7 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
             # Waits out each Retry-After it is given, nobody else arriving. Alone this module's server admits it after
             # the first; in a full run (the session server warm from other modules' load) the estimate was seen to
             # lag the drain by one more wait. Each wait is the one the server named: never a guess of ours.
-            waits, retry = [retry_after], first
+            waits, retry, retries_refused = [retry_after], first, []
             for _ in range(3):
                 await asyncio.sleep(waits[-1])
                 started = time.perf_counter()
@@ -403,8 +408,9 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
                 retry_s = time.perf_counter() - started
                 if retry.status_code != 429:
                     break
+                retries_refused.append(retry)
                 waits.append(int(retry.headers["retry-after"]))
-            placed = [(await ask).status_code for ask in placed]
+            placed = [await ask for ask in placed]
         tight, tight_wall = await tight_run
     finally:
         services.admission = original
@@ -415,8 +421,11 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
     assert len(answered) >= limit and refused
     assert all(r["error"]["type"] == "overloaded" and r["error"]["fix"] and int(r["retry_after"]) >= 1
                for r in refused)
-    at_once = sorted(r["s"] for r in refused if not r["error"]["message"].startswith("the question waited"))
-    assert len(at_once) == len(refused) - admission.stats.expired
+    at_once = sorted(r["s"] for r in refused if not waited(r["error"]))
+    # The admission's own count of deadline refusals is the burst's plus any probe or retry that met it (a placed
+    # probe can: it waits behind the burst).
+    others_expired = sum(waited(r.json()["error"]) for r in [*placed, *retries_refused] if r.status_code == 429)
+    assert len(refused) - len(at_once) + others_expired == admission.stats.expired
     print(f"\nadmission by wait, {limit} in flight: a full round: own time {own_s:.2f}s, {per_s:.1f} questions/s "
           f"measured; {BURST} at once, deadline {deadline:.1f}s: {BURST} answered in {covered_wall:.1f}s, slowest "
           f"{slowest:.2f}s; {BURST} at once, deadline {tiny:.2f}s (estimate {per_s_at_burst:.1f}/s): "
@@ -429,6 +438,7 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
     assert statistics.median(at_once) < statistics.median(r["s"] for r in answered)
     assert max(r["s"] for r in answered) <= tiny + 3 * own_s  # its wait, within the deadline, and its own work
     assert retry.status_code == 200, retry.json()
+    placed = [r.status_code for r in placed]
     assert set(placed) <= {200, 429}  # a placed probe can still meet its deadline
     assert len(waits) <= 2, waits  # admitted after at most one more wait than the first Retry-After
     assert answers("refused") - refused_before == len(refused) + len(waits) + placed.count(429)
