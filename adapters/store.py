@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 import safetensors.torch
+import torch
 from safetensors import SafetensorError
 
 from adapters.files import write_atomically
@@ -63,6 +64,8 @@ class StoreStats:
 
 def encode_entry(key: ImageKey, value: EncodedImage) -> bytes:
     tensors = {"image_tokens": value.image_tokens.contiguous(), "grid_thw": value.grid_thw.contiguous()}
+    if value.pixels_png is not None:  # the pixels form's image (MMRAG_IMAGE_INPUT=pixels), beside the tokens
+        tensors["pixels_png"] = torch.frombuffer(bytearray(value.pixels_png), dtype=torch.uint8)
     return safetensors.torch.save(tensors, metadata={_KEY_META: str(key)})
 
 
@@ -77,7 +80,9 @@ def decode_entry(key: ImageKey, blob: bytes) -> EncodedImage:
             f"feature entry under {key} belongs to {meta.get(_KEY_META)!r}; refusing to serve it. "
             "Delete the entry and re-ingest the page."
         )
-    return EncodedImage(image_tokens=tensors["image_tokens"], grid_thw=tensors["grid_thw"])
+    png = tensors.get("pixels_png")
+    return EncodedImage(image_tokens=tensors["image_tokens"], grid_thw=tensors["grid_thw"],
+                        pixels_png=png.numpy().tobytes() if png is not None else None)
 
 
 def _read_metadata(blob: bytes) -> dict[str, str]:

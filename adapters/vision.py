@@ -37,6 +37,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from adapters.checkpoint import local_checkpoint
 from adapters.families import VisionFamily, family_for
+from adapters.vision_client import png_bytes  # lossless: the pixels form decodes the very pixels encoded
 from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
 
@@ -56,8 +57,20 @@ class VisionEncoder:
         salt: str = "",
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        keep_pixels: bool = False,
+        tokens: bool = True,
     ) -> None:
+        """``keep_pixels``: each encoded image also carries its pixels (lossless PNG) for an engine that encodes
+        them itself (MMRAG_IMAGE_INPUT=pixels). ``tokens`` False (that form only, MMRAG_INGEST_IMAGE_TOKENS=false):
+        no forward; the entry keeps the grid and token count the processor's resize rule gives, and no tokens."""
+        if not tokens and not keep_pixels:
+            raise ValueError("an encoder that makes no tokens must keep the pixels: set MMRAG_IMAGE_INPUT=pixels "
+                             "with MMRAG_INGEST_IMAGE_TOKENS=false, or leave the tokens on")
         started = time.perf_counter()
+        self._pixels_form = (keep_pixels, tokens)
+        # A pooled policy's tokens are averaged after the projector, which vLLM's own encoder does not do: its
+        # entries are always tokens (serving/engine/images.py sends them as image_embeds).
+        self.keep_pixels, self.makes_tokens = (False, True) if policy.pooled else (keep_pixels, tokens)
         checkpoint = VisionCheckpoint.load(model_path)
         self.model_dir = checkpoint.model_dir
         self.family = checkpoint.family
@@ -94,6 +107,7 @@ class VisionEncoder:
             return self
         other = copy.copy(self)
         other.policy = policy
+        other.keep_pixels, other.makes_tokens = (False, True) if policy.pooled else self._pixels_form
         other._processor = _build_processor(self.model_dir, policy, self._vision_config)
         other.forwards = 0
         return other
@@ -116,19 +130,23 @@ class VisionEncoder:
             # factor, within its bounds), and every merged-token row and column has a pooling partner.
             images = [im.resize(self._pooled_size(im.height, im.width)[::-1], Image.Resampling.BICUBIC)
                       for im in images]
+        pngs = [png_bytes(im) if self.keep_pixels else None for im in images]
         with torch.inference_mode():
             batch = self._processor(images=images, return_tensors="pt")
             grid = batch["image_grid_thw"]
+            sizes = (grid.prod(-1) // self._merge**2).tolist()
+            if not self.makes_tokens:  # the pixels form without tokens: the resize rule's grid, no forward
+                return [EncodedImage(torch.zeros(n, 0, dtype=self.dtype), thw.reshape(1, 3).clone(), png)
+                        for n, thw, png in zip(sizes, grid, pngs, strict=True)]
             pixels = batch["pixel_values"].to(self.device, self.dtype)
             # Back on the CPU: the store writes, and vLLM takes, host tensors.
             merged = self.family.image_embeds(self.tower(pixels, grid_thw=grid.to(self.device))).cpu()
         self.forwards += len(images)
-        sizes = (grid.prod(-1) // self._merge**2).tolist()
         # clone(): a split is a view into the whole batch (saving it would write every image), and cloning
         # outside inference mode gives ordinary tensors that callers may modify.
         out = [
-            EncodedImage(tokens.clone(), thw.reshape(1, 3).clone())
-            for tokens, thw in zip(torch.split(merged, sizes), grid, strict=True)
+            EncodedImage(tokens.clone(), thw.reshape(1, 3).clone(), png)
+            for tokens, thw, png in zip(torch.split(merged, sizes), grid, pngs, strict=True)
         ]
         return [pool_grid(e, self._merge, self.policy.pool) for e in out] if self.policy.pooled else out
 

@@ -30,6 +30,19 @@ class Layout(str, enum.Enum):
     NAIVE = "naive"
 
 
+class ImageInput(str, enum.Enum):
+    """How a prompt's images reach vLLM (MMRAG_IMAGE_INPUT): the deployment form.
+
+    EMBEDS (form A, the default): the image tokens ingestion stored (the vision service's ViT + projector), as
+    vLLM's ``image_embeds``; the engine runs no vision encoder. PIXELS (form B): the page's stored pixels, which
+    vLLM's own encoder turns into tokens under its encoder cache. Either way the image's mmrag key is its
+    ``multi_modal_uuid`` (serving/engine/images.py), so every vLLM cache is keyed by content, encoder version and
+    resolution policy."""
+
+    EMBEDS = "embeds"
+    PIXELS = "pixels"
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingSpec:
     max_tokens: int = 64
@@ -63,10 +76,14 @@ class Usage:
     completion_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    image_input: str = ""  # the form that sent the images (ImageInput's value); "" before any completion
 
     def add(self, other: Usage) -> None:
         for name in self.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            if name == "image_input":  # one engine, one form: not a sum
+                self.image_input = self.image_input or other.image_input
+            else:
+                setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass(slots=True)

@@ -52,9 +52,18 @@ class EncodedImage:
     takes as ``image_embeds``: one row per image token, the LLM's hidden size wide; for Qwen3-VL each row is
     the merged token followed by its deepstack features, (1 + levels) x hidden wide (adapters/families.py)."""
 
-    image_tokens: torch.Tensor  # (n_tokens, width), contiguous, CPU, owns its storage
+    image_tokens: torch.Tensor  # (n_tokens, width), contiguous, CPU, owns its storage; width 0: not encoded
     grid_thw: torch.Tensor  # (1, 3) int64: temporal, height, width patches before merging
+    # The image the tokens were made from, as lossless PNG bytes (the pixels form, MMRAG_IMAGE_INPUT=pixels:
+    # vLLM encodes them itself); None where only tokens are kept.
+    pixels_png: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.image_tokens.shape[0])
+
+    @property
+    def has_tokens(self) -> bool:
+        """False for an entry ingested in the pixels form without its tokens (MMRAG_INGEST_IMAGE_TOKENS=false):
+        its token count and grid are known (the resize rule), the tokens are vLLM's to make."""
+        return int(self.image_tokens.shape[-1]) > 0

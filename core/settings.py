@@ -127,6 +127,13 @@ class Settings(BaseSettings):
     max_num_seqs: int = 64
     enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
     engine_dtype: str = "auto"
+    # The deployment form (serving/engine/images.py): embeds, the stored image tokens as vLLM's image_embeds (the
+    # vision service encodes, the engine does not); pixels, the stored page pixels, encoded by vLLM's own encoder
+    # under its encoder cache, each image keyed by its mmrag key (multi_modal_uuids). Pooled tiers stay embeds.
+    image_input: Literal["embeds", "pixels"] = "embeds"
+    # The pixels form only: false stores each page's pixels and token grid without running the vision tower at
+    # ingest (faster ingest; such entries cannot be served as embeds, and pooled tiers still encode).
+    ingest_image_tokens: bool = True
     answer_max_tokens: int = 128
     engine_timeout_s: float = Field(default=120.0, gt=0)  # remote replicas: longest wait for a stream's next bytes
 
@@ -278,6 +285,9 @@ class Settings(BaseSettings):
         elif self.page_retriever.strip() == "clip" and not self.image_channel:
             raise ValueError("MMRAG_PAGE_RETRIEVER=clip needs CLIP weights: set MMRAG_CLIP_WEIGHTS to a local "
                              "open_clip weights file")
+        if not self.ingest_image_tokens and self.image_input != "pixels":
+            raise ValueError("MMRAG_INGEST_IMAGE_TOKENS=false stores pages without image tokens, which only the "
+                             "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
         self.fusion_weight_table  # names and numbers checked, with the fix
         if self.top_k > self.candidate_k:
             raise ValueError(f"MMRAG_TOP_K={self.top_k} is over MMRAG_CANDIDATE_K={self.candidate_k}: raise "

@@ -175,5 +175,6 @@ def print_answer(answer: Answer, console: Console) -> None:
     u = data["usage"]
     console.print(
         f"usage: {u['prompt_tokens']} prompt tokens, {u['cached_tokens']} cached; {u['image_tokens']} image tokens, "
-        f"{u['cached_image_tokens']} from cache; vision encodes {u['vision_encodes']}; TTFT {u['ttft_s']:.3f}s"
+        f"{u['cached_image_tokens']} from cache ({u['image_input'] or 'no images'}); vision encodes "
+        f"{u['vision_encodes']}; TTFT {u['ttft_s']:.3f}s"
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from adapters.checkpoint import ModelSource, configured_model
-from core.engine import Engine, ImageTokenCounts
+from core.engine import Engine, ImageInput, ImageTokenCounts
 from core.keys import KeyLease, NoLease
 from core.payload import EncoderScope, pages_per_encoder
 from core.settings import DEFAULT_TENANT, Settings
@@ -100,8 +100,10 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | Re
     from adapters.vision import VisionEncoder
 
     placement = vision_placement(settings)
+    pixels = settings.image_input == ImageInput.PIXELS.value
     return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt,
-                         dtype=getattr(torch, placement.dtype), device=placement.device)
+                         dtype=getattr(torch, placement.dtype), device=placement.device, keep_pixels=pixels,
+                         tokens=settings.ingest_image_tokens)
 
 
 _scopes: dict[tuple[str, str, bool], EncoderScope] = {}
@@ -283,6 +285,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         enforce_eager=settings.enforce_eager,
         dtype=resolve_dtype(settings.engine_dtype),
         max_num_seqs=settings.max_num_seqs,
+        image_input=ImageInput(settings.image_input),
+        image_pixels=(settings.min_pixels, settings.max_pixels),
     )
 
 
@@ -309,7 +313,9 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
 
         # Refuses a replica that serves another checkpoint (a fine-tune under the same name), at start-up.
         return RemoteEngine.connect(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
-                                    queue_bound=settings.ray_affinity_queue_bound)
+                                    queue_bound=settings.ray_affinity_queue_bound,
+                                    image_input=ImageInput(settings.image_input),
+                                    image_pixels=(settings.min_pixels, settings.max_pixels))
     if not allow_inprocess:
         require_engine_urls(settings)
     from serving.engine.inprocess import InProcessEngine

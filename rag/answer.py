@@ -58,6 +58,7 @@ class Answer:
                 "completion_tokens": u.completion_tokens,
                 "ttft_s": round(u.ttft_s, 4),
                 "latency_s": round(u.latency_s, 4),
+                "image_input": u.image_input,
             },
             "model": {
                 "name": self.model,

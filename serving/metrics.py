@@ -33,7 +33,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from core.engine import Usage
+from core.engine import ImageInput, Usage
 from core.keys import ResolutionPolicy, Tiers
 from core.payload import EncoderScope
 from serving.scheduler import SchedulerStats
@@ -52,6 +52,7 @@ IMAGE_TOKENS = "mmrag_image_tokens"
 IMAGE_TOKENS_CACHED = "mmrag_image_tokens_cached"
 COMPLETION_TOKENS = "mmrag_completion_tokens"
 VISION_FORWARDS = "mmrag_vision_forwards"
+ENGINE_REQUESTS_BY_IMAGE_INPUT = "mmrag_engine_requests_by_image_input"
 TTFT = "mmrag_ttft_seconds"
 IMAGE_TOKENS_PER_REQUEST = "mmrag_image_tokens_per_request"
 # Issue 16, the image-token budget: per dispatched plan, by resolution tier and by pooling; and the scheduler's
@@ -154,6 +155,11 @@ class Metrics:
         self._completion_tokens = Counter(COMPLETION_TOKENS, "Tokens generated.", registry=r)
         self._vision_forwards = Counter(VISION_FORWARDS, "Vision-encoder forwards done at request time "
                                         "(0 while every page was ingested ahead).", registry=r)
+        self._by_image_input = Counter(ENGINE_REQUESTS_BY_IMAGE_INPUT, "Engine requests with images, by the form "
+                                       "that sent them (MMRAG_IMAGE_INPUT): embeds (stored image tokens) or pixels "
+                                       "(vLLM's own encoder; pooled tiers are always embeds).", ["form"], registry=r)
+        for form in ImageInput:
+            self._by_image_input.labels(form.value)
         self._ttft = Histogram(TTFT, "Time to first token per engine request.", buckets=_TTFT_BUCKETS, registry=r)
         self._image_per_request = Histogram(IMAGE_TOKENS_PER_REQUEST, "Image tokens per engine request.",
                                             buckets=_IMAGE_TOKEN_BUCKETS, registry=r)
@@ -216,6 +222,8 @@ class Metrics:
         self._image_cached.inc(usage.cached_image_tokens)
         self._completion_tokens.inc(usage.completion_tokens)
         self._vision_forwards.inc(usage.vision_encodes)
+        if usage.image_input and usage.image_tokens:
+            self._by_image_input.labels(usage.image_input).inc()
         self._image_per_request.observe(usage.image_tokens)
         if usage.ttft_s > 0:  # 0 means no token came back: there is no first-token time to observe
             self._ttft.observe(usage.ttft_s)

@@ -11,6 +11,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # any accidental hub lookup fails fast
 
+import dataclasses
 import json
 import re
 import time
@@ -28,7 +29,8 @@ from adapters.checkpoint import ModelSource, read_marker
 from adapters.families import FAMILIES, UnsupportedFamilyError, family_for
 from adapters.store import DiskFeatureStore
 from adapters.vision import VisionEncoder
-from core.engine import PromptPlan, SamplingSpec
+from adapters.vision_client import png_bytes
+from core.engine import ImageInput, PromptPlan, SamplingSpec
 from core.keys import ContentHash, ImageKey
 from devkit.tiny_model import MODEL_NAMES, build_tiny_model
 from mmrag.cli import app
@@ -258,6 +260,28 @@ async def test_a_prefix_hit_gives_the_cold_paths_greedy_tokens(engine, keys):
     assert cold.usage.cached_image_tokens == 0
     assert hit.usage.cached_image_tokens >= hit.usage.image_tokens // BLOCK * BLOCK - BLOCK > 0
     assert hit.token_ids == cold.token_ids and len(cold.token_ids) == GREEDY.max_tokens
+
+
+async def test_the_pixels_form_gives_the_embeds_forms_greedy_tokens_cold_and_cached(engine, keys, images, store,
+                                                                                    tmp_path):
+    """MMRAG_IMAGE_INPUT=pixels (serving/engine/images.py): the stored pixels, resized by vLLM under the key's
+    policy and encoded by vLLM's own encoder, under the key as uuid; the same tokens and token counts as the
+    stored image tokens, cold and from the prefix cache (the 500x300 page too: another grid)."""
+    with_pixels = DiskFeatureStore(tmp_path)
+    for key, image in zip(keys, images, strict=False):
+        with_pixels.put(key, dataclasses.replace(store.get(key), pixels_png=png_bytes(image)))
+    pixels = engine.with_image_input(ImageInput.PIXELS)
+    pixels.features = FeatureProvider.unscoped(with_pixels)
+    await engine.reset_prefix_cache()
+    embeds = [await engine.generate(_plan(k)) for k in keys]
+    await engine.reset_prefix_cache()
+    for key, want in zip(keys, embeds, strict=True):
+        cold = await pixels.generate(_plan(key))
+        hit = await pixels.generate(_plan(key))
+        assert cold.usage.image_input == "pixels" and cold.usage.image_tokens == want.usage.image_tokens
+        assert cold.token_ids == want.token_ids == hit.token_ids and len(cold.token_ids) == GREEDY.max_tokens
+        assert cold.usage.cached_image_tokens == 0 and cold.usage.vision_encodes == 1
+        assert hit.usage.cached_image_tokens >= hit.usage.image_tokens // BLOCK * BLOCK - BLOCK > 0
 
 
 async def test_the_greedy_tokens_depend_on_the_image(engine, keys):

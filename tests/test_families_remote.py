@@ -19,7 +19,7 @@ import pytest
 from adapters.checkpoint import ModelSource
 from adapters.store import DiskFeatureStore
 from adapters.vision import VisionEncoder
-from core.engine import PromptPlan, SamplingSpec
+from core.engine import ImageInput, PromptPlan, SamplingSpec
 from core.keys import ContentHash
 from devkit.tiny_model import MODEL_NAMES, build_tiny_model
 from serving.engine.config import EngineConfig
@@ -42,9 +42,10 @@ def model(tmp_path_factory) -> ModelSource:
 
 @pytest.fixture(scope="module")
 def stored(model, tmp_path_factory):
-    """Two images' tokens stored as ingestion stores them, with the images."""
+    """Two images' tokens stored as ingestion stores them in the pixels form (their pixels beside), with the
+    images."""
     store = DiskFeatureStore(tmp_path_factory.mktemp(f"{FAMILY}-features"))
-    encoder = VisionEncoder(model.path, POLICY)
+    encoder = VisionEncoder(model.path, POLICY, keep_pixels=True)
     images = noise_images()[:2]
     keys = []
     for i, encoded in enumerate(encoder.encode(images)):
@@ -56,8 +57,10 @@ def stored(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def engine(model, stored, tmp_path_factory):
+    # The pixels form's replica (it takes each request's processor bounds: no image_pixels of its own); the embeds
+    # form sends none, so one replica serves both.
     config = EngineConfig(block_size=BLOCK, kv_cache_gib=1, max_model_len=2048, max_images_per_prompt=2,
-                          enforce_eager=True, dtype="float32", max_num_seqs=4)
+                          enforce_eager=True, dtype="float32", max_num_seqs=4, image_input=ImageInput.PIXELS)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
     try:
         handle = start_server(model.path, config, port=free_port(),
@@ -114,3 +117,20 @@ async def test_a_prefix_hit_over_http_gives_the_cold_paths_tokens(engine, stored
     assert hit.token_ids == cold.token_ids
     other = await engine.generate(_plan(keys[1]))
     assert other.token_ids != cold.token_ids  # the tokens depend on the image, so the equalities mean something
+
+
+async def test_the_pixels_form_over_http_gives_the_embeds_forms_tokens_cold_and_cached(engine, stored):
+    """MMRAG_IMAGE_INPUT=pixels to a `vllm serve` replica: the stored PNG as a data URL under the key (+pixels)
+    as uuid, resized by the replica under the key's policy (per-request processor bounds)."""
+    _, keys, _ = stored
+    pixels = engine.with_image_input(ImageInput.PIXELS)
+    await engine.reset_prefix_cache()
+    embeds = [await engine.generate(_plan(k)) for k in keys]
+    await engine.reset_prefix_cache()
+    for key, want in zip(keys, embeds, strict=True):
+        cold = await pixels.generate(_plan(key))
+        hit = await pixels.generate(_plan(key))
+        assert (cold.usage.image_input, want.usage.image_input) == ("pixels", "embeds")
+        assert cold.token_ids == want.token_ids == hit.token_ids
+        assert cold.usage.image_tokens == want.usage.image_tokens and cold.usage.vision_encodes == 1
+        assert hit.usage.cached_image_tokens >= hit.usage.image_tokens // BLOCK * BLOCK - BLOCK > 0

@@ -114,6 +114,8 @@ class ChatUsage(_Response):
     cached_image_tokens: int = Field(description="Of those, image tokens served from the prefix cache.")
     vision_encodes: int = Field(description="Vision-encoder forwards done for this request: one per message "
                                             "image whose tokens were not stored yet.")
+    image_input: str = Field(description="The form that sent the images to the engine (MMRAG_IMAGE_INPUT): "
+                             "`embeds` or `pixels`; empty when no prompt ran.")
 
 
 class AssistantMessage(_Response):

@@ -165,6 +165,9 @@ class Usage(_Response):
     completion_tokens: int = Field(description="Generated tokens over all completions.")
     ttft_s: float = Field(description="Time to first token in seconds, summed over the completions.")
     latency_s: float = Field(description="Completion latency in seconds, summed over the completions.")
+    image_input: str = Field(description="The form that sent the images to the engine (MMRAG_IMAGE_INPUT): "
+                             "`embeds` (stored image tokens) or `pixels` (the engine's own encoder, under the "
+                             "pages' image keys); `embeds` for a pooled tier in either; empty when no prompt ran.")
 
 
 class ModelInfo(_Response):

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from adapters.hardware import native_cpu_dtype
+from core.engine import ImageInput
 
 
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -24,6 +25,11 @@ class EngineConfig:
     # False: vLLM's prefix caching and its multimodal processor cache both off — the benchmark's baselines
     # that must recompute every prompt (bench/). Every serving path keeps the default.
     caching: bool = True
+    # How images are sent (MMRAG_IMAGE_INPUT, serving/engine/images.py): vLLM takes both, so it is no vLLM flag.
+    image_input: ImageInput = ImageInput.EMBEDS
+    # The standard tier's (min_pixels, max_pixels): vLLM's processor resizes pixels under them unless a request
+    # names another tier's (serving/engine/images.py processor_kwargs). None: the checkpoint's processor config.
+    image_pixels: tuple[int, int] | None = None
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
@@ -44,6 +50,8 @@ class EngineConfig:
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size
+        if self.image_pixels:
+            kwargs["mm_processor_kwargs"] = self.processor_size()
         if not self.caching:
             kwargs["mm_processor_cache_gb"] = 0
         return kwargs
@@ -61,9 +69,20 @@ class EngineConfig:
         ]
         if self.enforce_eager:
             flags.append("--enforce-eager")
+        if self.image_pixels:
+            flags += ["--mm-processor-kwargs", json.dumps(self.processor_size())]
+        if self.image_input is ImageInput.PIXELS:
+            # Another tier's pixels name their policy per request (mmrag is this replica's client).
+            flags.append("--trust-request-mm-kwargs")
         if self.block_size:
             flags += ["--block-size", str(self.block_size)]
         return flags
+
+
+    def processor_size(self) -> dict:
+        """vLLM's processor setting for the standard tier's bounds (Qwen-VL's ``size`` edges, in pixels)."""
+        low, high = self.image_pixels or (0, 0)
+        return {"size": {"shortest_edge": low, "longest_edge": high}}
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
 import logging
 import os
 import time
@@ -11,10 +14,12 @@ from typing import Any
 
 from adapters.checkpoint import ModelSource
 from adapters.families import checkpoint_family
-from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
+from core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
 from core.pages import EncodedImage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
+from serving.engine.images import (ImageTokenCountError, count_mismatch, decode_pixels, multi_modal_uuid,
+                                   plan_form, processor_kwargs, uncached_images)
 from serving.engine.lifeline import tie_engine_cores_to_this_process
 from serving.engine.prompt import PromptRenderer
 
@@ -72,13 +77,28 @@ class InProcessEngine:
                  cache.block_size, cache.num_gpu_blocks)
         return engine
 
+    @property
+    def image_input(self) -> ImageInput:
+        return self.config.image_input
+
+    def with_image_input(self, form: ImageInput) -> InProcessEngine:
+        """This engine (the same vLLM, caches and all) sending images in ``form``: for comparing the two forms on
+        one engine (tests, benchmarks). A deployment uses one form (MMRAG_IMAGE_INPUT)."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, image_input=form)
+        return other
+
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
                        on_text: OnText | None = None) -> Completion:
         started = time.perf_counter()
         feats = await self.features.load(plan.images)
-        request = self.build_request(plan, feats)
+        form = plan_form(self.config.image_input, plan.images, feats)
+        if form is ImageInput.PIXELS:  # PNG decoding: blocking work, kept off the event loop
+            request = self.build_request(plan, feats, form, await asyncio.to_thread(decode_pixels, feats))
+        else:
+            request = self.build_request(plan, feats, form)
         return await self.run_request(plan, request, [f.num_tokens for f in feats], started=started,
-                                      vision_encodes=0, on_first_token=on_first_token, on_text=on_text)
+                                      vision_encodes=0, on_first_token=on_first_token, on_text=on_text, form=form)
 
     async def run_request(
         self,
@@ -90,6 +110,7 @@ class InProcessEngine:
         vision_encodes: int,
         on_first_token: Callable[[], None] | None = None,
         on_text: OnText | None = None,
+        form: ImageInput | None = None,
     ) -> Completion:
         """Stream one vLLM request to its end and account for it: the one request loop over this AsyncLLM.
 
@@ -97,13 +118,20 @@ class InProcessEngine:
         takes: precomputed image tokens from :meth:`build_request`, or pixels); ``image_tokens`` the tokens each
         image expands to, for the cached-image count; ``started`` the ``perf_counter`` time TTFT and latency
         count from; ``vision_encodes`` the vision forwards the request cost, reported in its usage;
-        ``on_text`` is told each delta's text as vLLM detokenizes it.
+        ``on_text`` is told each delta's text as vLLM detokenizes it. ``form``: the mmrag form that sent the
+        images (reported in the usage; pixels: the images not served from the prefix cache count as the vision
+        forwards, and a prompt whose images vLLM expanded to other token counts than ``image_tokens`` is
+        stopped); None for requests built elsewhere (the benchmark's peers), which are not checked.
         """
         layout = self.renderer.tokens(request["prompt"], image_tokens)
         token_ids: list[int] = []
         text, ttft, cached, finish, prompt_len = [], 0.0, 0, None, layout.prompt_tokens
         async for out in self.llm.generate(request, sampling_params(plan), request_id=uuid.uuid4().hex):
             if not ttft:
+                if form is not None and out.prompt_token_ids is not None:
+                    mismatch = count_mismatch(form, layout.prompt_tokens, len(out.prompt_token_ids))
+                    if mismatch:  # leaving the loop aborts the request in vLLM
+                        raise ImageTokenCountError(mismatch)
                 ttft = time.perf_counter() - started
                 if on_first_token is not None:
                     on_first_token()  # prefill is done: the prompt's blocks are now in the prefix cache
@@ -120,21 +148,31 @@ class InProcessEngine:
             image_tokens=layout.image_tokens,
             cached_tokens=cached,
             cached_image_tokens=layout.cached_image_tokens(cached),
-            vision_encodes=vision_encodes,
+            vision_encodes=(uncached_images(layout.image_spans, cached) if form is ImageInput.PIXELS
+                            else vision_encodes),
             completion_tokens=len(token_ids),
             ttft_s=ttft,
             latency_s=time.perf_counter() - started,
+            image_input=form.value if form is not None else "",
         )
         return Completion("".join(text), token_ids, usage, self.model_name, finish)
 
-    def build_request(self, plan: PromptPlan, feats: list[EncodedImage]) -> dict[str, Any]:
+    def build_request(self, plan: PromptPlan, feats: list[EncodedImage], form: ImageInput = ImageInput.EMBEDS,
+                      pixels: list[Any] | None = None) -> dict[str, Any]:
+        """vLLM's prompt dict: the images as stored tokens (embeds), or as ``pixels`` (their decoded stored
+        pixels, resized by vLLM under the keys' policy)."""
         request: dict[str, Any] = {"prompt": self.renderer.render(plan)}
         if plan.cache_salt:
             request["cache_salt"] = plan.cache_salt
         if feats:
-            request["multi_modal_data"] = {"image": self.family.vllm_image_item(feats)}
+            if form is ImageInput.PIXELS:
+                request["multi_modal_data"] = {"image": pixels}
+                if kwargs := processor_kwargs(plan.images, self.config.image_pixels):
+                    request["mm_processor_kwargs"] = kwargs
+            else:
+                request["multi_modal_data"] = {"image": self.family.vllm_image_item(feats)}
             # The uuid replaces vLLM's content hash as the cache key of each image: it must be the full key.
-            request["multi_modal_uuids"] = {"image": [str(k) for k in plan.images]}
+            request["multi_modal_uuids"] = {"image": [multi_modal_uuid(k, form) for k in plan.images]}
         return request
 
     async def kv_capacity(self) -> KVCapacity:

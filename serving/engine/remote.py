@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import io
 import json
 import logging
@@ -54,8 +55,10 @@ from adapters.checkpoint import (
     local_checkpoint,
 )
 from adapters.families import checkpoint_family
-from core.engine import Completion, KVCapacity, OnText, PromptPlan, Usage
+from core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
+from serving.engine.images import (ImageTokenCountError, count_mismatch, multi_modal_uuid, pixels_part, plan_form,
+                                   processor_kwargs, uncached_images)
 from serving.engine.prompt import PromptRenderer
 from serving.metrics import Samples, parse_samples, sample_total
 from serving.routing import AffinityTable, prefix_path, rank_replicas
@@ -180,7 +183,12 @@ class RemoteEngine:
         timeout_s: float = 120.0,
         connect_timeout_s: float = 3.0,
         queue_bound: int = 8,
+        image_input: ImageInput = ImageInput.EMBEDS,
+        image_pixels: tuple[int, int] | None = None,
     ) -> None:
+        # The form images are sent in (serving/engine/images.py), and the replicas' own processor bounds (the
+        # standard tier's: EngineConfig.image_pixels, which `mmrag engine serve` starts them with).
+        self.image_input, self.image_pixels = image_input, image_pixels
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         if not self.urls:
             raise ValueError("RemoteEngine needs at least one replica URL (MMRAG_ENGINE_URLS)")
@@ -209,9 +217,17 @@ class RemoteEngine:
         # The routing rule's inputs: what each replica was sent, and this engine's requests in flight there.
         self.affinity = AffinityTable()
         self.in_flight: Counter[str] = Counter()
+        self.bytes_sent: Counter[str] = Counter()  # form -> base64 image bytes sent to replicas
         self.queue_bound = queue_bound
         self.connect_timeout_s = connect_timeout_s
         self._served_names: dict[str, str] = {}  # replica URL -> our model's name there, once identified
+
+    def with_image_input(self, form: ImageInput) -> RemoteEngine:
+        """This engine (the same replicas, client and counters) sending images in ``form``: for comparing the two
+        forms on the same replicas (tests, benchmarks). A deployment uses one form (MMRAG_IMAGE_INPUT)."""
+        other = copy.copy(self)
+        other.image_input = form
+        return other
 
     # -- generation --
 
@@ -219,8 +235,12 @@ class RemoteEngine:
                        on_text: OnText | None = None) -> Completion:
         started = time.perf_counter()
         feats = await self.features.load(plan.images)
-        # torch.save + base64 of ~100 KB-1 MB per image: blocking work, kept off the event loop.
-        parts = await asyncio.to_thread(lambda: [image_part(str(k), f) for k, f in zip(plan.images, feats)])
+        form = plan_form(self.image_input, plan.images, feats)
+        part = pixels_part if form is ImageInput.PIXELS else image_part
+        # torch.save (or the stored PNG) + base64 of ~100 KB-1 MB per image: blocking work, off the event loop.
+        parts = await asyncio.to_thread(
+            lambda: [part(multi_modal_uuid(k, form), f) for k, f in zip(plan.images, feats)])
+        self.bytes_sent[form.value] += sum(_part_bytes(p) for p in parts)
         prompt = self.renderer.render(plan)
         layout = self.renderer.tokens(prompt, [f.num_tokens for f in feats])
         body = {
@@ -232,8 +252,10 @@ class RemoteEngine:
         }
         if plan.cache_salt:
             body["cache_salt"] = plan.cache_salt  # vLLM folds it into the first block's hash, as in-process
+        if form is ImageInput.PIXELS and (kwargs := processor_kwargs(plan.images, self.image_pixels)):
+            body["mm_processor_kwargs"] = kwargs  # another tier: resized as its policy says
         url, out = await self._send(plan, body, started, on_first_token, on_text)
-        prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, self.model)
+        prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, form)
         return Completion(
             "".join(out.text),
             out.token_ids,
@@ -242,10 +264,12 @@ class RemoteEngine:
                 image_tokens=layout.image_tokens,
                 cached_tokens=cached,
                 cached_image_tokens=layout.cached_image_tokens(cached),
-                vision_encodes=0,  # the replica gets stored image tokens, never pixels
+                # Embeds: the replica gets stored tokens and runs no encoder. Pixels: an upper bound, as in-process.
+                vision_encodes=uncached_images(layout.image_spans, cached) if form is ImageInput.PIXELS else 0,
                 completion_tokens=int((out.usage or {}).get("completion_tokens") or len(out.token_ids)),
                 ttft_s=out.ttft,
                 latency_s=time.perf_counter() - started,
+                image_input=form.value,
             ),
             self.model_name,
             out.finish,
@@ -397,8 +421,15 @@ class RemoteEngine:
         await self.client.aclose()
 
 
+def _part_bytes(part: dict[str, Any]) -> int:
+    """The base64 payload an image content part carries (what crosses the network for it)."""
+    if part["type"] == "image_url":
+        return len(part["image_url"]["url"])
+    return len(part["image_embeds"]["image_embeds"])
+
+
 def _prompt_usage(
-    url: str, usage: dict[str, Any] | None, local_prompt_tokens: int, model: ModelSource
+    url: str, usage: dict[str, Any] | None, local_prompt_tokens: int, form: ImageInput
 ) -> tuple[int, int]:
     """(prompt tokens, cached prompt tokens) from the replica's usage, checked against the local render."""
     details = (usage or {}).get("prompt_tokens_details") or {}
@@ -408,12 +439,10 @@ def _prompt_usage(
             "with --enable-prompt-tokens-details (`mmrag engine serve` does)"
         )
     prompt_tokens = int(usage["prompt_tokens"])
-    if prompt_tokens != local_prompt_tokens:
+    mismatch = count_mismatch(form, local_prompt_tokens, prompt_tokens)
+    if mismatch:
         # The image spans (hence cached image tokens) come from the local render: they must be the same prompt.
-        raise EngineRequestError(
-            url, 200, f"the replica's prompt has {prompt_tokens} tokens, the local render {local_prompt_tokens}: "
-            f"it serves another tokenizer or chat template than {model.path}"
-        )
+        raise ImageTokenCountError(f"replica {url}: {mismatch}")
     return prompt_tokens, int(details["cached_tokens"])
 
 

@@ -130,7 +130,7 @@ def chat_usage(usage: dict) -> dict:
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": usage["cached_tokens"]},
-            **{k: usage[k] for k in ("image_tokens", "cached_image_tokens", "vision_encodes")}}
+            **{k: usage[k] for k in ("image_tokens", "cached_image_tokens", "vision_encodes", "image_input")}}
 
 
 def answer_max_tokens(body: ChatCompletionRequest) -> int | None:

@@ -1,0 +1,178 @@
+"""The two deployment forms (MMRAG_IMAGE_INPUT, serving/engine/images.py) on the session's Qwen2-VL engines, fp32:
+pixels sent under mmrag's keys give the greedy tokens of the stored image tokens, cold and from the prefix cache,
+in process and over `vllm serve`; a page whose pixels expand to another token count than its stored entry is
+stopped; what cannot be sent in a form is refused with the fix. (Qwen2.5-VL and Qwen3-VL: tests/test_families.py.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from adapters.store import DiskFeatureStore
+from adapters.vision import VisionEncoder
+from adapters.vision_client import png_bytes
+from core.engine import ImageInput, PromptPlan, SamplingSpec
+from core.keys import ContentHash, ResolutionPolicy
+from mmrag import wiring
+from serving.engine.features import FeatureProvider
+from serving.engine.images import ImageInputError, ImageTokenCountError, PIXELS_UUID_SUFFIX, multi_modal_uuid
+from serving.engine.remote import RemoteEngine
+from tests.test_engine import render_page
+
+GREEDY = SamplingSpec(max_tokens=12)
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def encoder(engine_settings) -> VisionEncoder:
+    """The session's encoder (same version and policy, so the same keys as ingestion's), keeping pixels."""
+    return VisionEncoder(engine_settings.model, engine_settings.resolution_policy, salt=engine_settings.encoder_salt,
+                         keep_pixels=True)
+
+
+@pytest.fixture(scope="module")
+def pixel_pages(engine_settings, encoder, tmp_path_factory) -> dict:
+    """Three sample pages stored in the pixels form: tokens and pixels (``both``), and pixels only (``bare``)."""
+    from qdrant_client import QdrantClient
+
+    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    try:
+        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+    finally:
+        client.close()
+    by_key = {p.payload["image_key"]: p.payload for p in points if p.payload.get("figure") is None}
+    payloads = [by_key[k] for k in sorted(by_key)][:3]
+    rendered = [render_page(p, engine_settings) for p in payloads]
+    images, keys = [r.image for r in rendered], [encoder.key_for(r.content_hash) for r in rendered]
+    both = DiskFeatureStore(tmp_path_factory.mktemp("pixels-and-tokens"))
+    bare = DiskFeatureStore(tmp_path_factory.mktemp("pixels-only"))
+    bare_encoder = VisionEncoder(engine_settings.model, engine_settings.resolution_policy,
+                                 salt=engine_settings.encoder_salt, keep_pixels=True, tokens=False)
+    for key, value, no_tokens in zip(keys, encoder.encode(images), bare_encoder.encode(images), strict=True):
+        both.put(key, value)
+        bare.put(key, no_tokens)
+    assert [str(k) for k in keys] == sorted(by_key)[:3]  # the keys ingestion made: same encoder, same pages
+    return {"keys": keys, "images": images, "both": both, "bare": bare}
+
+
+def on_store(engine, store, form: ImageInput):
+    other = engine.with_image_input(form)
+    other.features = FeatureProvider.unscoped(store)
+    return other
+
+
+def plan(*keys, text: str = "What does this page show?") -> PromptPlan:
+    return PromptPlan(images=keys, text=text, sampling=GREEDY)
+
+
+async def test_pixels_give_the_embeds_greedy_tokens_cold_and_from_the_prefix_cache(inprocess_engine, pixel_pages):
+    keys = pixel_pages["keys"]
+    embeds = on_store(inprocess_engine, pixel_pages["both"], ImageInput.EMBEDS)
+    pixels = on_store(inprocess_engine, pixel_pages["both"], ImageInput.PIXELS)
+    for two in (keys[:2], keys[1:3]):
+        await inprocess_engine.reset_prefix_cache()
+        cold_embeds = await embeds.generate(plan(*two))
+        await inprocess_engine.reset_prefix_cache()
+        cold = await pixels.generate(plan(*two))
+        hit = await pixels.generate(plan(*two, text="And what else?"))
+        again = await pixels.generate(plan(*two))
+        assert len(cold.token_ids) == GREEDY.max_tokens and cold.token_ids == cold_embeds.token_ids
+        assert again.token_ids == cold.token_ids
+        assert cold.usage.image_input == "pixels" and cold_embeds.usage.image_input == "embeds"
+        assert cold.usage.image_tokens == cold_embeds.usage.image_tokens  # each page's count is its entry's
+        assert cold.usage.cached_image_tokens == 0 and cold.usage.vision_encodes == 2
+        # The second prompt shares the two pages: their KV is served from the prefix cache (full blocks).
+        assert hit.usage.cached_image_tokens >= cold.usage.image_tokens - 2 * 32 > 0
+        assert again.usage.vision_encodes <= 1
+
+
+async def test_pages_stored_without_tokens_are_served_in_the_pixels_form_only(inprocess_engine, pixel_pages):
+    keys = pixel_pages["keys"]
+    bare = on_store(inprocess_engine, pixel_pages["bare"], ImageInput.PIXELS)
+    await inprocess_engine.reset_prefix_cache()
+    with_tokens = await on_store(inprocess_engine, pixel_pages["both"], ImageInput.EMBEDS).generate(plan(keys[0]))
+    await inprocess_engine.reset_prefix_cache()
+    assert (await bare.generate(plan(keys[0]))).token_ids == with_tokens.token_ids
+    with pytest.raises(ImageInputError, match="MMRAG_INGEST_IMAGE_TOKENS=true"):
+        await on_store(inprocess_engine, pixel_pages["bare"], ImageInput.EMBEDS).generate(plan(keys[0]))
+
+
+async def test_an_entry_without_pixels_is_refused_in_the_pixels_form_with_the_fix(inprocess_engine, ingested):
+    # The session's pages were ingested in the embeds form: their entries hold tokens only.
+    pixels = inprocess_engine.with_image_input(ImageInput.PIXELS)
+    key = next(iter(pixels.features.store.keys()))
+    with pytest.raises(ImageInputError, match="ingest it again with MMRAG_IMAGE_INPUT=pixels"):
+        await pixels.generate(plan(key))
+
+
+async def test_pixels_whose_token_count_differs_from_the_stored_entry_are_stopped(inprocess_engine, encoder,
+                                                                                 pixel_pages, tmp_path):
+    # The entry of page 0 with a smaller picture's pixels (so another token count): vLLM would
+    # expand it to that picture's count, and the cached-image accounting would name the wrong spans.
+    # (Under a key vLLM has not seen: under a seen one its processor cache would serve what it processed then.)
+    keys, images, store = pixel_pages["keys"], pixel_pages["images"], pixel_pages["both"]
+    entry = store.get(keys[0])
+    other = images[0].resize((112, 112))  # 16 tokens where the page has hundreds
+    unseen = encoder.key_for(ContentHash(uuid.uuid4().hex * 2))
+    wrong = DiskFeatureStore(tmp_path)
+    wrong.put(unseen, dataclasses.replace(entry, pixels_png=png_bytes(other)))
+    with pytest.raises(ImageTokenCountError, match="resized the pixels otherwise"):
+        await on_store(inprocess_engine, wrong, ImageInput.PIXELS).generate(plan(unseen))
+    # The engine is unharmed: the same page with its own pixels is answered.
+    assert (await on_store(inprocess_engine, store, ImageInput.PIXELS).generate(plan(keys[0]))).token_ids
+
+
+async def test_a_pooled_key_is_sent_as_tokens_in_the_pixels_form(inprocess_engine, engine_settings, pixel_pages,
+                                                               tmp_path):
+    pooled = ResolutionPolicy(engine_settings.min_pixels, engine_settings.max_pixels, pool=2)
+    encoder = VisionEncoder(engine_settings.model, pooled, salt=engine_settings.encoder_salt, keep_pixels=True)
+    (value,) = encoder.encode(pixel_pages["images"][:1])
+    assert value.pixels_png is None  # pooling is after the projector: vLLM's encoder cannot make these tokens
+    key = encoder.key_for(pixel_pages["keys"][0].content_hash)
+    store = DiskFeatureStore(tmp_path)
+    store.put(key, value)
+    done = await on_store(inprocess_engine, store, ImageInput.PIXELS).generate(plan(key))
+    assert done.usage.image_input == "embeds" and done.usage.image_tokens == value.num_tokens
+
+
+def test_the_pixels_form_keys_vllms_caches_by_the_image_key_apart_from_the_embeds_form(pixel_pages):
+    key = pixel_pages["keys"][0]
+    assert multi_modal_uuid(key, ImageInput.EMBEDS) == str(key)
+    assert multi_modal_uuid(key, ImageInput.PIXELS) == str(key) + PIXELS_UUID_SUFFIX
+
+
+def test_stored_pixels_decode_to_the_hashed_page(pixel_pages):
+    from ingestion.loaders import image_content_hash
+    from serving.engine.images import decode_pixels
+
+    entries = [pixel_pages["both"].get(k) for k in pixel_pages["keys"]]
+    for key, image in zip(pixel_pages["keys"], decode_pixels(entries), strict=True):
+        assert image_content_hash(image) == key.content_hash
+
+
+async def test_over_vllm_serve_pixels_give_the_embeds_greedy_tokens_cold_and_cached(vllm_server, engine_settings,
+                                                                                    pixel_pages):
+    keys = pixel_pages["keys"]
+    # The replica runs the session's embeds-form configuration (no per-request processor settings): the
+    # standard tier's pixels need none, its processor is set to that tier's bounds.
+    remote = RemoteEngine([vllm_server], wiring.resolve_model(engine_settings),
+                          FeatureProvider.unscoped(pixel_pages["both"]),
+                          image_pixels=(engine_settings.min_pixels, engine_settings.max_pixels))
+    try:
+        await remote.reset_prefix_cache()
+        embeds = await remote.generate(plan(keys[0], keys[2]))
+        await remote.reset_prefix_cache()
+        pixels = remote.with_image_input(ImageInput.PIXELS)
+        cold = await pixels.generate(plan(keys[0], keys[2]))
+        hit = await pixels.generate(plan(keys[0], keys[2]))
+        assert cold.token_ids == embeds.token_ids == hit.token_ids and len(cold.token_ids) == GREEDY.max_tokens
+        assert (cold.usage.image_input, embeds.usage.image_input) == ("pixels", "embeds")
+        assert hit.usage.cached_image_tokens >= hit.usage.image_tokens - 2 * 32 > 0
+        assert cold.usage.vision_encodes == 2 and hit.usage.vision_encodes <= 1
+        sent = remote.bytes_sent
+        assert sent["pixels"] > 0 and sent["embeds"] > 0  # both forms counted, on the shared counter
+    finally:
+        await remote.close()
