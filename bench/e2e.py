@@ -98,7 +98,7 @@ from devkit.ports import free_port
 from rag.decompose import Decomposer, MMRAGQuestionGenerator, RuleDecomposer
 from serving.engine.config import EngineConfig
 from serving.readiness import ServerStartError, answers_200, wait_until_ready
-from serving.vllm_launch import ServerHandle, start_server
+from serving.vllm_launch import DEV_MODE, ServerHandle, start_dev_replica as start_replica
 
 if TYPE_CHECKING:
     from adapters.embed import TextEmbedder
@@ -312,27 +312,7 @@ def engine_breakdown(d: dict[str, float], questions: int) -> dict:
 
 # --- processes ---------------------------------------------------------------------------------------------
 
-DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM serves its cache-reset routes only with it
 RESETS = ("reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache")
-
-
-def start_replica(model_path: Path, config: EngineConfig, log_path: Path) -> ServerHandle:
-    """One `vllm serve` replica in dev mode (start_server passes this process's environment on)."""
-    previous = os.environ.get(DEV_MODE)
-    os.environ[DEV_MODE] = "1"
-    try:
-        handle = start_server(model_path, config, port=free_port(), log_path=log_path)
-    finally:
-        if previous is None:
-            del os.environ[DEV_MODE]
-        else:
-            os.environ[DEV_MODE] = previous
-    try:
-        handle.wait_ready(timeout=600)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
 
 
 async def reset_caches(client: httpx.AsyncClient, url: str, *, attempts: int = 20) -> None:
@@ -960,7 +940,7 @@ async def run_e2e(inputs: E2EInputs) -> dict:
                f"{spec.concurrency}, answer lengths {', '.join(map(str, spec.lengths))} (variants at "
                f"{spec.reference_length}); model decomposer stand-in {stand_in['fixed_tokens']} tokens")
     t = time.perf_counter()
-    replica = start_replica(inputs.model_path, inputs.engine_config, logs / "vllm.log")
+    replica = start_replica(inputs.model_path, inputs.engine_config, logs / "vllm.log", port=free_port())
     replica_start_s = time.perf_counter() - t
     aclient = AsyncQdrantClient(path=str(qdrant_path))
     by_length: dict[str, dict[str, dict]] = {}

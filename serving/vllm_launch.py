@@ -167,5 +167,28 @@ def start_server(
     return ServerHandle(proc, f"http://{host}:{port}", log_path)
 
 
+DEV_MODE = "VLLM_SERVER_DEV_MODE"  # vLLM serves its cache-reset routes only with it
+
+
+def start_dev_replica(model_path: Path, config: EngineConfig, log_path: Path, *, port: int) -> ServerHandle:
+    """One `vllm serve` replica in dev mode, ready: its POST /reset_prefix_cache and /reset_mm_cache routes are
+    on (benchmarks and tests start each configuration cold). start_server passes this process's environment on."""
+    previous = os.environ.get(DEV_MODE)
+    os.environ[DEV_MODE] = "1"
+    try:
+        handle = start_server(model_path, config, port=port, log_path=log_path)
+    finally:
+        if previous is None:
+            del os.environ[DEV_MODE]
+        else:
+            os.environ[DEV_MODE] = previous
+    try:
+        handle.wait_ready(timeout=600)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
 if __name__ == "__main__":
     main()

@@ -176,3 +176,48 @@ async def test_over_vllm_serve_pixels_give_the_embeds_greedy_tokens_cold_and_cac
         assert sent["pixels"] > 0 and sent["embeds"] > 0  # both forms counted, on the shared counter
     finally:
         await remote.close()
+
+
+async def test_warm_up_in_the_pixels_form_leaves_the_page_encoded_and_its_kv_resident(inprocess_engine, pixel_pages):
+    from serving.warmup import WarmCandidate, warm
+
+    keys, store = pixel_pages["keys"], pixel_pages["both"]
+    pixels = on_store(inprocess_engine, store, ImageInput.PIXELS)
+    await inprocess_engine.reset_prefix_cache()
+    report = await warm(pixels, [WarmCandidate(keys[2], store.get(keys[2]).num_tokens, demand=3)])
+    assert report.warmed == [keys[2]]
+    asked = await pixels.generate(plan(keys[2], keys[0]))
+    first = asked.usage.image_tokens - store.get(keys[0]).num_tokens  # the warmed page leads the prompt
+    # The warmed page's KV, up to its last full block (the partial block past it is recomputed, its encoder
+    # output from vLLM's encoder cache, which vLLM does not count: vision_encodes is an upper bound).
+    assert asked.usage.cached_image_tokens >= first - 32 > 0
+
+
+async def test_the_pixels_form_keeps_tenants_caches_apart(inprocess_engine, pixel_pages):
+    keys = pixel_pages["keys"]
+    pixels = on_store(inprocess_engine, pixel_pages["both"], ImageInput.PIXELS)
+    await inprocess_engine.reset_prefix_cache()
+    ours = dataclasses.replace(plan(keys[1]), cache_salt="tenant-a")
+    first = await pixels.generate(ours)
+    again = await pixels.generate(ours)
+    theirs = await pixels.generate(dataclasses.replace(ours, cache_salt="tenant-b"))
+    assert again.usage.cached_image_tokens > 0 and theirs.usage.cached_image_tokens == 0
+    assert first.token_ids == again.token_ids == theirs.token_ids
+
+
+async def test_another_unpooled_tier_is_resized_by_vllm_under_its_own_policy(inprocess_engine, engine_settings,
+                                                                             pixel_pages, tmp_path):
+    # The engine's processor is set to the standard tier; a request under another tier names that tier's bounds.
+    high = ResolutionPolicy(engine_settings.min_pixels, 4 * engine_settings.max_pixels)
+    encoder = VisionEncoder(engine_settings.model, high, salt=engine_settings.encoder_salt, keep_pixels=True)
+    (value,) = encoder.encode(pixel_pages["images"][:1])
+    key = encoder.key_for(pixel_pages["keys"][0].content_hash)
+    store = DiskFeatureStore(tmp_path)
+    store.put(key, value)
+    standard = pixel_pages["both"].get(pixel_pages["keys"][0]).num_tokens
+    assert value.num_tokens > standard  # really another resize
+    await inprocess_engine.reset_prefix_cache()
+    embeds = await on_store(inprocess_engine, store, ImageInput.EMBEDS).generate(plan(key))
+    pixels = await on_store(inprocess_engine, store, ImageInput.PIXELS).generate(plan(key))
+    assert pixels.usage.image_input == "pixels" and pixels.usage.image_tokens == value.num_tokens
+    assert pixels.token_ids == embeds.token_ids

@@ -1,0 +1,116 @@
+"""`mmrag bench --image-input`: the two deployment forms (MMRAG_IMAGE_INPUT) measured on one workload; smoke size on
+the tiny model, whose timings mean nothing: what is checked is the structure and what must hold in any run.
+
+One real run in a subprocess (vLLM allows one in-process engine per process), through the command's own function
+with ``remote=False``: the corpus ingested three ways, then both forms on the in-process engine. The `vllm serve`
+half (the bench starts its own replica: ~50 s on 2 cores for the tiny model alone) is left out to keep this test
+under a minute and a half; the command always runs it, and tests/test_image_input.py checks both forms over a
+replica. The session's tiny model is the bench's --tiny model, linked where the bench looks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.model import TINY_SPEC
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES, QUESTIONS, LENGTH = 4, 3, 4
+RUN = """
+import sys
+from pathlib import Path
+from core.settings import Settings
+from mmrag.bench_cmd import _bench_image_input
+_bench_image_input(Settings(), tiny=True, depth=None, pages={pages}, questions={questions}, concurrency=2,
+                   max_tokens={length}, zipf=1.0, seed=0, json_out=Path(sys.argv[1]), remote=False)
+"""
+
+
+def _env(data: Path) -> dict[str, str]:
+    # Only this run's settings (a session's MMRAG_REDIS_URL must not take its store); an emulated ISA stays.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_") or k == "MMRAG_EMULATE_ISA"}
+    env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def image_input_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    data = tmp_path_factory.mktemp("bench-image-input")
+    (data / "models").mkdir()
+    (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
+    out = data / "image_input.json"
+    code = RUN.format(pages=PAGES, questions=QUESTIONS, length=LENGTH)
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=_env(data), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    return {"data": json.loads(out.read_text()), "stdout": proc.stdout}
+
+
+def test_both_forms_serve_the_same_plans_with_the_same_greedy_tokens(image_input_run):
+    r = image_input_run["data"]["image_input"]
+    serving = r["serving"]
+    assert list(serving) == ["inprocess_embeds", "inprocess_pixels"]
+    for name, c in serving.items():
+        assert c["forms_reported"] == [c["form"]] and name.endswith(c["form"])  # every completion says its form
+        assert c["questions"] == c["plans"] == QUESTIONS  # one prompt per question
+        assert c["completion_tokens_per_plan"] == LENGTH  # fixed length: both forms decode the same amount
+        assert c["questions_per_s"] > 0 and 0 < c["ttft_p50_s"] <= c["ttft_p95_s"]
+        assert 0 <= c["cached_image_tokens"] <= c["image_tokens"] and 0 <= c["image_hit_rate"] <= 1
+    embeds, pixels = serving["inprocess_embeds"], serving["inprocess_pixels"]
+    assert embeds["images_sent"] == pixels["images_sent"] > 0 and embeds["image_tokens"] == pixels["image_tokens"]
+    check = r["same_tokens_check"]
+    assert check["plans"] == QUESTIONS and check["tokens_per_plan"] == LENGTH
+    if r["machine"]["dtype"] == "float32":  # in bf16 the two encoders round differently (serving/engine/images.py)
+        assert r["same_tokens"] is True and check["equal_by_engine"] == {"inprocess": True}
+        assert check["first_difference"] == {"inprocess": [None] * QUESTIONS}
+    assert set(r["ratios_pixels_over_embeds"]) == {"inprocess"}
+
+
+def test_vision_forwards_and_bytes_per_page_are_the_forms_own(image_input_run):
+    data = image_input_run["data"]
+    r, model = data["image_input"], data["model"]
+    embeds, pixels = r["serving"]["inprocess_embeds"], r["serving"]["inprocess_pixels"]
+    # Embeds: the tower ran at ingest, once per page, never at serving.
+    assert embeds["vision_forwards"] == 0 and r["ingest"]["ingest_forwards_per_page"] == 1.0
+    # Pixels: from cold caches, at least each question's first prompt encodes its images in vLLM.
+    assert 0 < pixels["vision_forwards"] <= pixels["images_sent"]
+    assert pixels["vision_forwards_per_question"] == round(pixels["vision_forwards"] / QUESTIONS, 3)
+    (tokens_per_page,) = r["ingest"]["image_tokens_per_page"]
+    assert embeds["bytes_per_page"] == tokens_per_page * model["hidden"] * 4  # fp32 image tokens
+    assert 0 < pixels["bytes_per_page"] < pixels["decoded_rgb_bytes_per_page"] == 448 * 448 * 3  # PNG < RGB
+    assert r["ratios_pixels_over_embeds"]["inprocess"]["bytes_per_page"] == round(
+        pixels["bytes_per_page"] / embeds["bytes_per_page"], 4)
+
+
+def test_ingest_without_tokens_runs_no_tower_forward_and_stores_only_the_png(image_input_run):
+    ing = image_input_run["data"]["image_input"]["ingest"]
+    assert ing["pages"] == PAGES
+    assert ing["tokens"]["tower_forwards"] == ing["tokens_and_pixels"]["tower_forwards"] == PAGES
+    assert ing["pixels_only"]["tower_forwards"] == 0
+    assert ing["tokens"]["png_bytes_per_page"] == 0
+    assert ing["pixels_only"]["png_bytes_per_page"] == ing["tokens_and_pixels"]["png_bytes_per_page"] > 0
+    sizes = [ing[k]["stored_bytes_per_page"] for k in ("pixels_only", "tokens", "tokens_and_pixels")]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[1]
+    assert all(ing[k]["s_per_page"] > 0 for k in ("tokens", "tokens_and_pixels", "pixels_only"))
+    assert ing["ingest_time_saved"] == round(1 - ing["pixels_only"]["s_per_page"] / ing["tokens"]["s_per_page"], 4)
+
+
+def test_the_table_and_the_machine_are_reported(image_input_run):
+    r, out = image_input_run["data"]["image_input"], image_input_run["stdout"]
+    assert r["machine"]["cpu"] and r["machine"]["cpus"] >= 1 and r["machine"]["dtype"] in out
+    for name in r["serving"]:
+        assert f"| {name} |" in out
+    assert "| pixels_only |" in out and "ingest_time_saved" in out
+    assert f"same_tokens: {str(r['same_tokens']).lower()}" in out
+
+
+def test_image_input_refuses_the_other_modes_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mmrag.bench_cmd", "--image-input", "--e2e", "--rate", "2",
+                           "--tiny"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--image-input" in proc.stderr and "--e2e" in proc.stderr
