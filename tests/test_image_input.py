@@ -221,3 +221,25 @@ async def test_another_unpooled_tier_is_resized_by_vllm_under_its_own_policy(inp
     pixels = await on_store(inprocess_engine, store, ImageInput.PIXELS).generate(plan(key))
     assert pixels.usage.image_input == "pixels" and pixels.usage.image_tokens == value.num_tokens
     assert pixels.token_ids == embeds.token_ids
+
+
+def test_the_setting_reaches_every_engine_and_the_encoder(engine_settings):
+    """MMRAG_IMAGE_INPUT=pixels: the in-process engine's config (Ray's replicas run wiring.replica_engine, the same
+    wiring.engine), `mmrag engine serve`'s flags, the remote engine, and the encoder that ingests (keeping pixels)."""
+    from core.settings import Settings
+
+    pixels = engine_settings.model_copy(update={"image_input": "pixels"})
+    config = wiring.engine_config(pixels)
+    assert config.image_input is ImageInput.PIXELS
+    assert config.image_pixels == (pixels.min_pixels, pixels.max_pixels)
+    flags = config.serve_flags()
+    assert "--trust-request-mm-kwargs" in flags and "--mm-processor-kwargs" in flags
+    assert "--trust-request-mm-kwargs" not in wiring.engine_config(engine_settings).serve_flags()
+    remote = wiring.engine(pixels.model_copy(update={"engine_urls": "http://127.0.0.1:9"}),
+                           wiring.resolve_model(pixels))
+    assert remote.image_input is ImageInput.PIXELS and remote.image_pixels == config.image_pixels
+    encoder = wiring.vision_encoder(pixels.model_copy(update={"ingest_image_tokens": False}),
+                                    wiring.resolve_model(pixels))
+    assert encoder.keep_pixels and not encoder.makes_tokens
+    with pytest.raises(ValueError, match="MMRAG_IMAGE_INPUT=pixels"):
+        Settings(model=engine_settings.model, data_dir=engine_settings.data_dir, ingest_image_tokens=False)
