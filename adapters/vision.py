@@ -68,9 +68,7 @@ class VisionEncoder:
                              "with MMRAG_INGEST_IMAGE_TOKENS=false, or leave the tokens on")
         started = time.perf_counter()
         self._pixels_form = (keep_pixels, tokens)
-        # A pooled policy's tokens are averaged after the projector, which vLLM's own encoder does not do: its
-        # entries are always tokens (serving/engine/images.py sends them as image_embeds).
-        self.keep_pixels, self.makes_tokens = (False, True) if policy.pooled else (keep_pixels, tokens)
+        self.keep_pixels, self.makes_tokens = self._form_under(policy)
         checkpoint = VisionCheckpoint.load(model_path)
         self.model_dir = checkpoint.model_dir
         self.family = checkpoint.family
@@ -107,10 +105,16 @@ class VisionEncoder:
             return self
         other = copy.copy(self)
         other.policy = policy
-        other.keep_pixels, other.makes_tokens = (False, True) if policy.pooled else self._pixels_form
+        other.keep_pixels, other.makes_tokens = self._form_under(policy)
         other._processor = _build_processor(self.model_dir, policy, self._vision_config)
         other.forwards = 0
         return other
+
+    def _form_under(self, policy: ResolutionPolicy) -> tuple[bool, bool]:
+        """(keep_pixels, makes_tokens) under ``policy``: a pooled policy's tokens are averaged after the projector,
+        which vLLM's own encoder does not do, so its entries are always tokens (serving/engine/images.py sends
+        them as image_embeds)."""
+        return (False, True) if policy.pooled else self._pixels_form
 
     def num_tokens_for(self, image: Image.Image) -> int:
         """Image tokens ``image`` will take under this policy, from the resize rule alone (no forward)."""

@@ -77,10 +77,6 @@ class InProcessEngine:
                  cache.block_size, cache.num_gpu_blocks)
         return engine
 
-    @property
-    def image_input(self) -> ImageInput:
-        return self.config.image_input
-
     def with_image_input(self, form: ImageInput) -> InProcessEngine:
         """This engine (the same vLLM, caches and all) sending images in ``form``: for comparing the two forms on
         one engine (tests, benchmarks). A deployment uses one form (MMRAG_IMAGE_INPUT)."""
