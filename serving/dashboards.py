@@ -124,6 +124,16 @@ PANELS: tuple[PanelSpec, ...] = (
         (Query(f"sum by (pooled) (rate({m.POOLING_IMAGE_TOKENS}_total[{WINDOW}]))", "pooled={{pooled}}"),),
     ),
     PanelSpec(
+        "Image input form and request-time vision forwards",
+        "Engine requests with images per second, by the form that sent them (MMRAG_IMAGE_INPUT: embeds, stored "
+        "image tokens; pixels, encoded by vLLM itself; pooled tiers always go as embeds), and vision forwards done "
+        "at request time: 0 in the embeds form once every page is ingested, images outside the cached prefix in "
+        "the pixels form.",
+        "reqps",
+        (Query(f"sum by (form) (rate({m.ENGINE_REQUESTS_BY_IMAGE_INPUT}_total[{WINDOW}]))", "{{form}}", "A"),
+         Query(_rate(m.VISION_FORWARDS), "vision forwards at request time", "B")),
+    ),
+    PanelSpec(
         "vLLM prefix-cache hit rate",
         "vLLM's own count: prompt tokens (all, not just image) found in the prefix cache.",
         "percentunit",

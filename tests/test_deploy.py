@@ -85,7 +85,7 @@ def test_the_committed_dashboard_is_a_fresh_render_of_serving_dashboards():
 
 def test_every_panel_has_prometheus_queries_with_an_expression_and_a_ref_id():
     panels = committed_panels()
-    assert len(panels) == 11
+    assert len(panels) == 12
     for panel in panels:
         assert panel["targets"], panel["title"]
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -338,7 +338,8 @@ def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         metrics.record_completion(Usage(prompt_tokens=1000, image_tokens=512, cached_tokens=600,
-                                        cached_image_tokens=384, completion_tokens=8, ttft_s=0.2))
+                                        cached_image_tokens=384, completion_tokens=8, ttft_s=0.2,
+                                        image_input="embeds"))
         metrics.record_answer("ok", 0.8)
         stats.submitted += 1
         stats.dispatched += 1
@@ -380,6 +381,17 @@ def test_ratio_panels_show_the_proportions_that_were_recorded(prometheus, panel,
     (series,) = query(prometheus, spec.queries[0].expr)
     # The counters of one record_*() call are bumped one after another, so a scrape can land between them.
     assert float(series["value"][1]) == pytest.approx(expected, abs=0.03)
+
+
+def test_the_image_input_panel_shows_each_form_apart_and_no_request_time_forwards(prometheus):
+    """Only embeds-form requests were recorded (one per 50 ms), none in the pixels form and no vision forward."""
+    from serving.dashboards import PANELS
+
+    spec = {p.title: p for p in PANELS}["Image input form and request-time vision forwards"]
+    by_form = {s["metric"]["form"]: float(s["value"][1]) for s in query(prometheus, spec.queries[0].expr)}
+    assert set(by_form) == {"embeds", "pixels"} and by_form["pixels"] == 0 and by_form["embeds"] > 1
+    (forwards,) = query(prometheus, spec.queries[1].expr)
+    assert float(forwards["value"][1]) == 0
 
 
 def test_latency_quantiles_fall_in_the_bucket_of_the_recorded_value(prometheus):
