@@ -13,7 +13,7 @@ from core.settings import DEFAULT_TENANT, Settings
 from mmrag import wiring
 from rag.answer import Answer, answer_over_pages
 from serving.api.schemas import FigureCitation
-from serving.warmup import WarmCandidate, WarmReport, rank_by_demand, warm
+from serving.warmup import WarmCandidate, WarmReport, leading_images, rank_by_demand, warm
 
 if TYPE_CHECKING:
     from adapters.qdrant import PageIndex
@@ -134,7 +134,9 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float, tenant:
         else:
             payloads = index.pages()
         encoder = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
-        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in payloads if encoder.covers(p.image_key))
+        candidates = rank_by_demand((key, tokens) for key, tokens in
+                                    leading_images(payloads, figure_crops=settings.figure_crops)
+                                    if encoder.covers(key))
         if not pages_spec:
             candidates = candidates[:top] if top else candidates
     finally:

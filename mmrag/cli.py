@@ -205,7 +205,8 @@ def warm(
     """Prefill the running engine's prefix cache with the pages most likely to be asked about.
 
     Targets the replicas in MMRAG_ENGINE_URLS (see `mmrag engine serve`); pages that do not fit in the
-    KV budget are reported. With --tenant, that tenant's pages under its cache salt (only its questions hit them).
+    KV budget are reported. With MMRAG_FIGURE_CROPS=true the pages' figure crops are warmed too (a question about
+    a figure is shown its crop), ranked with the pages by how many pages show them. With --tenant, that tenant's pages under its cache salt (only its questions hit them).
     """
     from mmrag import ask_cmd
 

@@ -1,7 +1,9 @@
 """Warm-up: prefill-only requests that leave chosen pages' image prefixes in the engine's KV cache.
 
 Which pages: by expected demand — how often a page image recurs across the corpus (the architecture
-diagram in three decks is asked about three times as often) — or an explicit list. How many: as many as
+diagram in three decks is asked about three times as often) — or an explicit list. With figure crops in prompts
+(MMRAG_FIGURE_CROPS), a page's figures lead prompts too: their crops are candidates beside the pages, and a chart
+pasted into three documents is one crop of demand three. How many: as many as
 fit in the share of the engine's KV capacity we allow warm-up to take; the rest is reported, not dropped
 silently. Each warm request is the plan ``[system][image][""]`` with max_tokens=1, whose full blocks are
 exactly the prefix every later canonical plan starting with that image shares.
@@ -14,11 +16,12 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from core.keys import ImageKey
 from core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
+from core.payload import PagePayload
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,16 @@ class WarmReport:
             "seconds": round(self.seconds, 3),
             "pages_per_s": round(self.pages_per_s, 2),
         }
+
+
+def leading_images(pages: Iterable[PagePayload], *, figure_crops: bool) -> Iterator[tuple[ImageKey, int]]:
+    """(image key, image tokens) of every image a prompt over ``pages`` can lead with, once per occurrence (the
+    demand :func:`rank_by_demand` counts): each page's image and, with ``figure_crops`` (a hit on a figure is shown
+    as its crop: rag/plans.shown_as_figures), each of its figures' crops."""
+    for page in pages:
+        yield page.image_key, page.image_tokens
+        if figure_crops:
+            yield from ((f.image_key, f.image_tokens) for f in page.figures)
 
 
 def rank_by_demand(pages: Iterable[tuple[ImageKey, int]]) -> list[WarmCandidate]:

@@ -464,3 +464,28 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     assert len(alone) == 1 and len(crops.submitted) - 1 == len(led.extra["image_answers"]) > 1
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload: " in led.answer
     assert ImageKey.parse(cited.image_key) not in plan.images  # the page itself is not shown
+
+
+async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_resident(pipeline_with):
+    """With MMRAG_FIGURE_CROPS a prompt leads with a figure's crop, so warm-up (serving/warmup.leading_images, as
+    `mmrag serve` and `mmrag warm` rank it) warms crops beside pages: after it, the crop a question about Figure 4
+    is shown comes from the prefix cache, all but its last partial block; without crops only the page is warmed."""
+    from adapters.qdrant import AsyncPageReader
+    from serving.warmup import leading_images, rank_by_demand, warm
+
+    crops = pipeline_with("canonical", figure_crops=True)
+    question = "What does Figure 4 show about the hit rate by workload?"
+    (cited,) = [c for c in (await crops.ask(question)).citations if c.figure is not None]
+    page = await AsyncPageReader(crops.searcher.client, crops.searcher.collection).get(cited.page_id)
+    assert [c.key for c in rank_by_demand(leading_images([page], figure_crops=False))] == [page.image_key]
+    candidates = rank_by_demand(leading_images([page], figure_crops=True))
+    assert cited.figure.image_key in {c.key for c in candidates} and page.image_key in {c.key for c in candidates}
+    await crops.engine.reset_prefix_cache()
+    report = await warm(crops.engine, candidates)
+    assert set(report.warmed) == {c.key for c in candidates}
+    crops.submitted.clear()
+    shown = await crops.ask(question)
+    (plan,) = crops.submitted
+    assert plan.images[0] == cited.figure.image_key
+    usage = shown.usage
+    assert usage.cached_image_tokens >= cited.figure.image_tokens - 32 > 0, usage

@@ -18,7 +18,10 @@ from mmrag.ask_cmd import lookup_pages, open_page_index
 from core.engine import KVCapacity, PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import RemoteEngine
-from serving.warmup import WarmCandidate, fit_to_capacity, rank_by_demand
+from serving.warmup import WarmCandidate, fit_to_capacity, leading_images, rank_by_demand
+from core.figures import FigureRegion, PageFigure
+from core.pages import TextSource
+from core.payload import PagePayload
 
 REPO = Path(__file__).resolve().parents[1]
 K = [ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "abcd"]
@@ -27,6 +30,25 @@ K = [ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "abcd"]
 def test_demand_ranks_recurring_pages_first_then_by_key():
     ranked = rank_by_demand([(K[2], 10), (K[1], 10), (K[2], 10), (K[0], 10), (K[2], 10), (K[1], 10)])
     assert [(c.key, c.demand) for c in ranked] == [(K[2], 3), (K[1], 2), (K[0], 1)]
+
+
+def _page(doc: str, key: ImageKey, *crops: ImageKey) -> PagePayload:
+    figures = tuple(PageFigure(FigureRegion(i + 1, "figure", f"Figure {i + 1}: a chart", (10, 20, 110, 220), "raster"),
+                               crop, 64) for i, crop in enumerate(crops))
+    return PagePayload(doc_id=doc, doc=doc, path=doc, page=1, num_pages=1, file_sha256="0", content_hash="0",
+                       image_key=key, image_tokens=256, width=64, height=64, text="", text_source=TextSource.TEXT_LAYER,
+                       fingerprint="f", figures=figures)
+
+
+def test_with_figure_crops_in_prompts_a_figure_pasted_into_several_pages_is_warmed_first():
+    """A chart pasted into three documents is three pages of demand one each, but ONE crop of demand three: with
+    MMRAG_FIGURE_CROPS its crop leads every prompt that asks about it, so it ranks before any page."""
+    pages = [_page("report.pdf", K[0], K[3]), _page("deck.pdf", K[1], K[3]), _page("appendix.pdf", K[2], K[3])]
+    assert [(c.key, c.demand) for c in rank_by_demand(leading_images(pages, figure_crops=False))] == \
+        [(K[0], 1), (K[1], 1), (K[2], 1)]
+    ranked = rank_by_demand(leading_images(pages, figure_crops=True))
+    assert [(c.key, c.demand, c.image_tokens) for c in ranked] == [(K[3], 3, 64), (K[0], 1, 256), (K[1], 1, 256),
+                                                                   (K[2], 1, 256)]
 
 
 def test_only_what_fits_the_kv_share_is_chosen_and_the_rest_reported():

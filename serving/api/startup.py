@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 
 from serving.api.services import Services
-from serving.warmup import rank_by_demand, warm
+from serving.warmup import leading_images, rank_by_demand, warm
 
 log = logging.getLogger(__name__)
 
 
 async def warm_at_startup(services: Services) -> None:
-    """Fill the serving engine's prefix cache with the most recurring pages that fit its KV share, each
-    tenant's with its cache salt and an equal part of the share (a tenant's warmed KV serves only it). Only
-    pages the configured encoder made: the tokens of another one are never fed (build_services warned)."""
+    """Fill the serving engine's prefix cache with the most recurring pages (and, with MMRAG_FIGURE_CROPS, figure
+    crops) that fit its KV share, each tenant's with its cache salt and an equal part of the share (a tenant's
+    warmed KV serves only it). Only images the configured encoder made: the tokens of another one are never fed
+    (build_services warned)."""
     views = list(services.tenants.values())  # none: a tenants file without tenants serves nobody
     warmed = tokens = 0
     for view in views:
@@ -22,7 +23,7 @@ async def warm_at_startup(services: Services) -> None:
         if not pages:
             log.info("warm-up skipped for tenant %s: no pages of the configured encoder are indexed", view.tenant)
             continue
-        candidates = rank_by_demand((p.image_key, p.image_tokens) for p in pages)
+        candidates = rank_by_demand(leading_images(pages, figure_crops=services.settings.figure_crops))
         top = services.settings.warm_top
         # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
         report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates,
