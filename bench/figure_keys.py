@@ -1,16 +1,21 @@
 """`mmrag bench --figures`: page-level keys against figure-level keys (issue 26), on one engine, in one run.
 
 The corpus (:func:`build_figure_corpus`, seeded): a dozen charts, each drawn once with PIL and saved as ONE JPEG,
-then pasted into 2-3 different page layouts across several PDFs: a report page (portrait, its own body text,
-the chart at a varying place and size, "Figure N: <title>" below it, N the figure's number in that report), a
-slide (landscape, a title, bullets, the chart elsewhere, no caption) and, for some charts, an appendix page. So
-the same figure recurs inside different pages: each page is a key of its own, the figure is one key wherever it
-is pasted (ingestion keys an embedded picture by its own bitmap).
+then pasted into up to six pages of different documents, in this order: a report page (portrait, its own body text,
+the chart at a varying place and size, "Figure N: <title>" below it, N the figure's number in that report), a slide
+(landscape, a title, bullets, the chart elsewhere, no caption), an appendix page, then next quarter's report, the
+all-hands deck and next quarter's appendix (the same layouts, other text, places and sizes). So the same figure
+recurs inside different pages: each page is a key of its own, the figure is one key wherever it is pasted
+(ingestion keys an embedded picture by its own bitmap).
 
 The real Ingestor (figures on) ingests it; the questions ask about 1-2 charts each, drawn by a Zipf law over the
-charts, each chart reached through one of the pages that show it, at random. Each question becomes the one
-prompt mmrag serves (rag/plans: choose_answer's pages in the popularity order, one_prompt_plan), from hits built
-on the indexed payloads (retrieval.search.Hit with ``figure`` = the page's chart):
+charts, each chart reached through one of the pages that show it, at random. How many pages a chart is asked
+through decides how much page keys can reuse at all: a chart re-asked through the page it was asked through
+before is a page-level hit too. So the run sweeps it (``placements``: 2, 3, 4 and 6 pages a chart): the same
+questions, the same charts asked in the same order, each ask reaching its chart through one of the chart's first
+``placements`` pages (one uniform draw per ask, shared by every point of the sweep). Each question becomes the
+one prompt mmrag serves (rag/plans: choose_answer's pages in the popularity order, one_prompt_plan), from hits
+built on the indexed payloads (retrieval.search.Hit with ``figure`` = the page's chart):
 
 - ``page_level``: every hit shows its page (the page's key);
 - ``figure_level``: the same hits through ``shown_as_figures`` (MMRAG_FIGURE_CROPS): the chart's crop key;
@@ -19,7 +24,8 @@ on the indexed payloads (retrieval.search.Hit with ``figure`` = the page's chart
   one of a question hits too.
 
 All four run back to back on ONE in-process engine, prefix caching on, every cache reset before each
-(runner._cold), through the scheduler at the same concurrency (runner.run_config), at each answer length.
+(runner._cold), through the scheduler at the same concurrency (runner.run_config), at each point of the sweep and
+each answer length.
 """
 
 from __future__ import annotations
@@ -67,7 +73,12 @@ CHART_PX = (400, 260)  # each chart's JPEG: a quarter of a page's pixels, about 
 SLIDE = (792.0, 612.0)  # landscape, points
 LETTER = (612.0, 792.0)
 REPORT_PAGES, DECK_SLIDES, APPENDIX_PAGES = 3, 4, 3  # chart occurrences per document of each kind
-APPENDIX_SHARE = 0.5  # charts that also appear on an appendix page (the rest: a report page and a slide)
+# Where each chart recurs, in the order the corpus adds its pages: (layout, document family). A chart's first
+# ``placements`` pages are the ones questions reach it through.
+ROUNDS = (("report", "report"), ("slide", "deck"), ("appendix", "appendix"), ("report", "report-q2"),
+          ("slide", "allhands"), ("appendix", "appendix-q2"))
+# The sweep: pages a chart is asked through (the issue's own example, a report, a slide and an appendix, is 3).
+PLACEMENTS = (2, 3, 4, 6)
 
 _SUBJECTS = ("revenue", "API latency", "headcount", "storage use", "customer churn", "feature adoption",
              "gross margin", "ticket backlog", "cloud spend", "deploy frequency", "energy use", "cache hit rate",
@@ -89,10 +100,15 @@ _SENTENCES = ("The numbers below come from the finance team's quarterly close.",
 class FigureCorpusSpec:
     charts: int = 12
     seed: int = 0
+    placements: int = max(PLACEMENTS)  # pages each chart is pasted into (ROUNDS' first ones)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.placements <= len(ROUNDS):
+            raise ValueError(f"a chart is pasted into 1 to {len(ROUNDS)} pages, not {self.placements}")
 
     @property
     def folder_name(self) -> str:
-        return f"figures-c{self.charts}-s{self.seed}"
+        return f"figures-c{self.charts}-p{self.placements}-s{self.seed}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +119,7 @@ class Placement:
     layout: str  # "report", "slide", "appendix"
     doc: str  # file name
     page: int  # 1-based
+    round: int  # its index in ROUNDS: the chart's (round + 1)-th page
 
 
 @dataclass(slots=True)
@@ -119,7 +136,16 @@ class FigureCorpus:
     def describe(self) -> dict[str, Any]:
         layouts = {k: sum(p.layout == k for p in self.placements) for k in ("report", "slide", "appendix")}
         return {**asdict(self.spec), "documents": len(self.files), "pages": len(self.placements),
-                "layouts": layouts, "titles": self.titles}
+                "layouts": layouts, "rounds": [f"{layout} ({family})" for layout, family in
+                                               ROUNDS[:self.spec.placements]], "titles": self.titles}
+
+    def places(self, chart: int, placements: int) -> list[Placement]:
+        """The pages questions reach ``chart`` through when it is asked through ``placements`` of them."""
+        where = sorted((p for p in self.placements if p.chart == chart), key=lambda p: p.round)
+        if placements > len(where):
+            raise ValueError(f"chart {chart} is on {len(where)} pages, fewer than {placements}: build the corpus "
+                             f"with placements >= {placements}")
+        return where[:placements]
 
 
 # --- the corpus ----------------------------------------------------------------------------------------------
@@ -221,16 +247,13 @@ def build_figure_corpus(root: Path, spec: FigureCorpusSpec) -> FigureCorpus:
     rng = np.random.default_rng(spec.seed)
     titles = chart_titles(spec.charts, rng)
     jpegs = [chart_jpeg(t, rng, line=bool(i % 2)) for i, t in enumerate(titles)]
-    layouts = {"report": list(range(spec.charts)), "slide": list(range(spec.charts)),
-               "appendix": [c for c in range(spec.charts) if rng.random() < APPENDIX_SHARE]}
     per_doc = {"report": REPORT_PAGES, "slide": DECK_SLIDES, "appendix": APPENDIX_PAGES}
-    names = {"report": "report", "slide": "deck", "appendix": "appendix"}
     placements: list[Placement] = []
     pages: dict[str, list[bytes]] = {}
-    for layout, charts in layouts.items():
-        order = [int(c) for c in rng.permutation(charts)]
+    for r, (layout, family) in enumerate(ROUNDS[:spec.placements]):
+        order = [int(c) for c in rng.permutation(spec.charts)]
         for i, chart in enumerate(order):
-            doc = f"{names[layout]}-{i // per_doc[layout] + 1}.pdf"
+            doc = f"{family}-{i // per_doc[layout] + 1}.pdf"
             page = i % per_doc[layout] + 1
             number = page + int(rng.integers(0, 9))  # the figure's number differs per document
             if layout == "report":
@@ -240,7 +263,7 @@ def build_figure_corpus(root: Path, spec: FigureCorpusSpec) -> FigureCorpus:
             else:
                 data = appendix_page(jpegs[chart], titles[chart], number, doc, rng)
             pages.setdefault(doc, []).append(data)
-            placements.append(Placement(chart, layout, doc, page))
+            placements.append(Placement(chart, layout, doc, page, r))
     folder = root / "pdf"
     folder.mkdir(parents=True, exist_ok=True)
     for doc, datas in pages.items():
@@ -308,21 +331,23 @@ class FigureQuestion:
         return [f"What does the chart of {titles[c].lower()} show?" for c in self.charts]
 
 
-def make_questions(corpus: FigureCorpus, n: int, zipf_s: float, seed: int) -> list[FigureQuestion]:
+def make_questions(corpus: FigureCorpus, n: int, zipf_s: float, seed: int, placements: int
+                   ) -> list[FigureQuestion]:
     """``n`` questions of 1-2 distinct charts each, drawn by a Zipf law over the charts (a seeded shuffle decides
-    which chart is most asked), each chart reached through one of its pages, at random."""
+    which chart is most asked), each chart reached through one of its first ``placements`` pages, at random. The
+    charts do not depend on ``placements``, and neither does each ask's uniform draw of its page (a stream of its
+    own): a sweep over ``placements`` asks the same charts in the same order, only through more pages."""
     rng = np.random.default_rng(seed + 1)
+    where_rng = np.random.default_rng(seed + 2)
     charts = corpus.spec.charts
     rank = rng.permutation(charts)
     probs = zipf_probabilities(charts, zipf_s)
-    where: dict[int, list[Placement]] = {}
-    for p in corpus.placements:
-        where.setdefault(p.chart, []).append(p)
+    where = {c: corpus.places(c, placements) for c in range(charts)}
     out = []
     for qid in range(n):
         k = int(rng.integers(1, 3))
         picked = tuple(int(rank[i]) for i in rng.choice(charts, size=k, replace=False, p=probs))
-        places = tuple(where[c][int(rng.integers(len(where[c])))] for c in picked)
+        places = tuple(where[c][int(u * placements)] for c, u in zip(picked, where_rng.random(k)))
         out.append(FigureQuestion(qid, picked, places))
     return out
 
@@ -376,6 +401,7 @@ class FigureBenchInputs:
     zipf_s: float = 1.0
     concurrency: int = 4
     lengths: tuple[int, ...] = LENGTHS
+    placements: tuple[int, ...] = PLACEMENTS
     seed: int = 0
     log: Callable[[str], None] = print
 
@@ -440,7 +466,7 @@ def _workload(questions: Sequence[FigureQuestion], corpus: FigureCorpus, inputs:
 
 
 async def _run_level(engine: InProcessEngine, name: str, length: int, questions: Sequence[FigureQuestion],
-                     inputs: FigureBenchInputs, keys: Keys, forwards: int) -> dict[str, Any]:
+                     inputs: FigureBenchInputs, keys: Keys, forwards: int, placements: int) -> dict[str, Any]:
     """One level at one length, from cold caches, through the scheduler as run_config drives every bench config;
     the oracle and the prefix bound over its own prompts."""
     level, mode = CONFIGS[name]
@@ -453,7 +479,7 @@ async def _run_level(engine: InProcessEngine, name: str, length: int, questions:
         questions, inputs.corpus, inputs, length), store=inputs.store, full=keys, budget=keys,
         engine_config=inputs.engine_config, scheduler_concurrency=inputs.concurrency, log=inputs.log)
     await _cold(engine)
-    inputs.log(f"  {name} at {length} tokens: {len(questions)} questions ...")
+    inputs.log(f"  {placements} pages a chart, {name} at {length} tokens: {len(questions)} questions ...")
     result = await run_config(engine, spec, bench, keys, bench.workload.questions, plans)
     flat = [p for q in questions for p in plans[q.qid]]
     prompts = Prompts(engine.renderer)
@@ -467,52 +493,64 @@ async def _run_level(engine: InProcessEngine, name: str, length: int, questions:
     _hits_by_position(result, keys, prompts)
     out = _summary(result, flat, forwards)
     out["position_oracle_full_blocks_hit_rate"] = round(oracle_bound(shown, block), 4)
-    inputs.log(f"  {name} at {length} tokens: {result.wall_s:.1f} s, image hit rate {out['image_hit_rate']:.3f} "
+    inputs.log(f"  {placements} pages a chart, {name} at {length} tokens: {result.wall_s:.1f} s, "
+               f"image hit rate {out['image_hit_rate']:.3f} "
                f"(oracle {out['position_oracle_hit_rate']:.3f}, prefix bound {out['prefix_bound_hit_rate']:.3f})")
     return out
 
 
 async def run_figure_bench(inputs: FigureBenchInputs) -> dict[str, Any]:
-    """Both levels at each length on one engine; the JSON section ``figures``."""
+    """Both levels, in both answer modes, at each point of the sweep and each length, on one engine; the JSON
+    section ``figures``."""
     corpus, ingested = inputs.corpus, inputs.ingested
-    questions = make_questions(corpus, inputs.questions, inputs.zipf_s, inputs.seed)
+    asked = {k: make_questions(corpus, inputs.questions, inputs.zipf_s, inputs.seed, k) for k in inputs.placements}
     keys = Keys({}, _tokens(ingested))
     summary = ingest_summary(corpus, ingested)
     inputs.log(f"figures: starting the engine ({inputs.engine_config.dtype}) ...")
     t = time.perf_counter()
     engine = InProcessEngine.start(inputs.model, FeatureProvider.unscoped(inputs.store), inputs.engine_config)
     start_s = time.perf_counter() - t
-    by_length: dict[str, dict[str, dict]] = {}
+    by_placements: dict[str, dict[str, Any]] = {}
     try:
         capacity = await engine.kv_capacity()
         dtype = str(engine.llm.vllm_config.model_config.dtype).removeprefix("torch.")
-        for length in inputs.lengths:
-            by_length[str(length)] = {
+        for k, questions in asked.items():
+            by_length = {str(length): {
                 name: await _run_level(engine, name, length, questions, inputs, keys,
-                                       summary["vision_forwards"][level])
-                for name, (level, _) in CONFIGS.items()}
+                                       summary["vision_forwards"][level], k)
+                for name, (level, _) in CONFIGS.items()} for length in inputs.lengths}
+            by_placements[str(k)] = {"pages_asked": _pages_asked(questions), "by_length": by_length}
     finally:
         await engine.close()
     machine = machine_info()
     return {
-        "corpus": corpus.describe(), "ingest": summary, "questions": _describe_questions(questions, inputs),
+        "corpus": corpus.describe(), "ingest": summary,
+        "questions": _describe_questions(next(iter(asked.values())), inputs),
         "engine": {**{k: v for k, v in asdict(inputs.engine_config).items() if k != "caching"},
                    "dtype": dtype, "start_s": round(start_s, 1), "block_size": capacity.block_size,
                    "kv_tokens": capacity.tokens, "concurrency": inputs.concurrency},
         "machine": {"cpu": machine["cpu_model"], "cpus": machine["cpus"],
                     "cpu_flags": sorted(f for f, on in machine["cpu_flags"].items() if on), "dtype": dtype},
-        "by_length": by_length,
-        "targets": targets(by_length),
+        "by_placements": by_placements,
+        "targets": targets(by_placements),
     }
 
 
 def _describe_questions(questions: Sequence[FigureQuestion], inputs: FigureBenchInputs) -> dict[str, Any]:
+    """What every point of the sweep asks (the same charts; only the pages they are reached through differ)."""
     titles, charts = inputs.corpus.titles, inputs.corpus.spec.charts
     return {"n": len(questions), "zipf_s": inputs.zipf_s, "seed": inputs.seed,
             "charts_per_question": [len(q.charts) for q in questions],
             "chart_uses": [int(n) for n in np.bincount([c for q in questions for c in q.charts], minlength=charts)],
-            "distinct_pages_asked": len({p for q in questions for p in q.places}),
             "texts": [" ".join(q.sub_texts(titles)) for q in questions]}
+
+
+def _pages_asked(questions: Sequence[FigureQuestion]) -> dict[str, int]:
+    """Chart asks and the distinct pages and charts they went through: the two position oracles follow from them
+    (an image's first use misses, every later one can hit)."""
+    places = [p for q in questions for p in q.places]
+    return {"asks": len(places), "distinct_pages": len({(p.doc, p.page) for p in places}),
+            "distinct_charts": len({p.chart for p in places})}
 
 
 # --- targets and the table -----------------------------------------------------------------------------------
@@ -522,16 +560,24 @@ def _target(name: str, measured: float | None, wanted: str, met: bool) -> dict[s
     return {"name": name, "measured": measured, "wanted": wanted, "met": bool(met)}
 
 
-def targets(by_length: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
-    """Issue 26's checks at each length: figure-level keys reach 0.9 of their own oracle (answered per image, and
-    in one prompt) and twice page-level's hit rate (page-level answered as by default, in one prompt, and in the
-    same per-image mode), with fewer image tokens per prompt."""
+def targets(by_placements: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 26's checks at each point of the sweep and each length: figure-level keys reach 0.9 of their own
+    oracle (answered per image, and in one prompt) and twice page-level's hit rate (page-level answered as by
+    default, in one prompt, and in the same per-image mode), with fewer image tokens per prompt."""
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if b else None
 
     out = []
+    for k, point in by_placements.items():
+        out += _targets_at(point["by_length"], f"{k} pages a chart", ratio)
+    return out
+
+
+def _targets_at(by_length: dict[str, dict[str, dict]], where: str,
+                ratio: Callable[[float, float], float | None]) -> list[dict[str, Any]]:
+    out = []
     for length, r in by_length.items():
-        at = f"at {length} tokens"
+        at = f"at {length} tokens, {where}"
         for name in (FIGURE_LEVEL + PER_IMAGE, FIGURE_LEVEL):
             x = ratio(r[name]["image_hit_rate"], r[name]["position_oracle_hit_rate"])
             out.append(_target(f"{name} hit rate / its position oracle {at}", x, ">= 0.9", x is not None and x >= 0.9))
@@ -557,10 +603,13 @@ def figures_table(data: dict[str, Any]) -> str:
             f"{ing['pages']} pages in {data['corpus']['documents']} PDFs, {ing['chart_occurrences']} chart "
             f"occurrences -> {ing['distinct_chart_keys']} distinct figure keys ({ing['figure_occurrences']} figures "
             f"detected, {ing['distinct_figure_keys']} keys); {data['questions']['n']} questions"]
-    for length, r in data["by_length"].items():
-        rows += [f"\n### {length} answer tokens\n", "| keys | " + " | ".join(COLUMNS) + " |",
-                 "|---" * (len(COLUMNS) + 1) + "|"]
-        rows += [f"| {name} | " + " | ".join(str(v[c]) for c in COLUMNS) + " |" for name, v in r.items()]
+    lengths = next(iter(data["by_placements"].values()))["by_length"]
+    for length in lengths:
+        rows += [f"\n### {length} answer tokens\n", "| pages a chart | keys | " + " | ".join(COLUMNS) + " |",
+                 "|---" * (len(COLUMNS) + 2) + "|"]
+        for k, point in data["by_placements"].items():
+            rows += [f"| {k} | {name} | " + " | ".join(str(v[c]) for c in COLUMNS) + " |"
+                     for name, v in point["by_length"][length].items()]
     rows.append("")
     rows += [f"{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}"
              for t in data["targets"]]

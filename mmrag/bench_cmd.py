@@ -36,7 +36,7 @@ FULL = {"pages": 48, "questions": 80}
 # (bench/e2e.py); 512 tokens per answer is most of the run.
 E2E_QUICK = {"pages": 24, "questions": 12}
 E2E_FULL = {"pages": 48, "questions": 32}
-# --figures: distinct charts (each on 2-3 pages) and questions (bench/figure_keys.py)
+# --figures: distinct charts and questions; the sweep's pages a chart is asked through: bench/figure_keys.PLACEMENTS
 FIGURES = {"charts": 12, "questions": 32}
 MAX_TOKENS = 4  # answer tokens per sub-question of the serving configurations, --replicas and --transfer
 # --image-input: corpus pages (each encoded three ways at ingest) and questions (each through four engines), sized
@@ -77,9 +77,10 @@ def bench(
                                                  "routing and Ray's default routing (bench/replicas.py).")] = None,
     figures: Annotated[bool, typer.Option("--figures", help="Instead: page-level keys against figure-level keys "
                                           "(issue 26) on a corpus whose charts recur inside different page "
-                                          "layouts, ingested by the real Ingestor; one prompt per question, both "
-                                          "on one engine, at 4 and 128 answer tokens (--max-tokens: that one "
-                                          "only; bench/figure_keys.py).")] = False,
+                                          "layouts, ingested by the real Ingestor; each answered in one prompt "
+                                          "and per image, all on one engine, at 4 and 128 answer tokens "
+                                          "(--max-tokens: that one only), for each count of --placements "
+                                          "(bench/figure_keys.py).")] = False,
     image_input: Annotated[bool, typer.Option("--image-input", help="Instead: what each deployment form of "
                                               "MMRAG_IMAGE_INPUT costs, on one workload: `embeds` (image tokens "
                                               "made at ingest, sent to vLLM) and `pixels` (the stored page PNG, "
@@ -93,6 +94,9 @@ def bench(
                                               f"{IMAGE_INPUT_QUICK['questions']} (bench/image_input.py).")] = False,
     charts: Annotated[int | None, typer.Option(help="--figures: distinct charts in the corpus (default "
                                                f"{FIGURES['charts']}).")] = None,
+    placements: Annotated[str | None, typer.Option(help="--figures: the sweep, comma-separated: through how many "
+                                                   "pages each chart is asked (each in another document; 1 to 6, "
+                                                   "default 2,3,4,6).")] = None,
     depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
                                               "tower (default: 8 where the engine runs bf16, 1 in fp32, so "
                                               "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
@@ -140,7 +144,8 @@ def bench(
     if image_input:
         others = [flag for flag, on in (("--rate", rate is not None), ("--configs", configs), ("--e2e", e2e),
                                         ("--transfer", transfer), ("--replicas", replicas is not None),
-                                        ("--figures", figures), ("--plot", plot_out), ("--charts", charts is not None))
+                                        ("--figures", figures), ("--plot", plot_out), ("--charts", charts is not None),
+                                        ("--placements", placements is not None))
                   if on]
         if others:
             raise typer.BadParameter(f"--image-input is a benchmark of its own (a closed loop over its four "
@@ -178,7 +183,7 @@ def bench(
     if figures:
         _bench_figures(settings, tiny=tiny, depth=depth, charts=charts or FIGURES["charts"],
                        questions=questions or FIGURES["questions"], concurrency=concurrency, max_tokens=max_tokens,
-                       zipf=zipf, seed=seed, json_out=json_out)
+                       zipf=zipf, seed=seed, json_out=json_out, placements=_placements(placements))
         return
     if transfer:
         _bench_transfer(settings, tiny=tiny, depth=depth, pages=n_pages, seed=seed, json_out=json_out)
@@ -390,8 +395,25 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
 
 
+def _placements(text: str | None) -> tuple[int, ...]:
+    """--placements: distinct counts, ascending (default: bench/figure_keys.PLACEMENTS)."""
+    from bench.figure_keys import PLACEMENTS, ROUNDS
+
+    if text is None:
+        return PLACEMENTS
+    try:
+        counts = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= k <= len(ROUNDS) for k in counts):
+        raise typer.BadParameter(f"--placements takes comma-separated counts from 1 to {len(ROUNDS)} (pages a "
+                                 f"chart is asked through), e.g. 2,3,4,6; got {text!r}")
+    return tuple(counts)
+
+
 def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, questions: int, concurrency: int,
-                   max_tokens: int | None, zipf: float, seed: int, json_out: Path | None) -> None:
+                   max_tokens: int | None, zipf: float, seed: int, json_out: Path | None,
+                   placements: tuple[int, ...]) -> None:
     """`mmrag bench --figures`: the figure corpus ingested by the real Ingestor (figures on) under
     MMRAG_DATA_DIR/bench/figures, then page-level and figure-level keys on one engine (bench/figure_keys.py)."""
     from core.settings import Settings
@@ -408,7 +430,7 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
-    corpus_spec = FigureCorpusSpec(charts=charts, seed=seed)
+    corpus_spec = FigureCorpusSpec(charts=charts, seed=seed, placements=max(placements))
     root = settings.data_dir / "bench" / "figures" / f"{corpus_spec.folder_name}-{spec.folder_name}"
     corpus = build_figure_corpus(root, corpus_spec)
     # Only this corpus' own index and store: a session's MMRAG_QDRANT_URL or MMRAG_REDIS_URL must not receive it.
@@ -429,7 +451,8 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
     result = asyncio.run(run_figure_bench(FigureBenchInputs(
         model=model, corpus=corpus, ingested=ingested, store=wiring.feature_store(ingest_settings),
         engine_config=default_engine_config(), questions=questions, zipf_s=zipf, concurrency=concurrency,
-        lengths=(max_tokens,) if max_tokens else LENGTHS, seed=seed, log=lambda m: err.print(escape(m)))))
+        lengths=(max_tokens,) if max_tokens else LENGTHS, placements=placements, seed=seed,
+        log=lambda m: err.print(escape(m)))))
     total_s = round(time.perf_counter() - t_start, 1)
     data = {"figures": result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
             "meta": _run_meta(result["machine"], started_utc, total_s)}

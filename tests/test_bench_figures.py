@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.figure_keys import CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, PER_IMAGE, FigureCorpusSpec, build_figure_corpus
+from bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, PER_IMAGE, ROUNDS, FigureCorpusSpec,
+                               build_figure_corpus, make_questions)
 from bench.model import TINY_SPEC
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARTS, QUESTIONS, LENGTH = 4, 8, 4
+PLACEMENTS = ("2", "3")  # the sweep's points: pages each chart is asked through
 FIELDS = ("questions", "prompts", "questions_per_s", "ttft_p50_s", "image_hit_rate", "position_oracle_hit_rate",
           "image_tokens", "cached_image_tokens", "image_tokens_per_prompt", "distinct_image_keys",
           "vision_forwards_at_ingest", "wall_s")
@@ -37,32 +39,36 @@ def figures_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "mmrag.bench_cmd", "--figures", "--tiny", "--charts", str(CHARTS), "--questions",
-         str(QUESTIONS), "--max-tokens", str(LENGTH), "--json", str(out)],
+         str(QUESTIONS), "--max-tokens", str(LENGTH), "--placements", ",".join(PLACEMENTS), "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     return {"data": json.loads(out.read_text())["figures"], "stdout": proc.stdout}
 
 
-def levels(run: dict) -> dict[str, dict]:
-    return run["data"]["by_length"][str(LENGTH)]
+def levels(run: dict, placements: str = PLACEMENTS[0]) -> dict[str, dict]:
+    return run["data"]["by_placements"][placements]["by_length"][str(LENGTH)]
 
 
 def test_both_levels_run_on_one_engine_and_report_every_figure_and_each_check(figures_run):
     data = figures_run["data"]
-    assert list(data["by_length"]) == [str(LENGTH)]  # --max-tokens: that length only
-    assert list(levels(figures_run)) == [PAGE_LEVEL, FIGURE_LEVEL, PAGE_LEVEL + PER_IMAGE, FIGURE_LEVEL + PER_IMAGE]
-    for name, r in levels(figures_run).items():
-        missing = [f for f in FIELDS if f not in r]
-        assert not missing, f"{name} lacks {missing}"
-        if name.endswith(PER_IMAGE):  # a prompt per image: as many as the images the one prompt would show
-            assert r["questions"] == QUESTIONS and r["images_per_prompt"] == 1.0
-            assert r["prompts"] == round(levels(figures_run)[CONFIGS[name][0]]["images_per_prompt"] * QUESTIONS)
-        else:
-            assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
-        assert r["questions_per_s"] > 0 and r["ttft_p50_s"] > 0 and 0 < r["position_oracle_hit_rate"] <= 1
+    assert list(data["by_placements"]) == list(PLACEMENTS)
+    for k in PLACEMENTS:
+        assert list(data["by_placements"][k]["by_length"]) == [str(LENGTH)]  # --max-tokens: that length only
+        assert list(levels(figures_run, k)) == [PAGE_LEVEL, FIGURE_LEVEL, PAGE_LEVEL + PER_IMAGE,
+                                                FIGURE_LEVEL + PER_IMAGE]
+        for name, r in levels(figures_run, k).items():
+            missing = [f for f in FIELDS if f not in r]
+            assert not missing, f"{name} lacks {missing}"
+            if name.endswith(PER_IMAGE):  # a prompt per image: as many as the images the one prompt would show
+                assert r["questions"] == QUESTIONS and r["images_per_prompt"] == 1.0
+                one = levels(figures_run, k)[CONFIGS[name][0]]
+                assert r["prompts"] == round(one["images_per_prompt"] * QUESTIONS)
+            else:
+                assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
+            assert r["questions_per_s"] > 0 and r["ttft_p50_s"] > 0 and 0 < r["position_oracle_hit_rate"] <= 1
     assert data["machine"]["cpu"] and data["machine"]["dtype"] == data["engine"]["dtype"]
-    assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 5
+    assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 5 * len(PLACEMENTS)
     for t in data["targets"]:
         assert f"{t['name']}: {t['measured']} (wanted {t['wanted']}): {'met' if t['met'] else 'MISSED'}" \
             in figures_run["stdout"]
@@ -81,7 +87,7 @@ def test_figure_level_shows_fewer_distinct_images_and_fewer_image_tokens_per_pro
 def test_one_chart_pasted_into_different_layouts_is_one_figure_key_and_one_forward(figures_run):
     ing = figures_run["data"]["ingest"]
     layouts = figures_run["data"]["corpus"]["layouts"]
-    assert ing["chart_occurrences"] == ing["pages"] == sum(layouts.values()) >= 2 * CHARTS
+    assert ing["chart_occurrences"] == ing["pages"] == sum(layouts.values()) == int(max(PLACEMENTS)) * CHARTS
     assert ing["distinct_chart_keys"] == CHARTS < ing["chart_occurrences"]
     assert ing["distinct_page_keys"] == ing["pages"]  # every page differs around its chart
     report = ing["report"]
@@ -93,9 +99,10 @@ def test_one_chart_pasted_into_different_layouts_is_one_figure_key_and_one_forwa
         assert r["vision_forwards_at_serve"] == 0  # every image came from the feature store
 
 
-def test_the_rates_are_the_runs_own_counts(figures_run):
+@pytest.mark.parametrize("k", PLACEMENTS)
+def test_the_rates_are_the_runs_own_counts(figures_run, k):
     """Each rate is the quotient of the counts the engine reported for this run, not a constant."""
-    page, figure = levels(figures_run)[PAGE_LEVEL], levels(figures_run)[FIGURE_LEVEL]
+    page, figure = levels(figures_run, k)[PAGE_LEVEL], levels(figures_run, k)[FIGURE_LEVEL]
     for r in (page, figure):
         assert 0 < r["cached_image_tokens"] <= r["image_tokens"]
         assert r["image_hit_rate"] == round(r["cached_image_tokens"] / r["image_tokens"], 4)
@@ -103,14 +110,30 @@ def test_the_rates_are_the_runs_own_counts(figures_run):
         # wall_s is rounded to 10 ms
         assert r["questions_per_s"] == pytest.approx(r["questions"] / r["wall_s"], rel=0.05)
     assert page["image_hit_rate"] != figure["image_hit_rate"]
-    per_image = levels(figures_run)[FIGURE_LEVEL + PER_IMAGE]
-    page_per_image = levels(figures_run)[PAGE_LEVEL + PER_IMAGE]
-    oracle, one_oracle, over_page, over_page_per_image, tokens = (t["measured"] for t in figures_run["data"]["targets"])
+    per_image = levels(figures_run, k)[FIGURE_LEVEL + PER_IMAGE]
+    page_per_image = levels(figures_run, k)[PAGE_LEVEL + PER_IMAGE]
+    point = [t for t in figures_run["data"]["targets"] if t["name"].endswith(f", {k} pages a chart")]
+    oracle, one_oracle, over_page, over_page_per_image, tokens = (t["measured"] for t in point)
     assert oracle == round(per_image["image_hit_rate"] / per_image["position_oracle_hit_rate"], 3)
     assert one_oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
     assert over_page == round(per_image["image_hit_rate"] / page["image_hit_rate"], 3)
     assert over_page_per_image == round(per_image["image_hit_rate"] / page_per_image["image_hit_rate"], 3)
     assert tokens == round(figure["image_tokens_per_prompt"] / page["image_tokens_per_prompt"], 3)
+
+
+def test_the_sweep_asks_the_same_charts_through_more_pages(figures_run):
+    """Every point asks the same charts in the same order, so figure-level's position oracle is one number; what
+    changes is the pages page-level keys are reached through, and so its oracle."""
+    points = figures_run["data"]["by_placements"]
+    asked = [points[k]["pages_asked"] for k in PLACEMENTS]
+    assert len({(a["asks"], a["distinct_charts"]) for a in asked}) == 1
+    for a in asked:
+        assert a["distinct_charts"] <= a["distinct_pages"] <= a["asks"]
+    oracles = {levels(figures_run, k)[FIGURE_LEVEL + PER_IMAGE]["position_oracle_hit_rate"] for k in PLACEMENTS}
+    assert len(oracles) == 1
+    for k, a in zip(PLACEMENTS, asked):  # per image every use after an image's first hits, all its tokens
+        page = levels(figures_run, k)[PAGE_LEVEL + PER_IMAGE]
+        assert page["position_oracle_hit_rate"] == pytest.approx(1 - a["distinct_pages"] / a["asks"], abs=1e-3)
 
 
 def test_per_image_prompts_reuse_every_image_that_recurs_not_only_the_first(figures_run):
@@ -122,12 +145,41 @@ def test_per_image_prompts_reuse_every_image_that_recurs_not_only_the_first(figu
         assert per["image_hit_rate"] >= 0.8 * per["position_oracle_hit_rate"]
 
 
-def test_the_corpus_is_seeded_and_puts_each_chart_into_two_or_three_layouts(tmp_path):
-    a = build_figure_corpus(tmp_path / "a", FigureCorpusSpec(charts=CHARTS, seed=3))
-    b = build_figure_corpus(tmp_path / "b", FigureCorpusSpec(charts=CHARTS, seed=3))
+def test_the_corpus_is_seeded_and_puts_each_chart_into_its_placements_each_in_another_document(tmp_path):
+    spec = FigureCorpusSpec(charts=CHARTS, seed=3, placements=len(ROUNDS))
+    a = build_figure_corpus(tmp_path / "a", spec)
+    b = build_figure_corpus(tmp_path / "b", spec)
     assert a.placements == b.placements and a.titles == b.titles and len(set(a.titles)) == CHARTS
     for chart in range(CHARTS):
-        where = [p for p in a.placements if p.chart == chart]
-        assert 2 <= len(where) <= 3 and len({p.layout for p in where}) == len(where)
+        where = sorted((p for p in a.placements if p.chart == chart), key=lambda p: p.round)
+        assert [(p.round, p.layout) for p in where] == [(r, layout) for r, (layout, _) in enumerate(ROUNDS)]
+        assert {p.layout for p in where} == {"report", "slide", "appendix"}
         assert len({p.doc for p in where}) == len(where)  # each in another document
     assert len({(p.doc, p.page) for p in a.placements}) == len(a.placements)
+    with pytest.raises(ValueError, match="pasted into 1 to"):
+        FigureCorpusSpec(placements=len(ROUNDS) + 1)
+
+
+def test_questions_ask_the_same_charts_at_every_point_of_the_sweep(tmp_path):
+    corpus = build_figure_corpus(tmp_path, FigureCorpusSpec(charts=CHARTS, seed=0, placements=len(ROUNDS)))
+    sweep = {k: make_questions(corpus, 40, 1.0, 0, k) for k in range(1, len(ROUNDS) + 1)}
+    charts = {tuple(q.charts for q in qs) for qs in sweep.values()}
+    assert len(charts) == 1  # the same charts, in the same order, at every point
+    for k, qs in sweep.items():
+        rounds = {p.round for q in qs for p in q.places}
+        assert rounds <= set(range(k)) and len(rounds) == k  # through the chart's first k pages, all of them used
+        assert all(p.chart == c for q in qs for p, c in zip(q.places, q.charts))
+    with pytest.raises(ValueError, match="fewer than"):
+        make_questions(build_figure_corpus(tmp_path / "two", FigureCorpusSpec(charts=CHARTS, placements=2)),
+                       4, 1.0, 0, 3)
+
+
+def test_placements_are_counts_within_the_corpus_and_others_are_refused_with_the_range():
+    import typer
+
+    from mmrag.bench_cmd import _placements
+
+    assert _placements(None) == (2, 3, 4, 6) and _placements("6, 2,3,2") == (2, 3, 6)
+    for bad in ("0", "7", "2,a", ",", ""):
+        with pytest.raises(typer.BadParameter, match=f"from 1 to {len(ROUNDS)}"):
+            _placements(bad)
