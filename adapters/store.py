@@ -65,7 +65,7 @@ class StoreStats:
 def encode_entry(key: ImageKey, value: EncodedImage) -> bytes:
     tensors = {"image_tokens": value.image_tokens.contiguous(), "grid_thw": value.grid_thw.contiguous()}
     if value.pixels_png is not None:  # the pixels form's image (MMRAG_IMAGE_INPUT=pixels), beside the tokens
-        tensors["pixels_png"] = torch.frombuffer(bytearray(value.pixels_png), dtype=torch.uint8)
+        tensors[PIXELS_TENSOR] = torch.frombuffer(bytearray(value.pixels_png), dtype=torch.uint8)
     return safetensors.torch.save(tensors, metadata={_KEY_META: str(key)})
 
 
@@ -80,7 +80,7 @@ def decode_entry(key: ImageKey, blob: bytes) -> EncodedImage:
             f"feature entry under {key} belongs to {meta.get(_KEY_META)!r}; refusing to serve it. "
             "Delete the entry and re-ingest the page."
         )
-    png = tensors.get("pixels_png")
+    png = tensors.get(PIXELS_TENSOR)
     return EncodedImage(image_tokens=tensors["image_tokens"], grid_thw=tensors["grid_thw"],
                         pixels_png=png.numpy().tobytes() if png is not None else None)
 
@@ -92,6 +92,17 @@ def _read_metadata(blob: bytes) -> dict[str, str]:
     return header.get("__metadata__", {})
 
 
+def _header_has_pixels(key: ImageKey, header: bytes) -> bool:
+    """Whether a safetensors header (its JSON, without the length prefix) lists the entry's pixels."""
+    try:
+        return PIXELS_TENSOR in json.loads(header)
+    except ValueError as exc:
+        raise FeatureStoreError(f"feature entry for {key} is unreadable ({exc}); delete it and re-ingest") from exc
+
+
+PIXELS_TENSOR = "pixels_png"
+
+
 class FeatureStore(Protocol):
     backend: str
     stats: StoreStats
@@ -101,6 +112,11 @@ class FeatureStore(Protocol):
     def put(self, key: ImageKey, value: EncodedImage) -> None: ...
 
     def contains(self, key: ImageKey) -> bool: ...
+
+    def has_pixels(self, key: ImageKey) -> bool | None:
+        """Whether the entry keeps its image's pixels (MMRAG_IMAGE_INPUT=pixels) beside its tokens; None when there
+        is no entry. Reads the entry's header only, not its tokens."""
+        ...
 
     def keys(self) -> Iterator[ImageKey]: ...
 
@@ -177,6 +193,9 @@ class ScopedFeatureStore:
     def contains(self, key: ImageKey) -> bool:
         return self.covers(key) and self.inner.contains(key)
 
+    def has_pixels(self, key: ImageKey) -> bool | None:
+        return self.inner.has_pixels(key) if self.covers(key) else None
+
     def keys(self) -> Iterator[ImageKey]:
         return (k for k in self.inner.keys() if self.covers(k))
 
@@ -225,7 +244,15 @@ class _BlobStore:
         self.stats.writes += 1
         self.stats.bytes_written += len(blob)
 
+    def has_pixels(self, key: ImageKey) -> bool | None:
+        header = self._read_header(key)
+        return None if header is None else _header_has_pixels(key, header)
+
     def _read(self, key: ImageKey) -> bytes | None:
+        raise NotImplementedError
+
+    def _read_header(self, key: ImageKey) -> bytes | None:
+        """The entry's safetensors header (its JSON), without reading the tensors; None when there is none."""
         raise NotImplementedError
 
     def _exists(self, key: ImageKey) -> bool:
@@ -265,6 +292,16 @@ class DiskFeatureStore(_BlobStore):
 
     def _exists(self, key: ImageKey) -> bool:
         return self.path_for(key).is_file()
+
+    def _read_header(self, key: ImageKey) -> bytes | None:
+        try:
+            with self.path_for(key).open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                return f.read(n)
+        except FileNotFoundError:
+            return None
+        except struct.error as exc:
+            raise FeatureStoreError(f"feature entry for {key} is unreadable ({exc}); delete it and re-ingest") from exc
 
     def _write(self, key: ImageKey, blob: bytes) -> None:
         try:
@@ -398,6 +435,16 @@ class RedisFeatureStore(_BlobStore):
 
     def _exists(self, key: ImageKey) -> bool:
         return bool(self._call("EXISTS", lambda: self.client.exists(self._name(key))))
+
+    def _read_header(self, key: ImageKey) -> bytes | None:
+        name = self._name(key)
+        head = self._call("GETRANGE", lambda: self.client.getrange(name, 0, 7))
+        if not head:
+            return None
+        if len(head) < 8:
+            raise FeatureStoreError(f"feature entry for {key} is unreadable (truncated); delete it and re-ingest")
+        (n,) = struct.unpack("<Q", head)
+        return self._call("GETRANGE", lambda: self.client.getrange(name, 8, 8 + n - 1))
 
     def _write(self, key: ImageKey, blob: bytes) -> None:
         self._call("SET", lambda: self.client.set(self._name(key), blob))

@@ -15,6 +15,13 @@ uninterrupted run ends:
 3. only then switch each page's payload fields (image key, encoder fields, image_tokens, fingerprint), one
    page at a time: a page whose tokens could not be stored keeps its old key. Text and vectors are never
    written, and old entries stay in the store until `mmrag store gc --apply`.
+
+In the pixels form (MMRAG_IMAGE_INPUT=pixels) every served entry also keeps its image's pixels, which an index
+ingested in the embeds form lacks. So a run in that form then gives the configured encoder's entries their pixels,
+with no vision forward: it renders each such page again (and crops its figures), checks the content hashes, and
+writes each entry again with its tokens and the lossless PNG of the very image its key names. Entries are whole
+either way (each write replaces one entry at once), so a killed run leaves entries with or without pixels and a
+rerun finishes it. Keys stay the same; no payload changes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from adapters.qdrant import PageIndex
 from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
 from adapters.vision import VisionEncoder
+from adapters.vision_client import png_bytes
 from core.figures import PageFigure
 from core.keys import ImageKey, Tiers
 from core.pages import RenderedPage
@@ -79,6 +87,10 @@ class ReencodeReport:
     reused: int = 0  # pages whose new tokens were stored already (a killed run's, or a page with the same image)
     skipped: list[SkippedPage] = field(default_factory=list)
     unreferenced_entries: int = 0  # store entries no page references any more: what `mmrag store gc` frees
+    # The pixels form (MMRAG_IMAGE_INPUT=pixels): pages of the configured encoder whose entries lack their pixels,
+    # and the entries given them (no vision forward).
+    without_pixels: int = 0
+    pixels_added: int = 0
     seconds: float = 0.0
 
     @property
@@ -94,16 +106,27 @@ class ReencodeReport:
         return out
 
 
-def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: Tiers) -> ReencodeReport:
+def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: Tiers, *, pixels: bool = False
+            ) -> ReencodeReport:
     """What a run would do, from the index and the store alone (nothing is rendered or encoded): the stale
     pages per old encoder, and the vision forwards they need: one per distinct content hash that ``scope``'s
     encoder has stored no tokens for (a changed source file, found only by a run, needs none). The store's keys
-    are listed rather than keys made up for ``scope``: only an encoder mints keys, and a dry run loads none."""
+    are listed rather than keys made up for ``scope``: only an encoder mints keys, and a dry run loads none.
+    ``pixels`` (the pixels form): also the current pages whose entries lack their pixels."""
     report, stale = _plan(index, scope, dry_run=True)
     stored = {k.content_hash for k in ScopedFeatureStore(store, scope).keys()}
     report.encoded = len({k.content_hash for p in stale for k in p.image_keys} - stored)
+    if pixels:
+        report.without_pixels = len(pages_without_pixels(index, ScopedFeatureStore(store, scope)))
     report.unreferenced_entries = _unreferenced(index, store, tiers)
     return report
+
+
+def pages_without_pixels(index: PageIndex, store: ScopedFeatureStore) -> list[PagePayload]:
+    """The pages of ``store``'s encoder with an entry (the page's or a figure crop's) stored without its pixels.
+    Pooled entries are left out: they are always sent as tokens (serving/engine/images.py)."""
+    return [p for p in index.pages() if store.covers(p.image_key) and any(
+        not k.policy.pooled and store.has_pixels(k) is False for k in p.image_keys)]
 
 
 def _plan(index: PageIndex, scope: EncoderScope, *, dry_run: bool) -> tuple[ReencodeReport, list[PagePayload]]:
@@ -143,20 +166,60 @@ class Reencoder:
         started = time.perf_counter()
         report, stale = _plan(self.index, self.scope, dry_run=False)
         notify = progress or (lambda done, total: None)
-        by_source: dict[str, list[PagePayload]] = defaultdict(list)
-        for page in sorted(stale, key=lambda p: (p.path, p.page)):
-            by_source[page.path].append(page)
         done = 0
         notify(0, len(stale))
-        for path, pages in by_source.items():
+        for path, pages in _by_source(stale).items():
             self._reencode_file(path, pages, report, lambda n: notify(done + n, len(stale)))
             done += len(pages)
             notify(done, len(stale))
+        if self.settings.image_input == "pixels":  # after the re-encode: its new entries have their pixels
+            self._add_pixels(report, notify)
         report.unreferenced_entries = _unreferenced(self.index, self.store, self.settings.tier_table)
         report.seconds = time.perf_counter() - started
-        log.info("re-encoded %d pages for %s (%d vision forwards, %d reused, %d skipped) in %.2f s", report.reencoded,
-                 self.scope, report.encoded, report.reused, len(report.skipped), report.seconds)
+        log.info("re-encoded %d pages for %s (%d vision forwards, %d reused, %d skipped; %d entries given their "
+                 "pixels) in %.2f s", report.reencoded, self.scope, report.encoded, report.reused,
+                 len(report.skipped), report.pixels_added, report.seconds)
         return report
+
+    def _add_pixels(self, report: ReencodeReport, notify: ProgressFn) -> None:
+        """Give every entry of the configured encoder's pages its pixels (see the module docstring)."""
+        pages = pages_without_pixels(self.index, self._writer)
+        report.without_pixels = len(pages)
+        done = 0
+        notify(0, len(pages))
+        for path, group in _by_source(pages).items():
+            pending = {p.page: p for p in group}
+            try:
+                with open_document(Path(path), self._render_settings) as doc:
+                    for page in group:
+                        if page.file_sha256 != doc.file_sha256:
+                            self._skip(pending.pop(page.page), FILE_CHANGED, report)
+                    for rendered in self._renders(doc, pending, report):
+                        self._put_pixels(pending.pop(rendered.page), rendered, report)
+                        done += 1
+                        notify(done, len(pages))
+            except IngestError as exc:
+                self._skip_all(pending, f"{FILE_UNREADABLE}: {exc}", report)
+            except FeatureStoreError as exc:
+                self._skip_all(pending, str(exc), report)
+
+    def _put_pixels(self, page: PagePayload, rendered: RenderedPage, report: ReencodeReport) -> None:
+        """Each of the page's entries without pixels written again with them: the page's image, each figure's
+        crop (found again by its content hash), exactly the images their keys name."""
+        crops = {c.content_hash: c.image for c in rendered.figures}
+        images = [(page.image_key, rendered.image)] + [(f.image_key, crops.get(f.image_key.content_hash))
+                                                        for f in page.figures]
+        if any(image is None for _, image in images):
+            self._skip(page, FIGURES_CHANGED, report)
+            return
+        for key, image in images:
+            if key.policy.pooled or self._writer.has_pixels(key) is not False:
+                continue  # tokens only by design, already given its pixels, or gone (a deletion since)
+            value = self._writer.get(key)
+            if value is None:
+                continue
+            self._writer.put(key, dataclasses.replace(value, pixels_png=png_bytes(image)))
+            report.pixels_added += 1
 
     def _reencode_file(self, path: str, pages: list[PagePayload], report: ReencodeReport,
                        on_batch: Callable[[int], None]) -> None:
@@ -248,6 +311,14 @@ class Reencoder:
     def _skip(page: PagePayload, reason: str, report: ReencodeReport) -> None:
         log.warning("not re-encoded: %s page %d: %s", page.path, page.page, reason)
         report.skipped.append(SkippedPage(page.path, page.page, reason))
+
+
+def _by_source(pages: list[PagePayload]) -> dict[str, list[PagePayload]]:
+    """``pages`` by source file (each file opened once), in page order."""
+    out: dict[str, list[PagePayload]] = defaultdict(list)
+    for page in sorted(pages, key=lambda p: (p.path, p.page)):
+        out[page.path].append(page)
+    return out
 
 
 def _unchangeable(page: PagePayload, doc: Document, scope: EncoderScope) -> str:

@@ -39,6 +39,11 @@ def reencode(
     source file, encodes it, stores its tokens, and only then switches the
     page to the new key. Text and vectors stay as they are: no embedder loads.
 
+    With MMRAG_IMAGE_INPUT=pixels it then gives the configured encoder's
+    entries their pixels where they lack them (an index ingested in the
+    embeds form, switched to the pixels form): each page is rendered again,
+    no vision forward, keys unchanged.
+
     Pages whose source file changed or is gone are left as they are and
     listed: `mmrag ingest PATH` re-ingests them. A killed run can simply be
     run again. Old entries stay in the store until `mmrag store gc --apply`.
@@ -75,7 +80,8 @@ def run(settings: Settings, *, dry_run: bool, show_progress: bool) -> ReencodeRe
             return reencoding.ReencodeReport(str(scope), dry_run=dry_run)
         index.backfill_encoder_fields()  # an index written before the encoder fields existed gets them
         if encoder is None:
-            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.tier_table)
+            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.tier_table,
+                                      pixels=settings.image_input == "pixels")
         reencoder = reencoding.Reencoder(settings, encoder=encoder, store=store, index=index)
         with Progress(
             TextColumn("[bold]reencode"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
@@ -106,6 +112,11 @@ def print_report(report: ReencodeReport, console: Console) -> None:
     else:
         console.print(f"re-encoded {report.reencoded} pages from {report.files} files in {report.seconds:.1f} s: "
                       f"{report.encoded} vision forwards, {report.reused} tokens already stored")
+    if report.without_pixels:  # the pixels form
+        verb = "would give" if report.dry_run else "gave"
+        done = "" if report.dry_run else f" {report.pixels_added} entries"
+        console.print(f"{verb}{done} the pixels of {report.without_pixels} pages whose entries lacked them "
+                      "(MMRAG_IMAGE_INPUT=pixels; no vision forward)")
     for skipped in report.skipped:
         console.print(f"[red]not re-encoded[/] {skipped.path} page {skipped.page}: {skipped.reason}")
     if report.skipped:

@@ -104,7 +104,7 @@ async def test_an_entry_without_pixels_is_refused_in_the_pixels_form_with_the_fi
     # The session's pages were ingested in the embeds form: their entries hold tokens only.
     pixels = inprocess_engine.with_image_input(ImageInput.PIXELS)
     key = next(iter(pixels.features.store.keys()))
-    with pytest.raises(ImageInputError, match="ingest it again with MMRAG_IMAGE_INPUT=pixels"):
+    with pytest.raises(ImageInputError, match="Run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels"):
         await pixels.generate(plan(key))
 
 

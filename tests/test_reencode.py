@@ -389,3 +389,52 @@ def test_reencode_into_redis_stores_the_new_tokens_there(corpus, engine_settings
     assert pages == _pages(_settings(engine_settings, corpus.fresh, SALT_B))
     assert all(store.contains(p.image_key) for p in pages.values())
     assert not (data / "features").exists() or not list((data / "features").glob("??/*"))  # nothing went to disk
+
+
+def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_forward(corpus, engine_settings,
+                                                                                     tmp_path):
+    """An index ingested in the embeds form stores tokens only; with MMRAG_IMAGE_INPUT=pixels, `mmrag reencode`
+    adds to each entry (pages and figure crops) the lossless PNG of exactly the image its key names, with no
+    vision forward and no key or payload changed, so the pixels form can serve the index as it is."""
+    import io
+
+    from PIL import Image
+
+    from core.engine import ImageInput
+    from core.keys import content_hash_of
+    from serving.engine.images import ImageInputError, plan_form
+
+    data = _copy(corpus.old, tmp_path / "data")
+    settings = _settings(engine_settings, data, SALT_A)
+    pages = _pages(settings)
+    keys = sorted({k for p in pages.values() for k in p.image_keys}, key=str)
+    store = DiskFeatureStore(settings.features_dir)
+    before = {k: store.get(k) for k in keys}
+    assert all(store.has_pixels(k) is False and v.pixels_png is None for k, v in before.items())
+    with pytest.raises(ImageInputError, match="Run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels"):
+        plan_form(ImageInput.PIXELS, keys[:1], [before[keys[0]]])
+    env = _env(engine_settings, data, SALT_A, MMRAG_IMAGE_INPUT="pixels")
+
+    dry = runner.invoke(app, ["reencode", "--dry-run", "--json"], env=env)
+    assert dry.exit_code == 0, dry.output
+    dry = json.loads(dry.stdout)
+    assert (dry["to_reencode"], dry["encoded"], dry["without_pixels"]) == (0, 0, len(pages))
+    assert all(store.has_pixels(k) is False for k in keys)  # a dry run writes nothing
+
+    done = runner.invoke(app, ["reencode", "--json"], env=env)
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.stdout)
+    assert (out["reencoded"], out["encoded"], out["skipped"]) == (0, 0, [])  # no vision forward
+    assert out["without_pixels"] == len(pages) and out["pixels_added"] == len(keys)  # a shared figure once
+    assert _pages(settings) == pages  # the same keys and payloads
+    after = {k: store.get(k) for k in keys}
+    for key, value in after.items():
+        assert torch.equal(value.image_tokens, before[key].image_tokens)
+        assert torch.equal(value.grid_thw, before[key].grid_thw)
+        with Image.open(io.BytesIO(value.pixels_png)) as png:
+            image = png.convert("RGB")
+        assert content_hash_of(image.mode, image.size, image.tobytes()) == key.content_hash  # the key's image
+    assert plan_form(ImageInput.PIXELS, keys, [after[k] for k in keys]) is ImageInput.PIXELS
+
+    again = runner.invoke(app, ["reencode"], env=env)  # nothing left to do, and the summary says nothing of it
+    assert again.exit_code == 0 and "entries lacked them" not in again.output, again.output

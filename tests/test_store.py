@@ -56,6 +56,19 @@ def test_contains_and_keys_list_what_was_written(store):
     assert sorted(store.keys()) == sorted(key(i) for i in range(3))
 
 
+def test_has_pixels_reads_whether_an_entry_keeps_its_pixels_from_its_header(store):
+    """The pixels form's check (`mmrag reencode` with MMRAG_IMAGE_INPUT=pixels) without reading any tokens."""
+    import dataclasses
+
+    assert store.has_pixels(key(1)) is None  # no entry
+    store.put(key(1), value(1))
+    store.put(key(2), dataclasses.replace(value(2), pixels_png=b"\x89PNG not really"))
+    reads = store.stats.bytes_read
+    assert store.has_pixels(key(1)) is False and store.has_pixels(key(2)) is True
+    assert store.stats.bytes_read == reads  # the header only: no entry was read through get
+    assert store.get(key(2)).pixels_png == b"\x89PNG not really"
+
+
 def test_an_entry_read_under_another_key_is_refused(store, tmp_path):
     # Simulate a swapped/renamed entry: the bytes of key(1) stored under key(2).
     blob = encode_entry(key(1), value(1))

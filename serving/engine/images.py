@@ -64,9 +64,9 @@ def plan_form(configured: ImageInput, keys: Sequence[ImageKey], feats: Sequence[
                 "MMRAG_IMAGE_INPUT=pixels")
         if form is ImageInput.PIXELS and feat.pixels_png is None:
             raise ImageInputError(
-                f"{key} has no stored pixels: it was ingested in the embeds form. Delete its document (DELETE "
-                "/v1/documents/{id}) and ingest it again with MMRAG_IMAGE_INPUT=pixels, or serve with "
-                "MMRAG_IMAGE_INPUT=embeds")
+                f"{key} has no stored pixels: it was ingested in the embeds form. Run `mmrag reencode` with "
+                "MMRAG_IMAGE_INPUT=pixels (it adds each page's pixels to its entries, no vision forward), or serve "
+                "with MMRAG_IMAGE_INPUT=embeds")
     return form
 
 
