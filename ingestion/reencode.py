@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,15 +117,16 @@ def dry_run(index: PageIndex, store: FeatureStore, scope: EncoderScope, tiers: T
     stored = {k.content_hash for k in ScopedFeatureStore(store, scope).keys()}
     report.encoded = len({k.content_hash for p in stale for k in p.image_keys} - stored)
     if pixels:
-        report.without_pixels = len(pages_without_pixels(index, ScopedFeatureStore(store, scope)))
+        report.without_pixels = len(pages_without_pixels(index.pages(), ScopedFeatureStore(store, scope)))
     report.unreferenced_entries = _unreferenced(index, store, tiers)
     return report
 
 
-def pages_without_pixels(index: PageIndex, store: ScopedFeatureStore) -> list[PagePayload]:
-    """The pages of ``store``'s encoder with an entry (the page's or a figure crop's) stored without its pixels.
-    Pooled entries are left out: they are always sent as tokens (serving/engine/images.py)."""
-    return [p for p in index.pages() if store.covers(p.image_key) and any(
+def pages_without_pixels(pages: Iterable[PagePayload], store: ScopedFeatureStore) -> list[PagePayload]:
+    """The ``pages`` of ``store``'s encoder with an entry (the page's or a figure crop's) stored without its
+    pixels, which the pixels form cannot send (`mmrag reencode` adds them). Pooled entries are left out: they are
+    always sent as tokens (serving/engine/images.py)."""
+    return [p for p in pages if store.covers(p.image_key) and any(
         not k.policy.pooled and store.has_pixels(k) is False for k in p.image_keys)]
 
 
@@ -183,7 +184,7 @@ class Reencoder:
 
     def _add_pixels(self, report: ReencodeReport, notify: ProgressFn) -> None:
         """Give every entry of the configured encoder's pages its pixels (see the module docstring)."""
-        pages = pages_without_pixels(self.index, self._writer)
+        pages = pages_without_pixels(self.index.pages(), self._writer)
         report.without_pixels = len(pages)
         done = 0
         notify(0, len(pages))

@@ -4,7 +4,8 @@ A page's image tokens are usable only by the encoder that made them (its ImageKe
 and the resolution policy); after a model or projector upgrade, or a changed MMRAG_ENCODER_SALT or pixel
 bound, the old pages are excluded from serving until they are re-encoded (`mmrag reencode`). This shows how many
 that is, and which of them carry an old key format: the configured encoder's own keys from before its version
-covered the preprocessing implementation (adapters/vision.py preprocessing_fingerprint).
+covered the preprocessing implementation (adapters/vision.py preprocessing_fingerprint). In the pixels form
+(MMRAG_IMAGE_INPUT=pixels) also the servable pages whose entries lack their pixels (ingested in the embeds form).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class IndexCheck:
     serving: EncoderScope  # the configured model's encoder
     family: str
     encoders: list[EncoderPages]  # most pages first
+    without_pixels: int | None = None  # the pixels form: servable pages whose entries lack their pixels
 
     @property
     def pages(self) -> int:
@@ -61,8 +63,14 @@ class IndexCheck:
             "pages": self.pages,
             "stale_pages": self.stale_pages,
             "encoders": [e.to_json() for e in self.encoders],
-            "fix": STALE_PAGES_FIX if self.stale_pages else "",
+            "without_pixels": self.without_pixels,
+            "fix": " ".join(fix for fix, needed in ((STALE_PAGES_FIX, self.stale_pages),
+                                                    (WITHOUT_PIXELS_FIX, self.without_pixels)) if needed),
         }
+
+
+WITHOUT_PIXELS_FIX = ("run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels: it adds each page's pixels to its entries, "
+                      "no vision forward")
 
 
 def check(settings: Settings) -> IndexCheck:
@@ -86,7 +94,13 @@ def check(settings: Settings) -> IndexCheck:
     encoders = [EncoderPages(scope, n, len(docs[scope]), scope == serving, scope == before_preprocessing,
                              figures[scope])
                 for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
-    return IndexCheck(serving, wiring.model_family(model), encoders)
+    without_pixels = None
+    if settings.image_input == "pixels":
+        from adapters.store import ScopedFeatureStore
+        from ingestion.reencode import pages_without_pixels
+
+        without_pixels = len(pages_without_pixels(pages, ScopedFeatureStore(wiring.feature_store(settings), serving)))
+    return IndexCheck(serving, wiring.model_family(model), encoders, without_pixels)
 
 
 def print_check(result: IndexCheck, console: Console) -> None:
@@ -107,3 +121,6 @@ def print_check(result: IndexCheck, console: Console) -> None:
                       f"nor fed to the model): {STALE_PAGES_FIX}")
     elif not result.pages:
         console.print("no pages indexed yet: run `mmrag ingest PATH...`")
+    if result.without_pixels:
+        console.print(f"[yellow]{result.without_pixels} pages have entries without their pixels[/] (ingested in the "
+                      f"embeds form; MMRAG_IMAGE_INPUT=pixels cannot send them): {WITHOUT_PIXELS_FIX}")

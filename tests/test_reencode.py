@@ -415,6 +415,13 @@ def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_for
         plan_form(ImageInput.PIXELS, keys[:1], [before[keys[0]]])
     env = _env(engine_settings, data, SALT_A, MMRAG_IMAGE_INPUT="pixels")
 
+    def index_check() -> dict:
+        result = runner.invoke(app, ["index", "check", "--json"], env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    check = index_check()
+    assert check["without_pixels"] == len(pages) and "MMRAG_IMAGE_INPUT=pixels" in check["fix"]
     dry = runner.invoke(app, ["reencode", "--dry-run", "--json"], env=env)
     assert dry.exit_code == 0, dry.output
     dry = json.loads(dry.stdout)
@@ -435,6 +442,8 @@ def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_for
             image = png.convert("RGB")
         assert content_hash_of(image.mode, image.size, image.tobytes()) == key.content_hash  # the key's image
     assert plan_form(ImageInput.PIXELS, keys, [after[k] for k in keys]) is ImageInput.PIXELS
+    check = index_check()
+    assert check["without_pixels"] == 0 and check["fix"] == ""
 
     again = runner.invoke(app, ["reencode"], env=env)  # nothing left to do, and the summary says nothing of it
     assert again.exit_code == 0 and "entries lacked them" not in again.output, again.output
