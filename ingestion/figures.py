@@ -374,30 +374,93 @@ def _finish(region: _Region) -> FigureRegion:
 # the figure only, never on where it sits on its page or what surrounds it:
 # - an embedded picture (a raster region that is one image object) keys by the image object's own bitmap, at its
 #   own resolution: the same chart pasted into a report and into a deck is one key, whatever size it is shown at;
-# - anything else (vector drawings, forms, a picture with labels around it) is rendered alone: the page's crop
-#   box set to the region, at FIGURE_SCALE pixels per point, so the pixel grid starts at the figure's own corner,
-#   not at the page's. Two files drawing the same figure at different places then render alike up to pdfium's
-#   float rounding of absolute coordinates (seen: 1 grey level on ~0.01 % of a chart's pixels), which does change
-#   the hash: such a pair is two keys (measured in bench/figures, `crop_keys`). A figure scaled differently is
-#   two keys too.
+# - a drawing included as one form XObject (a region that is one form: what LaTeX's \includegraphics of a PDF
+#   figure, and most "place a PDF" tools, write) is rendered from the form alone, in its own coordinates: in a
+#   scratch copy of the page, every other object switched off, the form's matrix set to a translation of its
+#   drawn extent to the origin, at FIGURE_SCALE pixels per unit of the form's own space. Its placement (offset,
+#   scale, any enclosing form) never enters the render, so the same figure included at another place or size, in
+#   another document, renders to the same pixels: one key (bench/figures `--keys`);
+# - anything else (vector drawings, a picture with labels around it) is rendered alone: the page's crop box set
+#   to the region, at FIGURE_SCALE pixels per point, so the pixel grid starts at the figure's own corner, not at
+#   the page's. Two files drawing the same figure at different places then render alike up to pdfium's float
+#   rounding of absolute coordinates (seen: 1 grey level on ~0.01 % of a chart's pixels), which does change the
+#   hash: such a pair is two keys (measured in bench/figures, `crop_keys`). A figure scaled differently is two
+#   keys too.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
-FIGURES_VERSION = "fig-v1"  # in a page's fingerprint: a changed detector or crop re-ingests
+FIGURES_VERSION = "fig-v2"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
+FORM_MATCH_IOU = 0.9  # ... and a drawn region is one form XObject when its box and the form's drawn box do
 
 
-def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixels: int) -> list[FigureCrop]:
+def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixels: int, index: int | None = None
+                 ) -> list[FigureCrop]:
     """Each region as an RGB image with its content hash (see above). ``max_pixels``: a picture larger than this
-    (MMRAG_MAX_IMAGE_PIXELS, the decompression-bomb bound) is rendered at FIGURE_SCALE instead of decoded."""
+    (MMRAG_MAX_IMAGE_PIXELS, the decompression-bomb bound) is rendered at FIGURE_SCALE instead of decoded, and a
+    form rendered alone is scaled down to fit it. ``index``: the page's 0-based index in its document, which
+    rendering a form alone needs (its scratch copy); None renders forms as regions of the page."""
     crops = []
     images = _image_objects(page) if any(r.source == "raster" for r in regions) else []
+    forms = _top_forms(page) if index is not None and any(r.source == "form" for r in regions) else []
     for region in regions:
         image = None
         if region.source == "raster":
             image = _own_pixels(images, region.bbox_pt, max_pixels)
+        elif region.source == "form" and index is not None:
+            image = _form_alone(page, index, forms, region.bbox_pt, max_pixels)
         if image is None:
             image = _render_alone(page, region.bbox_pt)
         crops.append(FigureCrop(region, image, content_hash_of(image.mode, image.size, image.tobytes())))
     return crops
+
+
+def _top_forms(page: pdfium.PdfPage) -> list[Box | None]:
+    """Each top-level form object's drawn box (points, top-left origin; None when it draws nothing), in page
+    order: the k-th is the k-th form of a copy of the page."""
+    height = page.get_size()[1]
+    out: list[Box | None] = []
+    for obj in page.get_objects(max_depth=1):
+        if obj.type == pdfium_c.FPDF_PAGEOBJ_FORM:
+            box = _form_box(page, obj)
+            out.append(None if box is None else (box[0], height - box[3], box[2], height - box[1]))
+    return out
+
+
+def _form_alone(page: pdfium.PdfPage, index: int, forms: list[Box | None], box: Box, max_pixels: int
+                ) -> Image.Image | None:
+    """The one top-level form filling ``box``, rendered alone in its own coordinates (see above); None when no
+    single form fills it or the form draws nothing of its own."""
+    fits = [k for k, b in enumerate(forms) if b is not None and iou(b, box) >= FORM_MATCH_IOU]
+    if len(fits) != 1:
+        return None
+    scratch = pdfium.PdfDocument.new()
+    try:
+        scratch.import_pages(page.pdf, [index])
+        copy = scratch[0]
+        objects = list(copy.get_objects(max_depth=1))
+        form = [o for o in objects if o.type == pdfium_c.FPDF_PAGEOBJ_FORM][fits[0]]
+        for obj in objects:  # switched off, not removed: nothing is rewritten
+            if obj is not form:
+                pdfium_c.FPDFPageObj_SetIsActive(obj.raw, False)
+        form.set_matrix(pdfium.PdfMatrix())  # its own space: the placement's offset and scale are gone
+        drawn = _form_box(copy, form)
+        if drawn is None:
+            return None
+        left, bottom, right, top = drawn
+        width, height = right - left, top - bottom
+        if width <= 0 or height <= 0:
+            return None
+        form.set_matrix(pdfium.PdfMatrix().translate(-left, -bottom))
+        copy.set_rotation(0)
+        copy.set_mediabox(0, 0, width, height)
+        copy.set_cropbox(0, 0, width, height)
+        scale = min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5)
+        bitmap = copy.render(scale=scale)
+        try:
+            return bitmap.to_pil().convert("RGB")
+        finally:
+            bitmap.close()
+    finally:
+        scratch.close()
 
 
 def _image_objects(page: pdfium.PdfPage) -> list[tuple[Box, pdfium.PdfImage]]:

@@ -478,7 +478,8 @@ class _PdfSource:
     def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage, number: int) -> list[FigureCrop]:
         """The page's figures, each cropped as an image of its own (ingestion/figures.py)."""
         try:
-            return crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels)
+            return crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels,
+                                index=number - 1)
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(number, exc)) from exc
 

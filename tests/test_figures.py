@@ -79,3 +79,78 @@ def test_iou_and_the_evaluation_matching_is_greedy_one_to_one_at_half_overlap():
     found = [(0, 0, 100, 90), (0, 0, 100, 100), (200, 0, 300, 20), (400, 0, 500, 100)]
     # the exact box wins the first label; the 90 % box is left over; a 20 % sliver matches nothing
     assert match(found, truth) == [(1, 0)]
+
+
+def _including(figure_pdf: bytes, page_size: tuple[float, float], at: tuple[float, float], scale: float,
+               path, chart: tuple[float, float, float, float] | None = None) -> None:
+    """A document whose one page has body text (and a ``chart`` of paths drawn on the page itself) and the
+    figure's page included as ONE form XObject at ``at`` (top-left, points) and ``scale``: what LaTeX's
+    \\includegraphics of a PDF figure writes."""
+    import pypdfium2 as pdfium
+
+    host = PageBuilder(*page_size)
+    host.body(40, 3)
+    if chart is not None:
+        host.chart(chart)
+    doc = pdfium.PdfDocument(host.bytes())
+    figure = pdfium.PdfDocument(figure_pdf)
+    form = figure.page_as_xobject(0, doc).as_pageobject()
+    height = figure[0].get_size()[1] * scale
+    form.set_matrix(pdfium.PdfMatrix().scale(scale, scale).translate(at[0], page_size[1] - at[1] - height))
+    page = doc[0]
+    page.insert_obj(form)
+    page.gen_content()
+    doc.save(str(path))
+
+
+def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path):
+    """Issue 26: a form XObject figure is rendered from the form alone, in its own coordinates, so the same
+    figure included in two documents at other places and sizes is the same pixels, one key; as a region of its
+    page (the way any other drawing is cropped) its pixels depend on the size it is shown at."""
+    from core.settings import Settings
+    from ingestion.figures import _render_alone
+    from ingestion.loaders import open_document
+
+    drawing = PageBuilder(320, 210)
+    drawing.chart((10, 10, 310, 200))
+    figure = drawing.bytes()
+    _including(figure, (612, 792), (120, 260), 1.0, tmp_path / "report.pdf")
+    _including(figure, (792, 612), (333.3, 141.7), 0.7, tmp_path / "slides.pdf")
+    settings = Settings(pdf_dpi=96, max_pdf_pages=500, max_image_pixels=50_000_000, ocr=False, ocr_lang="eng",
+                        figures=True)
+    crops = []
+    for name in ("report.pdf", "slides.pdf"):
+        with open_document(tmp_path / name, settings) as doc:
+            (page,) = list(doc.pages())
+            (crop,) = page.figures
+        crops.append(crop)
+    assert [c.region.source for c in crops] == ["form", "form"]
+    assert close(crops[0].region.bbox_pt, (120 + 10, 260 + 10, 120 + 310, 260 + 200), tol=3)
+    assert crops[0].content_hash == crops[1].content_hash  # one key
+    # The drawing's 300 x 190 pt (and its strokes' width) at 144 dpi, whatever size it was shown at.
+    assert crops[0].image.size == crops[1].image.size and close(crops[0].image.size, (600, 380), tol=8)
+    import pypdfium2 as pdfium
+
+    as_regions = [_render_alone(pdfium.PdfDocument(str(tmp_path / n))[0], c.region.bbox_pt)
+                  for n, c in zip(("report.pdf", "slides.pdf"), crops)]
+    assert as_regions[0].size != as_regions[1].size  # the way a drawing on the page is cropped: two keys
+
+
+def test_the_key_measurement_detects_and_crops_each_drawn_figure_again_where_it_was_moved(tmp_path):
+    """bench/figures/evaluate.py --keys: the page's content moved and scaled onto a new page, detected and cropped
+    as ingestion does; a form keeps its key at every placement."""
+    import json
+
+    from bench.figures.evaluate import PLACEMENTS, crop_key_stability
+
+    drawing = PageBuilder(320, 210)
+    drawing.chart((10, 10, 310, 200))
+    _including(drawing.bytes(), (612, 792), (120, 420), 1.0, tmp_path / "both.pdf", chart=(100, 110, 500, 330))
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"doc": "both.pdf", "page": 1, "figures": []}) + "\n")
+    keys = crop_key_stability(tmp_path, labels)
+    moved = sum(s == 1 for _, _, s in PLACEMENTS)
+    assert keys["form"] == {"same": len(PLACEMENTS), "of": len(PLACEMENTS), "share": 1.0}
+    assert keys["form, moved"]["of"] == moved and keys["form, scaled"]["of"] == len(PLACEMENTS) - moved
+    assert keys["vector"]["of"] == len(PLACEMENTS) and keys["all"]["of"] == 2 * len(PLACEMENTS)
+    assert keys["vector, scaled"]["same"] == 0  # a drawing on the page itself, shown smaller: other pixels
