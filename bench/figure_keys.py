@@ -564,29 +564,26 @@ def targets(by_placements: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 26's checks at each point of the sweep and each length: figure-level keys reach 0.9 of their own
     oracle (answered per image, and in one prompt) and twice page-level's hit rate (page-level answered as by
     default, in one prompt, and in the same per-image mode), with fewer image tokens per prompt."""
-    def ratio(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
-    out = []
-    for k, point in by_placements.items():
-        out += _targets_at(point["by_length"], f"{k} pages a chart", ratio)
-    return out
+    return [t for k, point in by_placements.items() for t in _targets_at(point["by_length"], f"{k} pages a chart")]
 
 
-def _targets_at(by_length: dict[str, dict[str, dict]], where: str,
-                ratio: Callable[[float, float], float | None]) -> list[dict[str, Any]]:
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _targets_at(by_length: dict[str, dict[str, dict]], where: str) -> list[dict[str, Any]]:
     out = []
     for length, r in by_length.items():
         at = f"at {length} tokens, {where}"
         for name in (FIGURE_LEVEL + PER_IMAGE, FIGURE_LEVEL):
-            x = ratio(r[name]["image_hit_rate"], r[name]["position_oracle_hit_rate"])
+            x = _ratio(r[name]["image_hit_rate"], r[name]["position_oracle_hit_rate"])
             out.append(_target(f"{name} hit rate / its position oracle {at}", x, ">= 0.9", x is not None and x >= 0.9))
         fig = r[FIGURE_LEVEL + PER_IMAGE]
         for name in (PAGE_LEVEL, PAGE_LEVEL + PER_IMAGE):
-            x = ratio(fig["image_hit_rate"], r[name]["image_hit_rate"])
+            x = _ratio(fig["image_hit_rate"], r[name]["image_hit_rate"])
             out.append(_target(f"{FIGURE_LEVEL + PER_IMAGE} hit rate / {name} hit rate {at}", x, ">= 2.0",
                                x is None and fig["image_hit_rate"] > 0 or x is not None and x >= 2.0))
-        x = ratio(r[FIGURE_LEVEL]["image_tokens_per_prompt"], r[PAGE_LEVEL]["image_tokens_per_prompt"])
+        x = _ratio(r[FIGURE_LEVEL]["image_tokens_per_prompt"], r[PAGE_LEVEL]["image_tokens_per_prompt"])
         out.append(_target(f"image tokens per prompt, figure-level / page-level {at}", x, "< 1.0",
                            x is not None and x < 1.0))
     return out

@@ -83,6 +83,10 @@ class EncoderScope:
 
 # `mmrag reencode` comes first: it is the command for exactly this case (only the image tokens are stale, not the
 # text or the vectors), and it costs one vision forward per page where re-ingesting also re-embeds and re-OCRs.
+# What an entry stored without its pixels (ingested in the embeds form) needs to be served in the pixels form.
+WITHOUT_PIXELS_FIX = ("run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels: it adds each page's pixels to its entries, "
+                      "no vision forward")
+
 STALE_PAGES_FIX = (
     "run `mmrag reencode` (`mmrag reencode --dry-run` first says how many pages and forwards; with tenants, once "
     "per `--tenant`): it re-encodes their image tokens for the configured encoder and keeps their text and "

@@ -155,14 +155,20 @@ def _is_figure_sized(box: Box, page_area: float) -> bool:
 # --- text ---------------------------------------------------------------------------------------------------
 
 
+def _top_left(bounds: tuple[float, float, float, float], height: float) -> Box:
+    """pdfium's (left, bottom, right, top) in PDF space as a box with a top-left origin, unclamped."""
+    left, bottom, right, top = bounds
+    return (left, height - top, right, height - bottom)
+
+
 def _text_lines(textpage: pdfium.PdfTextPage, height: float) -> list[_Line]:
     """The text page's rectangles joined into lines (pdfium splits a line at font changes and wide gaps)."""
     rects: list[_Line] = []
     for i in range(textpage.count_rects()):
-        left, bottom, right, top = textpage.get_rect(i)
-        text = textpage.get_text_bounded(left, bottom, right, top)
+        rect = textpage.get_rect(i)
+        text = textpage.get_text_bounded(*rect)
         if text.strip():
-            rects.append(_Line((left, height - top, right, height - bottom), text.strip()))
+            rects.append(_Line(_top_left(rect, height), text.strip()))
     lines: list[_Line] = []
     for rect in rects:  # pdfium gives them in reading order, a line's pieces one after another
         last = lines[-1] if lines else None
@@ -421,7 +427,7 @@ def _top_forms(page: pdfium.PdfPage) -> list[Box | None]:
     for obj in page.get_objects(max_depth=1):
         if obj.type == pdfium_c.FPDF_PAGEOBJ_FORM:
             box = _form_box(page, obj)
-            out.append(None if box is None else (box[0], height - box[3], box[2], height - box[1]))
+            out.append(None if box is None else _top_left(box, height))
     return out
 
 
@@ -468,8 +474,7 @@ def _image_objects(page: pdfium.PdfPage) -> list[tuple[Box, pdfium.PdfImage]]:
     out = []
     for obj in page.get_objects(max_depth=2):
         if obj.type == pdfium_c.FPDF_PAGEOBJ_IMAGE:
-            left, bottom, right, top = obj.get_bounds()
-            out.append(((left, height - top, right, height - bottom), obj))
+            out.append((_top_left(obj.get_bounds(), height), obj))
     return out
 
 

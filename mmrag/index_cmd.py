@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from core.payload import STALE_PAGES_FIX, EncoderScope, pages_per_encoder
+from core.payload import STALE_PAGES_FIX, WITHOUT_PIXELS_FIX, EncoderScope, pages_per_encoder
 from core.settings import Settings
 from mmrag import wiring
 
@@ -67,10 +67,6 @@ class IndexCheck:
             "fix": " ".join(fix for fix, needed in ((STALE_PAGES_FIX, self.stale_pages),
                                                     (WITHOUT_PIXELS_FIX, self.without_pixels)) if needed),
         }
-
-
-WITHOUT_PIXELS_FIX = ("run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels: it adds each page's pixels to its entries, "
-                      "no vision forward")
 
 
 def check(settings: Settings) -> IndexCheck:

@@ -7,6 +7,7 @@ stopped; what cannot be sent in a form is refused with the fix. (Qwen2.5-VL and 
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 
 import pytest
@@ -16,6 +17,7 @@ from adapters.vision import VisionEncoder
 from adapters.vision_client import png_bytes
 from core.engine import ImageInput, PromptPlan, SamplingSpec
 from core.keys import ContentHash, ResolutionPolicy
+from core.payload import WITHOUT_PIXELS_FIX
 from mmrag import wiring
 from serving.engine.features import FeatureProvider
 from serving.engine.images import ImageInputError, ImageTokenCountError, PIXELS_UUID_SUFFIX, multi_modal_uuid
@@ -104,7 +106,7 @@ async def test_an_entry_without_pixels_is_refused_in_the_pixels_form_with_the_fi
     # The session's pages were ingested in the embeds form: their entries hold tokens only.
     pixels = inprocess_engine.with_image_input(ImageInput.PIXELS)
     key = next(iter(pixels.features.store.keys()))
-    with pytest.raises(ImageInputError, match="Run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels"):
+    with pytest.raises(ImageInputError, match=re.escape(WITHOUT_PIXELS_FIX)):
         await pixels.generate(plan(key))
 
 

@@ -26,7 +26,7 @@ from adapters.embed import ImageEmbedder, TextEmbedder
 from adapters.store import DiskFeatureStore, FeatureStore, FeatureStoreError, RedisFeatureStore
 from adapters.vision import VisionCheckpoint
 from core.keys import ImageKey
-from core.payload import EncoderScope, PagePayload
+from core.payload import WITHOUT_PIXELS_FIX, EncoderScope, PagePayload
 from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE, Reencoder
 from mmrag import wiring
 from mmrag.cli import app
@@ -411,7 +411,7 @@ def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_for
     store = DiskFeatureStore(settings.features_dir)
     before = {k: store.get(k) for k in keys}
     assert all(store.has_pixels(k) is False and v.pixels_png is None for k, v in before.items())
-    with pytest.raises(ImageInputError, match="Run `mmrag reencode` with MMRAG_IMAGE_INPUT=pixels"):
+    with pytest.raises(ImageInputError, match=re.escape(WITHOUT_PIXELS_FIX)):
         plan_form(ImageInput.PIXELS, keys[:1], [before[keys[0]]])
     env = _env(engine_settings, data, SALT_A, MMRAG_IMAGE_INPUT="pixels")
 

@@ -23,9 +23,10 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
 from core.figures import Box, iou
+from core.settings import Settings
 from ingestion.figures import detect_figures
 
-MAX_PIXELS = 50_000_000  # MMRAG_MAX_IMAGE_PIXELS' default
+MAX_PIXELS: int = Settings.model_fields["max_image_pixels"].default  # MMRAG_MAX_IMAGE_PIXELS' default
 
 IOU_MATCH = 0.5
 FETCH_HINT = "python -m bench.realdocs.fetch --out {docs}"

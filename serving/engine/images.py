@@ -28,6 +28,7 @@ from typing import Any
 from core.engine import ImageInput
 from core.keys import ImageKey
 from core.pages import EncodedImage
+from core.payload import WITHOUT_PIXELS_FIX
 
 PIXELS_UUID_SUFFIX = "+pixels"
 
@@ -64,9 +65,8 @@ def plan_form(configured: ImageInput, keys: Sequence[ImageKey], feats: Sequence[
                 "MMRAG_IMAGE_INPUT=pixels")
         if form is ImageInput.PIXELS and feat.pixels_png is None:
             raise ImageInputError(
-                f"{key} has no stored pixels: it was ingested in the embeds form. Run `mmrag reencode` with "
-                "MMRAG_IMAGE_INPUT=pixels (it adds each page's pixels to its entries, no vision forward), or serve "
-                "with MMRAG_IMAGE_INPUT=embeds")
+                f"{key} has no stored pixels: it was ingested in the embeds form. Fix: {WITHOUT_PIXELS_FIX}; or "
+                "serve with MMRAG_IMAGE_INPUT=embeds")
     return form
 
 
