@@ -329,6 +329,7 @@ class Scheduler:
         if item in self._queue:
             self._queue.remove(item)
             self.stats.cancelled_queued += 1
+            self._dispatch()  # it may have held younger plans back (an overdue plan waiting for the budget)
         elif item.task is not None and not item.task.done():
             item.task.cancel()  # _run's finally frees its capacity and dispatches the next plan
             self.stats.cancelled_running += 1

@@ -238,3 +238,29 @@ async def test_an_overdue_plan_waiting_for_the_budget_is_not_overtaken_by_younge
     for name in ("small1", "small2"):
         await eng.finish(name)
     await asyncio.gather(*tasks)
+
+
+async def test_an_overdue_plan_that_leaves_the_queue_lets_the_plans_it_held_back_start_at_once():
+    """Found by the property test: the overdue plan holding younger ones back was cancelled by its caller, and the
+    younger plan that fits waited for an unrelated event (a finish, a timer) though a slot and the budget were free."""
+    now = [0.0]
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(policy=Policy.FCFS, max_concurrency=3, max_image_tokens_in_flight=300,
+                                       max_wait_ms=1000), image_tokens=lambda p: 100 * len(p.images),
+                  clock=lambda: now[0])
+    running = asyncio.create_task(s.submit(plan("small0", "A")))
+    await settle()
+    big = asyncio.create_task(s.submit(plan("big", "B", "C", "D")))
+    await settle()
+    now[0] = 2.0
+    small = asyncio.create_task(s.submit(plan("small1", "E")))
+    await settle()
+    assert eng.started == ["small0"]  # held behind the overdue big plan
+    big.cancel()
+    await settle()
+    assert eng.started == ["small0", "small1"] and s.waiting == 0 and s.stats.cancelled_queued == 1
+    for name in ("small0", "small1"):
+        await eng.finish(name)
+    await asyncio.gather(running, small)
+    with pytest.raises(asyncio.CancelledError):
+        await big

@@ -203,14 +203,19 @@ async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:
     assert s.in_flight == 0 and s.waiting == 0
 
 
-# The cases that once broke a rule, run first whatever hypothesis draws: issue 23's two probes, and a gated plan
-# whose wait runs out while its leader still prefills (only the timer can start it).
+# The cases that once broke a rule, run first whatever hypothesis draws: issue 23's two probes, a gated plan
+# whose wait runs out while its leader still prefills (only the timer can start it), and an overdue plan waiting
+# for the budget that leaves the queue, freeing the younger plan it held back (only its leaving can start it).
 @example(SchedulerConfig(policy=Policy.FCFS, max_concurrency=2, max_wait_ms=MAX_WAIT_MS, short_image_tokens=256),
          [("submit", "", "L1", None), ("submit", "", "L2", None), ("tick", 1.2), ("submit", "", "s1", None)])
 @example(SchedulerConfig(max_concurrency=4, max_wait_ms=MAX_WAIT_MS),
          [("submit", "tenant-a", "L1", "s1"), ("submit", "tenant-b", "L1", "s1"), ("submit", "tenant-a", "L1", None)])
 @example(SchedulerConfig(max_concurrency=2, max_wait_ms=MAX_WAIT_MS),
          [("submit", "", "L1", None), ("submit", "", "L1", "s1"), ("tick", 1.2)])
+@example(SchedulerConfig(policy=Policy.FCFS, max_concurrency=2, max_image_tokens_in_flight=4096,
+                         max_wait_ms=MAX_WAIT_MS, queue_cap=1),
+         [("submit", "", "L1", None), ("submit", "", "L1", "L2"), ("finish", 0), ("submit", "", "L1", "L2"),
+          ("tick", 1.2), ("submit", "", "L1", None), ("cancel", 1)])
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs(), events)
 def test_the_scheduler_rules_hold_over_random_arrival_streams(config, stream):
