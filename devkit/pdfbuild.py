@@ -53,6 +53,14 @@ class PageBuilder:
         pdfium_c.FPDFPath_SetDrawMode(path, pdfium_c.FPDF_FILLMODE_WINDING if fill else 0, True)
         pdfium_c.FPDFPage_InsertObject(self.page, path)
 
+    def background(self, rgb: tuple[int, int, int]) -> None:
+        """A slide's background: the whole page filled with ``rgb``, behind what is placed after it."""
+        width = pdfium_c.FPDF_GetPageWidthF(self.page.raw)
+        path = pdfium_c.FPDFPageObj_CreateNewRect(0, 0, width, self.h)
+        pdfium_c.FPDFPageObj_SetFillColor(path, *rgb, 255)
+        pdfium_c.FPDFPath_SetDrawMode(path, pdfium_c.FPDF_FILLMODE_WINDING, False)
+        pdfium_c.FPDFPage_InsertObject(self.page, path)
+
     def line(self, x0: float, y: float, x1: float) -> None:
         path = pdfium_c.FPDFPageObj_CreateNewPath(x0, self.h - y)
         pdfium_c.FPDFPath_LineTo(path, x1, self.h - y)

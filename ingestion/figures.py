@@ -18,7 +18,8 @@ the page's objects and text, renders nothing. About 1-3 ms a page on the realdoc
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pypdfium2 as pdfium
@@ -386,16 +387,23 @@ def _finish(region: _Region) -> FigureRegion:
 #   drawn extent to the origin, at FIGURE_SCALE pixels per unit of the form's own space. Its placement (offset,
 #   scale, any enclosing form) never enters the render, so the same figure included at another place or size, in
 #   another document, renders to the same pixels: one key (bench/figures `--keys`);
-# - anything else (vector drawings, a picture with labels around it) is rendered alone: the page's crop box set
-#   to the region, at FIGURE_SCALE pixels per point, so the pixel grid starts at the figure's own corner, not at
-#   the page's. Two files drawing the same figure at different places then render alike up to pdfium's float
-#   rounding of absolute coordinates (seen: 1 grey level on ~0.01 % of a chart's pixels), which does change the
-#   hash: such a pair is two keys (measured in bench/figures, `crop_keys`). A figure scaled differently is two
-#   keys too.
+# - a drawing made of the page's own objects (a vector cluster with its labels, a picture with labels around it)
+#   is rendered from those objects alone: in a scratch copy of the page, every top-level object not lying inside
+#   the region switched off, the rest moved so their joint extent starts at the origin, at FIGURE_SCALE pixels
+#   per point. Its offset on the page never enters the render, so the same drawing at another place renders to
+#   the same pixels up to pdfium's float rounding of the moved coordinates (bench/figures `--keys` measures how
+#   often that rounding still changes a pixel). Its coordinates are absolute, so a drawing drawn at another size
+#   has other coordinates and renders to other pixels: two keys;
+# - what none of these takes (no objects inside the region, a rotated page the copy cannot place) is the page
+#   inside the region: the crop box set to it, at FIGURE_SCALE pixels per point, its pixel grid starting at the
+#   region's corner.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
-FIGURES_VERSION = "fig-v2"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone)
+FIGURES_VERSION = "fig-v3"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
+# v3: drawings of the page's own objects alone)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
 FORM_MATCH_IOU = 0.9  # ... and a drawn region is one form XObject when its box and the form's drawn box do
+INSIDE_SLACK_PT = 1.0  # an object lies inside a region when its bounds do, give or take this
+SNAP_PT = 1 / 256  # a drawing moved to the origin lands on this grid (1/128 of a pixel at FIGURE_SCALE)
 
 
 def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixels: int, index: int | None = None
@@ -403,7 +411,7 @@ def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixel
     """Each region as an RGB image with its content hash (see above). ``max_pixels``: a picture larger than this
     (MMRAG_MAX_IMAGE_PIXELS, the decompression-bomb bound) is rendered at FIGURE_SCALE instead of decoded, and a
     form rendered alone is scaled down to fit it. ``index``: the page's 0-based index in its document, which
-    rendering a form alone needs (its scratch copy); None renders forms as regions of the page."""
+    rendering a form or a drawing alone needs (its scratch copy); None renders them as regions of the page."""
     crops = []
     images = _image_objects(page) if any(r.source == "raster" for r in regions) else []
     forms = _top_forms(page) if index is not None and any(r.source == "form" for r in regions) else []
@@ -413,6 +421,8 @@ def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixel
             image = _own_pixels(images, region.bbox_pt, max_pixels)
         elif region.source == "form" and index is not None:
             image = _form_alone(page, index, forms, region.bbox_pt, max_pixels)
+        if image is None and index is not None:
+            image = _objects_alone(page, index, region.bbox_pt, max_pixels)
         if image is None:
             image = _render_alone(page, region.bbox_pt)
         crops.append(FigureCrop(region, image, content_hash_of(image.mode, image.size, image.tobytes())))
@@ -438,10 +448,7 @@ def _form_alone(page: pdfium.PdfPage, index: int, forms: list[Box | None], box: 
     fits = [k for k, b in enumerate(forms) if b is not None and iou(b, box) >= FORM_MATCH_IOU]
     if len(fits) != 1:
         return None
-    scratch = pdfium.PdfDocument.new()
-    try:
-        scratch.import_pages(page.pdf, [index])
-        copy = scratch[0]
+    with _scratch_copy(page, index) as copy:
         objects = list(copy.get_objects(max_depth=1))
         form = [o for o in objects if o.type == pdfium_c.FPDF_PAGEOBJ_FORM][fits[0]]
         for obj in objects:  # switched off, not removed: nothing is rewritten
@@ -451,22 +458,67 @@ def _form_alone(page: pdfium.PdfPage, index: int, forms: list[Box | None], box: 
         drawn = _form_box(copy, form)
         if drawn is None:
             return None
-        left, bottom, right, top = drawn
-        width, height = right - left, top - bottom
-        if width <= 0 or height <= 0:
+        form.set_matrix(pdfium.PdfMatrix().translate(-drawn[0], -drawn[1]))
+        return _render_from_origin(copy, drawn, max_pixels)
+
+
+def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) -> Image.Image | None:
+    """The page's top-level objects lying inside ``box``, rendered alone from their joint extent's corner (see
+    above); None when none lies inside it."""
+    with _scratch_copy(page, index) as copy:
+        height = copy.get_size()[1]
+        x0, y0, x1, y1 = box[0] - INSIDE_SLACK_PT, box[1] - INSIDE_SLACK_PT, box[2] + INSIDE_SLACK_PT, \
+            box[3] + INSIDE_SLACK_PT
+        inside, extent = [], None
+        for obj in copy.get_objects(max_depth=1):
+            bounds = obj.get_bounds()
+            b = _top_left(bounds, height)
+            if x0 <= b[0] and y0 <= b[1] and b[2] <= x1 and b[3] <= y1:
+                inside.append(obj)
+                extent = bounds if extent is None else (min(extent[0], bounds[0]), min(extent[1], bounds[1]),
+                                                        max(extent[2], bounds[2]), max(extent[3], bounds[3]))
+            else:
+                pdfium_c.FPDFPageObj_SetIsActive(obj.raw, False)
+        if extent is None:
             return None
-        form.set_matrix(pdfium.PdfMatrix().translate(-left, -bottom))
-        copy.set_rotation(0)
-        copy.set_mediabox(0, 0, width, height)
-        copy.set_cropbox(0, 0, width, height)
-        scale = min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5)
-        bitmap = copy.render(scale=scale)
-        try:
-            return bitmap.to_pil().convert("RGB")
-        finally:
-            bitmap.close()
+        for obj in inside:  # each object's offset snapped to SNAP_PT: pdfium's float noise in the extent stays out
+            a, b, c, d, e, f = obj.get_matrix().get()
+            obj.set_matrix(pdfium.PdfMatrix(a, b, c, d, _snap(e - extent[0]), _snap(f - extent[1])))
+            pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, 1, 0, 0, 1, -extent[0], -extent[1])  # or it would hide it
+        return _render_from_origin(copy, extent, max_pixels)
+
+
+def _snap(v: float) -> float:
+    return round(v / SNAP_PT) * SNAP_PT
+
+
+@contextmanager
+def _scratch_copy(page: pdfium.PdfPage, index: int) -> Iterator[pdfium.PdfPage]:
+    """Page ``index`` of ``page``'s document, copied into a new document closed on exit: its objects can be
+    switched off and moved without touching the page."""
+    scratch = pdfium.PdfDocument.new()
+    try:
+        scratch.import_pages(page.pdf, [index])
+        yield scratch[0]
     finally:
         scratch.close()
+
+
+def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float, float], max_pixels: int
+                        ) -> Image.Image | None:
+    """``copy``, whose content was moved so ``extent`` (PDF space) starts at the origin, rendered on a page of
+    that extent at FIGURE_SCALE (scaled down only to fit ``max_pixels``); None for an empty extent."""
+    width, height = extent[2] - extent[0], extent[3] - extent[1]
+    if width <= 0 or height <= 0:
+        return None
+    copy.set_rotation(0)
+    copy.set_mediabox(0, 0, width, height)
+    copy.set_cropbox(0, 0, width, height)
+    bitmap = copy.render(scale=min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5))
+    try:
+        return bitmap.to_pil().convert("RGB")
+    finally:
+        bitmap.close()
 
 
 def _image_objects(page: pdfium.PdfPage) -> list[tuple[Box, pdfium.PdfImage]]:

@@ -131,9 +131,9 @@ def test_a_picture_crop_is_its_own_pixels_and_a_drawn_figure_renders_alone_at_a_
 
 
 def test_the_same_drawing_at_two_places_renders_alike_up_to_pdfium_rounding():
-    """What a vector figure's key can promise: its crop starts at its own corner, so the same drawing elsewhere
-    on another page gives the same size and the same pixels up to a grey level where pdfium rounds absolute
-    coordinates (bench/figures measures how often the hashes agree)."""
+    """What a vector figure's key can promise when cropped as a region of its page (no page index: the fallback):
+    its crop starts at its own corner, so the same drawing elsewhere on another page gives the same size and the
+    same pixels up to a grey level where pdfium rounds absolute coordinates."""
     crops = []
     for box in ((100, 100, 400, 300), (180, 430, 480, 630)):
         b = PageBuilder()
@@ -144,6 +144,29 @@ def test_the_same_drawing_at_two_places_renders_alike_up_to_pdfium_rounding():
     a, c = (np.asarray(x.image, dtype=int) for x in crops)
     assert a.shape == c.shape
     assert np.abs(a - c).max() <= 2
+
+
+def test_a_drawing_of_the_pages_own_objects_is_cropped_alone_so_its_place_and_background_stay_out_of_its_key():
+    """Issue 26: a vector figure is rendered from the page objects inside its region alone, moved to the origin
+    (ingestion passes the page's index): the same chart on a plain report page and on a slide with a coloured
+    background, a quarter and a half point elsewhere, is one key. Cropped as a region of its page (no index),
+    the slide's background is in its pixels: two keys."""
+    alone, as_region = [], []
+    for background, box in ((None, (100, 100, 400, 300)), ((230, 240, 255), (180.25, 430.5, 480.25, 630.5))):
+        b = PageBuilder()
+        if background:
+            b.background(background)
+        b.chart(box)
+        b.text(box[0], box[3] + 10, "Figure 2: Latency.")
+        page = b.open()
+        (region,) = detect_figures(page)
+        assert region.source == "vector" and region.number == 2
+        alone += crop_figures(page, [region], max_pixels=10**8, index=0)
+        as_region += crop_figures(page, [region], max_pixels=10**8)
+    assert alone[0].content_hash == alone[1].content_hash
+    assert np.asarray(alone[1].image)[0, 0].tolist() == [255, 255, 255]  # the slide's background is not drawn
+    assert as_region[0].content_hash != as_region[1].content_hash
+    assert alone[0].image.size == as_region[0].image.size  # the chart's own extent (its frame) at FIGURE_SCALE
 
 
 def test_store_gc_keeps_a_figure_entry_while_any_page_shows_it_and_frees_it_after(ingested, tmp_path):

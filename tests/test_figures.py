@@ -149,8 +149,10 @@ def test_the_key_measurement_detects_and_crops_each_drawn_figure_again_where_it_
     labels = tmp_path / "labels.jsonl"
     labels.write_text(json.dumps({"doc": "both.pdf", "page": 1, "figures": []}) + "\n")
     keys = crop_key_stability(tmp_path, labels)
-    moved = sum(s == 1 for _, _, s in PLACEMENTS)
+    moved = sum(s == 1 and (dx, dy) != (0, 0) for dx, dy, s in PLACEMENTS)
     assert keys["form"] == {"same": len(PLACEMENTS), "of": len(PLACEMENTS), "share": 1.0}
-    assert keys["form, moved"]["of"] == moved and keys["form, scaled"]["of"] == len(PLACEMENTS) - moved
+    assert keys["form, rewritten"]["of"] == 1  # the harness's floor: the content rewritten, nothing moved
+    assert keys["form, moved"]["of"] == moved and keys["form, scaled"]["of"] == len(PLACEMENTS) - moved - 1
     assert keys["vector"]["of"] == len(PLACEMENTS) and keys["all"]["of"] == 2 * len(PLACEMENTS)
+    assert keys["vector, rewritten"]["same"] == 1 and keys["vector, moved"]["same"] == moved  # alone, moved
     assert keys["vector, scaled"]["same"] == 0  # a drawing on the page itself, shown smaller: other pixels
