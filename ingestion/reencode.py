@@ -188,21 +188,16 @@ class Reencoder:
         report.without_pixels = len(pages)
         done = 0
         notify(0, len(pages))
+
+        def put(doc: Document, pending: dict[int, PagePayload]) -> None:
+            nonlocal done
+            for rendered in self._renders(doc, pending, report):
+                self._put_pixels(pending.pop(rendered.page), rendered, report)
+                done += 1
+                notify(done, len(pages))
+
         for path, group in _by_source(pages).items():
-            pending = {p.page: p for p in group}
-            try:
-                with open_document(Path(path), self._render_settings) as doc:
-                    for page in group:
-                        if page.file_sha256 != doc.file_sha256:
-                            self._skip(pending.pop(page.page), FILE_CHANGED, report)
-                    for rendered in self._renders(doc, pending, report):
-                        self._put_pixels(pending.pop(rendered.page), rendered, report)
-                        done += 1
-                        notify(done, len(pages))
-            except IngestError as exc:
-                self._skip_all(pending, f"{FILE_UNREADABLE}: {exc}", report)
-            except FeatureStoreError as exc:
-                self._skip_all(pending, str(exc), report)
+            self._each_file(path, group, report, _file_changed, put)
 
     def _put_pixels(self, page: PagePayload, rendered: RenderedPage, report: ReencodeReport) -> None:
         """Each of the page's entries without pixels written again with them: the page's image, each figure's
@@ -224,24 +219,36 @@ class Reencoder:
 
     def _reencode_file(self, path: str, pages: list[PagePayload], report: ReencodeReport,
                        on_batch: Callable[[int], None]) -> None:
+        def reencode(doc: Document, pending: dict[int, PagePayload]) -> None:
+            done = 0
+            for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size):
+                # A store failure raises before any page of the batch is switched: they stay pending.
+                self._reencode_batch([(pending[r.page], r) for r in batch], report)
+                for r in batch:
+                    del pending[r.page]
+                done += len(batch)
+                on_batch(done)
+
+        self._each_file(path, pages, report, lambda page, doc: _unchangeable(page, doc, self.scope), reencode)
+
+    def _each_file(self, path: str, pages: list[PagePayload], report: ReencodeReport,
+                   unchangeable: Callable[[PagePayload, Document], str],
+                   work: Callable[[Document, dict[int, PagePayload]], None]) -> None:
+        """Open ``path`` once, report each of ``pages`` it can no longer serve (``unchangeable`` says why), and
+        hand ``work`` the document and the rest, by page number; ``work`` takes each page out as it is done. A
+        file gone, unreadable or damaged, or the store unreachable, reports what is left (the next file tries
+        again)."""
         pending = {p.page: p for p in pages}  # left out of `report` so far
         try:
             with open_document(Path(path), self._render_settings) as doc:
                 for page in pages:
-                    reason = _unchangeable(page, doc, self.scope)
+                    reason = unchangeable(page, doc)
                     if reason:
                         self._skip(pending.pop(page.page), reason, report)
-                done = 0
-                for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size):
-                    # A store failure raises before any page of the batch is switched: they stay pending.
-                    self._reencode_batch([(pending[r.page], r) for r in batch], report)
-                    for r in batch:
-                        del pending[r.page]
-                    done += len(batch)
-                    on_batch(done)
-        except IngestError as exc:  # the file is gone, unreadable or damaged
+                work(doc, pending)
+        except IngestError as exc:
             self._skip_all(pending, f"{FILE_UNREADABLE}: {exc}", report)
-        except FeatureStoreError as exc:  # the store is unreachable: the next file tries again
+        except FeatureStoreError as exc:
             self._skip_all(pending, str(exc), report)
 
     def _renders(self, doc: Document, pending: dict[int, PagePayload], report: ReencodeReport
@@ -322,9 +329,14 @@ def _by_source(pages: list[PagePayload]) -> dict[str, list[PagePayload]]:
     return out
 
 
+def _file_changed(page: PagePayload, doc: Document) -> str:
+    """Why ``page``'s image cannot be rendered again from ``doc``; empty when it can."""
+    return FILE_CHANGED if page.file_sha256 != doc.file_sha256 else ""
+
+
 def _unchangeable(page: PagePayload, doc: Document, scope: EncoderScope) -> str:
     """Why ``page`` cannot be re-encoded from ``doc`` without re-ingesting it; empty when it can."""
-    if page.file_sha256 != doc.file_sha256:
+    if _file_changed(page, doc):
         return FILE_CHANGED
     if fingerprint_under(page.fingerprint, EncoderScope.of(page.image_key), scope) is None:
         return f"its fingerprint {page.fingerprint!r} was not written by this version of mmrag ingest"
