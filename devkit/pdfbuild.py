@@ -101,3 +101,28 @@ def join_pages(documents: list[bytes]) -> bytes:
     buf = io.BytesIO()
     out.save(buf)
     return buf.getvalue()
+
+
+def shaded_chart(dx: float = 0.0, dy: float = 0.0) -> bytes:
+    """A one-page PDF drawing a framed chart: three bars and an axial shading (an ``sh`` operator: a shading
+    object, which pdfium's editing API cannot make, so the PDF is written by hand), the whole moved by (dx, dy)."""
+    content = (f"q 1 0 0 1 {dx} {dy} cm 0 0 0 RG 100 400 300 200 re S "
+               "q 110 410 280 80 re W n /Sh0 sh Q "
+               "0.5 0.5 0.8 rg 120 500 40 90 re f 180 500 40 60 re f 240 500 40 80 re f Q").encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Shading << /Sh0 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
+        b"<< /ShadingType 2 /ColorSpace /DeviceRGB /Coords [110 0 390 0] /Extend [true true] "
+        b"/Function << /FunctionType 2 /Domain [0 1] /C0 [1 0 0] /C1 [0 0 1] /N 1 >> >>",
+    ]
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)

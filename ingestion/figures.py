@@ -482,8 +482,11 @@ def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) 
         if extent is None:
             return None
         for obj in inside:  # each object's offset snapped to SNAP_PT: pdfium's float noise in the extent stays out
-            a, b, c, d, e, f = obj.get_matrix().get()
-            obj.set_matrix(pdfium.PdfMatrix(a, b, c, d, _snap(e - extent[0]), _snap(f - extent[1])))
+            try:
+                a, b, c, d, e, f = obj.get_matrix().get()
+                obj.set_matrix(pdfium.PdfMatrix(a, b, c, d, _snap(e - extent[0]), _snap(f - extent[1])))
+            except pdfium.PdfiumError:  # a shading object has no matrix of its own: moved as it is
+                obj.transform(pdfium.PdfMatrix().translate(-extent[0], -extent[1]))
             pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, 1, 0, 0, 1, -extent[0], -extent[1])  # or it would hide it
         return _render_from_origin(copy, extent, max_pixels)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pypdfium2.raw as pdfium_c
 import pytest
 from PIL import Image, ImageDraw
 
@@ -167,6 +168,24 @@ def test_a_drawing_of_the_pages_own_objects_is_cropped_alone_so_its_place_and_ba
     assert np.asarray(alone[1].image)[0, 0].tolist() == [255, 255, 255]  # the slide's background is not drawn
     assert as_region[0].content_hash != as_region[1].content_hash
     assert alone[0].image.size == as_region[0].image.size  # the chart's own extent (its frame) at FIGURE_SCALE
+
+
+def test_a_drawing_with_a_shading_object_is_cropped_alone_too():
+    """A shading object (``sh``) has no matrix pdfium will give or set: it is moved as it is, beside the paths
+    whose offsets are snapped; the same chart a fractional offset away is one key."""
+    import pypdfium2 as pdfium
+
+    from devkit.pdfbuild import shaded_chart
+
+    crops = []
+    for dx, dy in ((0.0, 0.0), (36.5, -120.25)):
+        page = pdfium.PdfDocument(shaded_chart(dx, dy))[0]
+        assert pdfium_c.FPDF_PAGEOBJ_SHADING in [o.type for o in page.get_objects(max_depth=1)]
+        (region,) = detect_figures(page)
+        crops += crop_figures(page, [region], max_pixels=10**8, index=0)
+    assert crops[0].content_hash == crops[1].content_hash
+    r, g, b = (np.asarray(crops[0].image, dtype=int)[:, :, k] for k in range(3))
+    assert ((r > 200) & (g < 60) & (b < 60)).any() and ((b > 200) & (r < 60) & (g < 60)).any()  # the shading
 
 
 def test_store_gc_keeps_a_figure_entry_while_any_page_shows_it_and_frees_it_after(ingested, tmp_path):
