@@ -17,10 +17,12 @@ the page's objects and text, renders nothing. About 1-3 ms a page on the realdoc
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
@@ -31,6 +33,8 @@ from core.keys import content_hash_of
 from core.pages import FigureCrop
 from core.text import captions
 from core.text import figure_refs as _refs
+
+log = logging.getLogger(__name__)
 
 # --- what counts -------------------------------------------------------------------------------------------
 
@@ -420,13 +424,23 @@ def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixel
         if region.source == "raster":
             image = _own_pixels(images, region.bbox_pt, max_pixels)
         elif region.source == "form" and index is not None:
-            image = _form_alone(page, index, forms, region.bbox_pt, max_pixels)
+            image = _or_none(_form_alone, page, index, forms, region.bbox_pt, max_pixels)
         if image is None and index is not None:
-            image = _objects_alone(page, index, region.bbox_pt, max_pixels)
+            image = _or_none(_objects_alone, page, index, region.bbox_pt, max_pixels)
         if image is None:
             image = _render_alone(page, region.bbox_pt)
         crops.append(FigureCrop(region, image, content_hash_of(image.mode, image.size, image.tobytes())))
     return crops
+
+
+def _or_none(render: Callable[..., Image.Image | None], page: pdfium.PdfPage, *args: Any) -> Image.Image | None:
+    """``render``'s image, or None where pdfium refuses an object (the region is then cropped from the page): a
+    figure the scratch copy cannot draw never costs its page."""
+    try:
+        return render(page, *args)
+    except pdfium.PdfiumError as exc:
+        log.warning("figure at %s rendered as a region of its page: %s (%s)", args[-2], exc, render.__name__)
+        return None
 
 
 def _top_forms(page: pdfium.PdfPage) -> list[Box | None]:

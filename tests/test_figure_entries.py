@@ -188,6 +188,28 @@ def test_a_drawing_with_a_shading_object_is_cropped_alone_too():
     assert ((r > 200) & (g < 60) & (b < 60)).any() and ((b > 200) & (r < 60) & (g < 60)).any()  # the shading
 
 
+def test_a_drawing_pdfium_refuses_to_draw_alone_is_cropped_as_a_region_of_its_page(monkeypatch, caplog):
+    """A page object pdfium will not move (a PdfiumError in the scratch copy) costs its figure its own
+    coordinates, never its page: the crop falls back to the region of the page, and the log says so."""
+    import pypdfium2 as pdfium
+
+    from ingestion import figures
+
+    def refuses(*args):
+        raise pdfium.PdfiumError("Failed to get matrix of pageobject.")
+
+    b = PageBuilder()
+    b.chart((100, 100, 400, 300))
+    page = b.open()
+    regions = detect_figures(page)
+    monkeypatch.setattr(figures, "_objects_alone", refuses)
+    with caplog.at_level("WARNING", logger="ingestion.figures"):
+        (crop,) = crop_figures(page, regions, max_pixels=10**8, index=0)
+    (as_region,) = crop_figures(page, regions, max_pixels=10**8)
+    assert crop.content_hash == as_region.content_hash
+    assert "rendered as a region of its page: Failed to get matrix" in caplog.text
+
+
 def test_store_gc_keeps_a_figure_entry_while_any_page_shows_it_and_frees_it_after(ingested, tmp_path):
     from mmrag.store_cmd import gc
 
