@@ -1,5 +1,5 @@
 """`kill -9` of a process that owns engines: its engine processes go with it, and a restart ends where an
-uninterrupted run would.
+uninterrupted run would (for `mmrag serve` mid-ingest that is tests/test_jobs.py's test, with the helpers here).
 
 Real processes on 127.0.0.1: `mmrag serve` and `mmrag engine serve` with the tiny model (ENGINE_ENV: fp32,
 eager), killed with SIGKILL; the process tree is read with psutil before the kill. vLLM's CPU build starts its
@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from tests.conftest import API_KEY, ENGINE_ENV, free_port
-from tests.test_ingest import assert_same_features, cli_env, snapshot
+from tests.test_ingest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 MMRAG = Path(sys.executable).parent / "mmrag"
@@ -231,42 +231,8 @@ def wait_for_half_the_features(features: Path, expected) -> None:
         time.sleep(0.02)
 
 
-def test_kill_9_of_mmrag_serve_mid_ingest_leaves_no_engine_process_and_a_rerun_ends_with_the_uninterrupted_corpus(
-        tmp_path, sample_corpus, tiny_model, reap, reference_store):
-    expected = reference_store
-
-    data = tmp_path / "data"
-    env = serve_env(data, tiny_model, sample_corpus)
-    log = tmp_path / "serve.log"
-    features = data / "features"
-    with mmrag_serve(env, log) as (proc, client):
-        tree = engine_processes(proc, reap)
-        rss = sum(p.memory_info().rss for p in tree)
-        assert client.post("/v1/ingest", json={"paths": [str(sample_corpus)]}).status_code == 202
-        wait_for_half_the_features(features, expected)
-        proc.kill()
-        seconds, left = gone_after(tree)
-    assert left == [], f"engine processes outlived `mmrag serve`: {left}"
-    print(f"\nkill -9 of mmrag serve: {len(tree)} descendants ({', '.join(sorted({p.name() for p in tree}))}; "
-          f"{rss / 2**20:.0f} MiB RSS) gone after {seconds:.2f} s")
-    partial = snapshot(data)
-    assert 0 < len(partial[0]) < len(expected[0])
-
-    with mmrag_serve(env, log) as (proc, client):
-        tree = engine_processes(proc, reap)
-        job = client.post("/v1/ingest", json={"paths": [str(sample_corpus)]}).json()
-        deadline = time.monotonic() + 600
-        while (job := client.get(f"/v1/ingest/{job['id']}").json())["status"] in ("queued", "running"):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.2)
-        assert job["status"] == "done" and job["report"]["failed"] == [], job
-        answer = client.post("/v1/ask", json={"question": "What was the Q3 revenue?"})
-        assert answer.status_code == 200 and answer.json()["answer"], answer.text
-    assert gone_after(tree)[1] == [], "engine processes outlived a stopped `mmrag serve`"
-
-    features_now, points_now = snapshot(data)
-    assert_same_features(features_now, expected[0], kept=partial[0])
-    assert points_now == expected[1]
+# `kill -9` of `mmrag serve` mid-ingest, its engine processes gone and the restart ending with the uninterrupted
+# corpus, is tests/test_jobs.py's test: the restart resumes the cut job there (one vLLM start-up fewer).
 
 
 # --- `mmrag engine serve`: the launcher killed, its `vllm serve` replica goes with it ----------------------------

@@ -1,6 +1,9 @@
-"""Durable ingest jobs: `mmrag serve` killed with `kill -9` mid-job resumes the job at its next start, and
-it ends done with the index and store an uninterrupted ingest makes; jobs are listed (paginated) and a
-queued one is cancelled, which survives the restart too."""
+"""Durable ingest jobs: `mmrag serve` killed with `kill -9` mid-job takes its engine processes with it, resumes
+the job at its next start, and the job ends done with the index and store an uninterrupted ingest makes; jobs are
+listed (paginated) and a queued one is cancelled, which survives the restart too.
+
+One kill and one restart prove both the process side (tests/test_faults_process.py: no engine process outlives
+the killed server) and the job side: each start of `mmrag serve` is a vLLM start-up, so the two are one test."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def _wait(client, job_id: str) -> dict:
     return job
 
 
-def test_a_job_cut_by_kill_9_resumes_after_a_restart_and_ends_with_the_uninterrupted_index(
+def test_kill_9_of_mmrag_serve_mid_job_leaves_no_engine_process_and_the_job_resumes_to_the_uninterrupted_index(
         tmp_path, sample_corpus, tiny_model, reap, reference_store):  # noqa: F811
     expected = reference_store
 
@@ -31,10 +34,14 @@ def test_a_job_cut_by_kill_9_resumes_after_a_restart_and_ends_with_the_uninterru
     features = data / "features"
     with mmrag_serve(env, log) as (proc, client):
         tree = engine_processes(proc, reap)
+        rss = sum(p.memory_info().rss for p in tree)
         job = client.post("/v1/ingest", json={"paths": ["."]}).json()
         wait_for_half_the_features(features, expected)
         proc.kill()
-        assert gone_after(tree)[1] == []
+        seconds, left = gone_after(tree)
+    assert left == [], f"engine processes outlived `mmrag serve`: {left}"
+    print(f"\nkill -9 of mmrag serve: {len(tree)} descendants ({', '.join(sorted({p.name() for p in tree}))}; "
+          f"{rss / 2**20:.0f} MiB RSS) gone after {seconds:.2f} s")
     db = sqlite3.connect(data / "jobs.sqlite3")
     (state,), = db.execute("SELECT json_extract(state, '$.status') FROM jobs WHERE id = ?", (job["id"],))
     db.close()
@@ -57,7 +64,9 @@ def test_a_job_cut_by_kill_9_resumes_after_a_restart_and_ends_with_the_uninterru
         assert ([j["id"] for j in rest["jobs"]], rest["next_offset"]) == ([job["id"]], None)
         unknown = client.post("/v1/ingest/job-nope/cancel")
         assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "unknown_job"
-    assert gone_after(tree)[1] == []
+        answer = client.post("/v1/ask", json={"question": "What was the Q3 revenue?"})
+        assert answer.status_code == 200 and answer.json()["answer"], answer.text
+    assert gone_after(tree)[1] == [], "engine processes outlived a stopped `mmrag serve`"
 
     features_now, points_now = snapshot(data)
     assert_same_features(features_now, expected[0], kept=partial[0])
