@@ -6,6 +6,8 @@ placed at known positions, saved and opened again, as an ingested PDF would be.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.figures.evaluate import match
@@ -101,6 +103,26 @@ def _including(figure_pdf: bytes, page_size: tuple[float, float], at: tuple[floa
     page.insert_obj(form)
     page.gen_content()
     doc.save(str(path))
+
+
+def test_the_tuning_and_held_out_label_sets_are_well_formed_and_share_no_page():
+    """bench/figures: boxes.jsonl (the pages the rules were tuned on) and heldout.jsonl (pages drawn at random
+    from the rest) label pages of the fetched realdocs PDFs only, within each PDF's page count, never the same
+    page twice, with ordered boxes of a known kind."""
+    from bench.figures.evaluate import load_labels
+    from bench.realdocs.fetch import load_sources
+
+    here = Path(__file__).resolve().parents[1] / "bench" / "figures"
+    pages = {s["doc"]: s["pages"] for s in load_sources()}
+    tuned, held = (load_labels(here / name) for name in ("boxes.jsonl", "heldout.jsonl"))
+    assert (len(tuned), len(held)) == (47, 40)
+    assert not {(r["doc"], r["page"]) for r in tuned} & {(r["doc"], r["page"]) for r in held}
+    for row in tuned + held:
+        assert row["doc"] in pages and 1 <= row["page"] <= pages[row["doc"]], row
+        for f in row["figures"]:
+            x0, y0, x1, y1 = f["bbox_pt"]
+            assert 0 <= x0 < x1 and 0 <= y0 < y1 and f["kind"] in ("figure", "table", "image"), row
+    assert sum(len(r["figures"]) for r in held) == 12 and sum(not r["figures"] for r in held) == 30
 
 
 def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path):
