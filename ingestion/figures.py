@@ -392,8 +392,8 @@ def _finish(region: _Region) -> FigureRegion:
 #   scale, any enclosing form) never enters the render, so the same figure included at another place or size, in
 #   another document, renders to the same pixels: one key (bench/figures `--keys`);
 # - a drawing made of the page's own objects (a vector cluster with its labels, a picture with labels around it)
-#   is rendered from those objects alone: in a scratch copy of the page, every top-level object not lying inside
-#   the region switched off, the rest moved so their joint extent starts at the origin, at FIGURE_SCALE pixels
+#   is rendered from those objects alone: in a scratch copy of the page, every top-level object not lying (mostly)
+#   inside the region switched off, the rest moved so their joint extent starts at the origin, at FIGURE_SCALE pixels
 #   per point. Its offset on the page never enters the render, so the same drawing at another place renders to
 #   the same pixels up to pdfium's float rounding of the moved coordinates (bench/figures `--keys` measures how
 #   often that rounding still changes a pixel). Its coordinates are absolute, so a drawing drawn at another size
@@ -406,7 +406,8 @@ FIGURES_VERSION = "fig-v3"  # in a page's fingerprint: a changed detector or cro
 # v3: drawings of the page's own objects alone)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
 FORM_MATCH_IOU = 0.9  # ... and a drawn region is one form XObject when its box and the form's drawn box do
-INSIDE_SLACK_PT = 1.0  # an object lies inside a region when its bounds do, give or take this
+INSIDE_SLACK_PT = 1.0  # an object lies inside a region when its bounds do, give or take this ...
+MOSTLY_INSIDE = 0.5  # ... or when this share of them does (it is then drawn whole, past the region's edge)
 SNAP_PT = 1 / 256  # a drawing moved to the origin lands on this grid (1/128 of a pixel at FIGURE_SCALE)
 
 
@@ -477,17 +478,14 @@ def _form_alone(page: pdfium.PdfPage, index: int, forms: list[Box | None], box: 
 
 
 def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) -> Image.Image | None:
-    """The page's top-level objects lying inside ``box``, rendered alone from their joint extent's corner (see
-    above); None when none lies inside it."""
+    """The page's top-level objects lying (mostly) inside ``box``, rendered alone from their joint extent's corner
+    (see above); None when none does."""
     with _scratch_copy(page, index) as copy:
         height = copy.get_size()[1]
-        x0, y0, x1, y1 = box[0] - INSIDE_SLACK_PT, box[1] - INSIDE_SLACK_PT, box[2] + INSIDE_SLACK_PT, \
-            box[3] + INSIDE_SLACK_PT
         inside, extent = [], None
         for obj in copy.get_objects(max_depth=1):
             bounds = obj.get_bounds()
-            b = _top_left(bounds, height)
-            if x0 <= b[0] and y0 <= b[1] and b[2] <= x1 and b[3] <= y1:
+            if _mostly_inside(_top_left(bounds, height), box):
                 inside.append(obj)
                 extent = bounds if extent is None else (min(extent[0], bounds[0]), min(extent[1], bounds[1]),
                                                         max(extent[2], bounds[2]), max(extent[3], bounds[3]))
@@ -503,6 +501,15 @@ def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) 
                 obj.transform(pdfium.PdfMatrix().translate(-extent[0], -extent[1]))
             pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, 1, 0, 0, 1, -extent[0], -extent[1])  # or it would hide it
         return _render_from_origin(copy, extent, max_pixels)
+
+
+def _mostly_inside(b: Box, box: Box) -> bool:
+    """At least MOSTLY_INSIDE of ``b`` lies in ``box`` (each grown by INSIDE_SLACK_PT, so that a line, whose
+    bounds have no area, counts by its length): a drawing's own object, though it reaches past a region that
+    detection drew a little short, is drawn whole; a page's background or a frame around much more is not."""
+    s = INSIDE_SLACK_PT
+    grown = (b[0] - s, b[1] - s, b[2] + s, b[3] + s)
+    return intersection(grown, (box[0] - s, box[1] - s, box[2] + s, box[3] + s)) >= MOSTLY_INSIDE * area(grown)
 
 
 def _snap(v: float) -> float:

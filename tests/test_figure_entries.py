@@ -8,6 +8,7 @@ paste the same JPEG chart at different places and sizes, with different text aro
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 from dataclasses import dataclass
@@ -168,6 +169,25 @@ def test_a_drawing_of_the_pages_own_objects_is_cropped_alone_so_its_place_and_ba
     assert np.asarray(alone[1].image)[0, 0].tolist() == [255, 255, 255]  # the slide's background is not drawn
     assert as_region[0].content_hash != as_region[1].content_hash
     assert alone[0].image.size == as_region[0].image.size  # the chart's own extent (its frame) at FIGURE_SCALE
+
+
+def test_an_object_mostly_inside_a_region_drawn_short_is_drawn_whole_and_a_background_is_not():
+    """Detection may draw a region a little short of its drawing (vcd p34: a panel's tiles reach past it): an
+    object at least half inside is drawn whole, past the region's edge, where cropping the page's region would
+    cut it; the slide's background, which covers the region but lies mostly outside it, is left out."""
+    b = PageBuilder()
+    b.background((230, 240, 255))
+    b.chart((100, 100, 400, 300))  # its frame is one rectangle, 300 x 200 pt
+    page = b.open()
+    (region,) = detect_figures(page)
+    x0, y0, x1, y1 = region.bbox_pt
+    short = dataclasses.replace(region, bbox_pt=(x0, y0, x1 - 40, y1))  # 40 pt short on the right
+    (alone,) = crop_figures(page, [short], max_pixels=10**8, index=0)
+    (as_region,) = crop_figures(page, [short], max_pixels=10**8)
+    assert alone.image.width >= (x1 - x0) * FIGURE_SCALE - 2  # the frame and the last bars, whole
+    assert as_region.image.width <= (x1 - 40 - x0) * FIGURE_SCALE + 2  # the page's region: cut at its edge
+    assert np.asarray(alone.image)[0, 0].tolist() == [255, 255, 255]  # no background
+    assert np.asarray(as_region.image)[0, 0].tolist() != [255, 255, 255]
 
 
 def test_a_drawing_with_a_shading_object_is_cropped_alone_too():
