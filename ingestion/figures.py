@@ -398,9 +398,9 @@ def _finish(region: _Region) -> FigureRegion:
 #   the same pixels up to pdfium's float rounding of the moved coordinates (bench/figures `--keys` measures how
 #   often that rounding still changes a pixel). Its coordinates are absolute, so a drawing drawn at another size
 #   has other coordinates and renders to other pixels: two keys;
-# - what none of these takes (no objects inside the region, a rotated page the copy cannot place) is the page
-#   inside the region: the crop box set to it, at FIGURE_SCALE pixels per point, its pixel grid starting at the
-#   region's corner.
+# - what none of these takes (no object lies mostly inside the region, pdfium refuses to move one, or no page
+#   index was given) is the page inside the region: the crop box set to it, at FIGURE_SCALE pixels per point,
+#   its pixel grid starting at the region's corner.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
 FIGURES_VERSION = "fig-v3"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
 # v3: drawings of the page's own objects alone)
