@@ -132,8 +132,7 @@ def _form_box(page: pdfium.PdfPage, form: pdfium.PdfObject) -> tuple[float, floa
             graphic = True
         if child.type in (pdfium_c.FPDF_PAGEOBJ_PATH, pdfium_c.FPDF_PAGEOBJ_TEXT):
             b = child.get_bounds()
-            drawn = b if drawn is None else (min(drawn[0], b[0]), min(drawn[1], b[1]), max(drawn[2], b[2]),
-                                             max(drawn[3], b[3]))
+            drawn = b if drawn is None else union_box(drawn, b)
     if not graphic:
         return None
     bounds = form.get_bounds()
@@ -487,8 +486,7 @@ def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) 
             bounds = obj.get_bounds()
             if _mostly_inside(_top_left(bounds, height), box):
                 inside.append(obj)
-                extent = bounds if extent is None else (min(extent[0], bounds[0]), min(extent[1], bounds[1]),
-                                                        max(extent[2], bounds[2]), max(extent[3], bounds[3]))
+                extent = bounds if extent is None else union_box(extent, bounds)
             else:
                 pdfium_c.FPDFPageObj_SetIsActive(obj.raw, False)
         if extent is None:
