@@ -23,7 +23,12 @@ from pathlib import Path
 
 from adapters.checkpoint import checkpoint_fingerprint, fingerprint_name
 from serving.engine.config import EngineConfig
-from serving.engine.lifeline import PARENT_PID_VAR, die_with, tie_engine_cores_to_this_process
+from serving.engine.lifeline import (
+    PARENT_PID_VAR,
+    die_with,
+    keep_engine_sockets_private,
+    tie_engine_cores_to_this_process,
+)
 # ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.
 from serving.readiness import ServerStartError, answers_200, wait_until_ready
 
@@ -70,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     tie_engine_cores_to_this_process()
+    keep_engine_sockets_private()
 
     if argv is not None:
         sys.argv = ["vllm", *argv]  # vLLM's CLI parses sys.argv itself

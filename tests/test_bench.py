@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,16 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     what --quick leaves out): one process and one engine start for both tests below."""
     tmp_path = tmp_path_factory.mktemp("bench")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
-           "--configs", ",".join(sorted(CONFIGS | MIXED)), "--json", str(out), "--plot", str(png)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"data": json.loads(out.read_text()), "png": png, "stdout": proc.stdout}
+    # Its own short TMPDIR (socket paths stay under 108 bytes): what the two engine starts leave there is seen.
+    with tempfile.TemporaryDirectory(prefix="mmrag-t-", dir="/tmp") as tmpdir:
+        env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1", "TMPDIR": tmpdir}
+        env.pop("VLLM_RPC_BASE_PATH", None)
+        cmd = [sys.executable, "-m", "mmrag", "bench", "--quick", "--tiny", "--questions", "6", "--pages", "6",
+               "--configs", ",".join(sorted(CONFIGS | MIXED)), "--json", str(out), "--plot", str(png)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        left = sorted(str(p) for p in Path(tmpdir).rglob("*") if p.is_socket() or p.name.startswith("mmrag-vllm-"))
+    return {"data": json.loads(out.read_text()), "png": png, "stdout": proc.stdout, "left_in_tmp": left}
 
 
 def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_run):
@@ -131,6 +136,12 @@ def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_rep
     assert set(ratios) == {f"{n} / mixed" for n in names - {"mixed"}}
     assert {"short_ttft_p50_s", "short_ttft_p99_s", "throughput_qps"} <= set(ratios["mixed_tiered / mixed"])
     assert "| mixed_tiered |" in bench_run["stdout"]
+
+
+def test_two_engine_starts_and_stops_leave_no_socket_file_in_the_temp_folder(bench_run):
+    # vLLM binds seven ipc:// sockets per engine start and unlinks none (serving/engine/lifeline.py): they went to
+    # a folder of the bench's process, removed when it exited.
+    assert bench_run["left_in_tmp"] == []
 
 
 def test_the_bench_model_is_shallower_where_the_engine_runs_fp32():

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -235,12 +236,71 @@ def wait_for_half_the_features(features: Path, expected) -> None:
 # corpus, is tests/test_jobs.py's test: the restart resumes the cut job there (one vLLM start-up fewer).
 
 
+# --- vLLM's socket files: in a folder of the engine's process, gone with it ------------------------------------
+
+SOCKETS = textwrap.dedent(r'''
+    import os, socket, sys, uuid
+    from serving.engine.lifeline import keep_engine_sockets_private
+    path = keep_engine_sockets_private()
+    assert os.environ["VLLM_RPC_BASE_PATH"] == path and keep_engine_sockets_private() is None  # idempotent
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.path.join(path, str(uuid.uuid4())))  # as vLLM's ZMQ binds ipc://$VLLM_RPC_BASE_PATH/<uuid>
+    print(path, flush=True)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), 9)
+''')
+
+
+@pytest.fixture
+def sockets_tmpdir() -> Iterator[Path]:
+    """A short temp folder for a child's TMPDIR (not tmp_path): vLLM's socket paths must stay under 108 bytes."""
+    with tempfile.TemporaryDirectory(prefix="mmrag-t-", dir="/tmp") as tmp:
+        yield Path(tmp)
+
+
+def socket_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_socket()]
+
+
+def sockets_run(tmpdir: Path, how: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    return subprocess.run([sys.executable, "-c", SOCKETS, how], env={**clean, "TMPDIR": str(tmpdir)},
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_engine_sockets_live_in_a_folder_of_their_process_removed_at_exit_or_by_the_next_start(sockets_tmpdir):
+    tmpdir = sockets_tmpdir  # the children's TMPDIR
+    ran = sockets_run(tmpdir, "exit")
+    assert ran.returncode == 0, ran.stderr
+    folder = Path(ran.stdout.strip())
+    assert folder.parent == tmpdir and not folder.exists() and socket_files(tmpdir) == []
+    killed = sockets_run(tmpdir, "kill")  # SIGKILL: nothing of it runs at exit, its folder stays ...
+    assert killed.returncode == -9
+    left = Path(killed.stdout.strip())
+    assert socket_files(tmpdir) == [*left.iterdir()] and len(socket_files(tmpdir)) == 1
+    alive = tmpdir / f"mmrag-vllm-{os.getpid()}-x"  # ... until a later start removes it; a living owner's stays
+    alive.mkdir()
+    ran = sockets_run(tmpdir, "exit")
+    assert ran.returncode == 0, ran.stderr
+    assert not left.exists() and alive.exists() and socket_files(tmpdir) == []
+    # A folder set by the user is the user's: kept, and used as it is.
+    mine = tmpdir / "mine"
+    mine.mkdir()
+    kept = subprocess.run([sys.executable, "-c", "from serving.engine.lifeline import keep_engine_sockets_private"
+                           " as k; import os; print(k(), os.environ['VLLM_RPC_BASE_PATH'])"],
+                          env={**os.environ, "VLLM_RPC_BASE_PATH": str(mine)}, cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert kept.stdout.split() == ["None", str(mine)], kept.stderr
+
+
 # --- `mmrag engine serve`: the launcher killed, its `vllm serve` replica goes with it ----------------------------
 
 
-def test_kill_9_of_the_engine_launcher_takes_its_vllm_replica_and_engine_core_down(tmp_path, tiny_model, reap):
+def test_kill_9_of_the_engine_launcher_takes_its_vllm_replica_and_engine_core_down(tmp_path, tiny_model, reap,
+                                                                                    sockets_tmpdir):
     port = free_port()
-    env = {**ENGINE_ENV, **cli_env(tmp_path / "data", tiny_model)}
+    env = {**ENGINE_ENV, **cli_env(tmp_path / "data", tiny_model), "TMPDIR": str(sockets_tmpdir)}
+    env.pop("VLLM_RPC_BASE_PATH", None)
     log = tmp_path / "engine.log"
     with log.open("wb") as err:
         proc = subprocess.Popen([str(MMRAG), "engine", "serve", "--port", str(port), "--ready-timeout",
@@ -258,3 +318,9 @@ def test_kill_9_of_the_engine_launcher_takes_its_vllm_replica_and_engine_core_do
           f"{seconds:.2f} s")
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    # vLLM's sockets were in the replica's own folder, not loose in the temp folder; killed, it could not remove
+    # them, and the next engine start does (the unit test above shows that start).
+    folders = [p for p in sockets_tmpdir.iterdir() if p.name.startswith("mmrag-vllm-")]
+    assert len(folders) == 1 and socket_files(folders[0]) == socket_files(sockets_tmpdir) != [], \
+        sorted(map(str, sockets_tmpdir.rglob("*")))
+

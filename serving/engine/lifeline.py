@@ -10,16 +10,23 @@ with its own descendants (vLLM's workers would follow through their death pipe, 
 graceful shutdown that nothing needs any more). Not ``PR_SET_PDEATHSIG``: the kernel sends that signal when the
 *thread* that forked the child exits, so an engine started from a worker thread would be killed while its
 process lives on.
+
+They also leave no files behind. vLLM binds its ZMQ sockets at ``ipc://$VLLM_RPC_BASE_PATH/<uuid>`` (by default
+the temp folder) and never unlinks them: seven socket files in /tmp for every engine start, a `mmrag ask` or a
+restart included. :func:`keep_engine_sockets_private` gives them a folder of this process instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import os
 import select
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +39,11 @@ log = logging.getLogger(__name__)
 PARENT_PID_VAR = "MMRAG_DIE_WITH_PID"
 
 _vllm_run_engine_core: Callable[..., Any] | None = None  # vLLM's entry, kept once it is replaced
+
+RPC_PATH_VAR = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ipc:// sockets (vllm/utils/network_utils.py)
+RPC_DIR_PREFIX = "mmrag-vllm-"  # then "<pid>-<random>": the pid tells a folder whose owner is gone
+_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the NUL
+_UUID_NAME_LEN = 36  # vLLM names each socket by a uuid4
 
 
 def die_with(parent_pid: int) -> None:
@@ -64,6 +76,45 @@ def _die(why: str) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def keep_engine_sockets_private() -> str | None:
+    """Point vLLM's socket folder at one this process owns and removes when it exits; return that folder.
+
+    Call before an engine starts: its engine core and workers inherit the variable, so their sockets land there
+    too. A folder already set (by the user, or by the mmrag process that started this one) is kept and None is
+    returned. Folders left by owners that were SIGKILLed (nothing of theirs ran at exit) are removed here, so at
+    most one folder per killed process lives until the next start. Idempotent.
+    """
+    if RPC_PATH_VAR in os.environ:
+        return None
+    base = tempfile.gettempdir()
+    _sweep_dead_owners(base)
+    path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-", dir=base)
+    if len(path) + 1 + _UUID_NAME_LEN > _SOCKET_PATH_MAX:  # a long TMPDIR: vLLM's own default is no shorter
+        os.rmdir(path)
+        log.warning("vLLM's sockets stay in %s: a folder below it would make socket paths longer than %d bytes",
+                    base, _SOCKET_PATH_MAX)
+        return None
+    os.environ[RPC_PATH_VAR] = path
+    owner = os.getpid()
+    atexit.register(_remove_if_owner, path, owner)  # a forked child inherits the hook, not the folder
+    return path
+
+
+def _remove_if_owner(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _sweep_dead_owners(base: str) -> None:
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if not entry.name.startswith(RPC_DIR_PREFIX):
+                continue
+            pid = entry.name.removeprefix(RPC_DIR_PREFIX).partition("-")[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def tie_engine_cores_to_this_process() -> None:
