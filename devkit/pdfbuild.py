@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import random
 
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
@@ -82,6 +83,23 @@ class PageBuilder:
             top = y0 + 10 + (k * 37 % (y1 - y0 - 20))
             self.rect((x0 + k * step + 3, top, x0 + (k + 1) * step - 3, y1), fill=True)
             self.line(x0 + k * step + step / 2, y1, x0 + k * step + step / 2)  # a zero-length tick mark
+
+    def line_chart(self, box: tuple[float, float, float, float], series: int = 3, points: int = 41) -> None:
+        """A line chart: a frame and ``series`` polylines of ``points`` seeded random values each, diagonal edges
+        at arbitrary coordinates (where a render's rounding shows, unlike the bar chart's straight ones)."""
+        x0, y0, x1, y1 = box
+        self.rect(box)
+        rng = random.Random(7)
+        for k in range(series):
+            xs = [x0 + 10 + (x1 - x0 - 20) * i / (points - 1) for i in range(points)]
+            ys = [y0 + 20 + (y1 - y0 - 40) * rng.random() for _ in range(points)]
+            path = pdfium_c.FPDFPageObj_CreateNewPath(xs[0], self.h - ys[0])
+            for x, y in zip(xs[1:], ys[1:]):
+                pdfium_c.FPDFPath_LineTo(path, x, self.h - y)
+            pdfium_c.FPDFPageObj_SetStrokeColor(path, 40 * k, 0, 200 - 40 * k, 255)
+            pdfium_c.FPDFPageObj_SetStrokeWidth(path, ctypes.c_float(0.7))
+            pdfium_c.FPDFPath_SetDrawMode(path, 0, True)
+            pdfium_c.FPDFPage_InsertObject(self.page, path)
 
     def open(self) -> pdfium.PdfPage:
         return pdfium.PdfDocument(self.bytes())[0]

@@ -397,17 +397,23 @@ def _finish(region: _Region) -> FigureRegion:
 #   the same pixels up to pdfium's float rounding of the moved coordinates (bench/figures `--keys` measures how
 #   often that rounding still changes a pixel). Its coordinates are absolute, so a drawing drawn at another size
 #   has other coordinates and renders to other pixels: two keys;
+# - forms and drawings alone are rendered without anti-aliasing of paths and text (FIGURE_RENDER). Moved, a
+#   drawing's device coordinates differ by float rounding (~1e-5 pt): anti-aliased, that shifts the grey level of
+#   some edge pixels of almost every moved drawing, so its key; aliased, a pixel changes only where an edge passes
+#   within that distance of its centre. What the model loses: grey edges (a diagonal or a glyph is stair-stepped
+#   at 144 dpi; a hairline is one full pixel);
 # - what none of these takes (no object lies mostly inside the region, pdfium refuses to move one, or no page
 #   index was given) is the page inside the region: the crop box set to it, at FIGURE_SCALE pixels per point,
 #   its pixel grid starting at the region's corner.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
-FIGURES_VERSION = "fig-v3"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
-# v3: drawings of the page's own objects alone)
+FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
+# v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset)
+FIGURE_RENDER = {"no_smoothpath": True, "no_smoothtext": True}  # pypdfium2's render flags for what is drawn alone
+SIZE_GRID_PT = 1 / 1024  # ... on a page of its extent's size rounded to this (far above pdfium's float noise)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
 FORM_MATCH_IOU = 0.9  # ... and a drawn region is one form XObject when its box and the form's drawn box do
 INSIDE_SLACK_PT = 1.0  # an object lies inside a region when its bounds do, give or take this ...
 MOSTLY_INSIDE = 0.5  # ... or when this share of them does (it is then drawn whole, past the region's edge)
-SNAP_PT = 1 / 256  # a drawing moved to the origin lands on this grid (1/128 of a pixel at FIGURE_SCALE)
 
 
 def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixels: int, index: int | None = None
@@ -491,10 +497,10 @@ def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) 
                 pdfium_c.FPDFPageObj_SetIsActive(obj.raw, False)
         if extent is None:
             return None
-        for obj in inside:  # each object's offset snapped to SNAP_PT: pdfium's float noise in the extent stays out
+        for obj in inside:  # by the extent's own corner: a drawing at any offset lands where the others do
             try:
                 a, b, c, d, e, f = obj.get_matrix().get()
-                obj.set_matrix(pdfium.PdfMatrix(a, b, c, d, _snap(e - extent[0]), _snap(f - extent[1])))
+                obj.set_matrix(pdfium.PdfMatrix(a, b, c, d, e - extent[0], f - extent[1]))
             except pdfium.PdfiumError:  # a shading object has no matrix of its own: moved as it is
                 obj.transform(pdfium.PdfMatrix().translate(-extent[0], -extent[1]))
             pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, 1, 0, 0, 1, -extent[0], -extent[1])  # or it would hide it
@@ -508,10 +514,6 @@ def _mostly_inside(b: Box, box: Box) -> bool:
     s = INSIDE_SLACK_PT
     grown = (b[0] - s, b[1] - s, b[2] + s, b[3] + s)
     return intersection(grown, (box[0] - s, box[1] - s, box[2] + s, box[3] + s)) >= MOSTLY_INSIDE * area(grown)
-
-
-def _snap(v: float) -> float:
-    return round(v / SNAP_PT) * SNAP_PT
 
 
 @contextmanager
@@ -529,14 +531,17 @@ def _scratch_copy(page: pdfium.PdfPage, index: int) -> Iterator[pdfium.PdfPage]:
 def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float, float], max_pixels: int
                         ) -> Image.Image | None:
     """``copy``, whose content was moved so ``extent`` (PDF space) starts at the origin, rendered on a page of
-    that extent at FIGURE_SCALE (scaled down only to fit ``max_pixels``); None for an empty extent."""
-    width, height = extent[2] - extent[0], extent[3] - extent[1]
+    that extent at FIGURE_SCALE (scaled down only to fit ``max_pixels``) without anti-aliasing (FIGURE_RENDER); None
+    for an empty extent. Its size is rounded to SIZE_GRID_PT: the bitmap's is the ceiling of size x scale, which
+    float noise in the extent (222.00002 pt) would otherwise push a pixel further."""
+    width, height = (round((hi - lo) / SIZE_GRID_PT) * SIZE_GRID_PT for lo, hi in ((extent[0], extent[2]),
+                                                                                   (extent[1], extent[3])))
     if width <= 0 or height <= 0:
         return None
     copy.set_rotation(0)
     copy.set_mediabox(0, 0, width, height)
     copy.set_cropbox(0, 0, width, height)
-    bitmap = copy.render(scale=min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5))
+    bitmap = copy.render(scale=min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5), **FIGURE_RENDER)
     try:
         return bitmap.to_pil().convert("RGB")
     finally:

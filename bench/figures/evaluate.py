@@ -115,10 +115,12 @@ def evaluate(docs_dir: Path, labels_path: Path) -> dict:
 
 # Where the same figures are placed again, (dx, dy, scale): top-left offset in points and scale. The first moves
 # nothing: the harness's own floor, since rewriting a page's content stream (pdfium's gen_content, which saving the
-# moved page needs) can itself change how a drawing renders. Then whole points, a fractional place (another pixel
-# phase at 144 dpi), and two smaller sizes (a figure shown smaller on a slide).
+# moved page needs) can itself change how a drawing renders. Then whole points, quarter and half points, a
+# fractional place (another pixel phase at 144 dpi), two arbitrary places (as in another document: no offset on a
+# binary grid) and two smaller sizes (a figure shown smaller on a slide).
 PLACEMENTS: tuple[tuple[float, float, float], ...] = (
-    (0.0, 0.0, 1.0), (36.0, 24.0, 1.0), (10.25, 17.5, 1.0), (0.3, 0.7, 1.0), (20.0, 30.0, 0.8), (5.5, 7.3, 0.63))
+    (0.0, 0.0, 1.0), (36.0, 24.0, 1.0), (10.25, 17.5, 1.0), (0.3, 0.7, 1.0), (47.37, 103.91, 1.0),
+    (13.06, 58.44, 1.0), (20.0, 30.0, 0.8), (5.5, 7.3, 0.63))
 
 
 def moved_copy(src: pdfium.PdfDocument, index: int, dx: float, dy: float, scale: float) -> pdfium.PdfDocument:
