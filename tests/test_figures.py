@@ -9,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.figures.evaluate import match
-from core.figures import FigureRegion, iou
+from core.figures import FigureRegion, iou, union_box
 from devkit.pdfbuild import PageBuilder
-from ingestion.figures import detect_figures
+from ingestion.figures import _cluster, detect_figures
 
 
 def close(a, b, tol=2.0) -> bool:
@@ -40,6 +42,53 @@ def test_a_vector_chart_of_many_paths_is_one_region():
     (region,) = detect_figures(b.open())
     assert region.source == "vector" and region.number is None and region.kind == "figure"
     assert close(region.bbox_pt, (120, 150, 480, 400), tol=3)
+
+
+def test_a_scatter_plot_of_thousands_of_marks_in_a_frame_is_one_region():
+    # The clustering sweep meets each mark's neighbours only (columns as wide as the gap); before, it compared
+    # each with every box in reach, quadratic in the marks' density (32,000 marks: 3.9 s against 0.6 s now).
+    b = PageBuilder()
+    b.rect((100, 100, 500, 400))
+    for k in range(4000):
+        x, y = 102 + (k * 97) % 396, 102 + (k * 61) % 296
+        b.rect((x, y, x + 1.5, y + 1.5), fill=True)
+    b.text(100, 410, "Figure 1: Four thousand marks.")
+    (region,) = detect_figures(b.open())
+    assert region.source == "vector" and region.number == 1
+    assert iou(region.bbox_pt, (100, 100, 500, 400)) > 0.97
+
+
+def _cluster_pairwise(boxes, gap):
+    """The definition: every pair compared (boxes touching within ``gap`` are one cluster), clusters in the order
+    of their first box, each the union of its boxes in index order."""
+    parent = list(range(len(boxes)))
+
+    def find(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, a in enumerate(boxes):
+        for j in range(i):
+            b = boxes[j]
+            if max(a[0], b[0]) - min(a[2], b[2]) <= gap and max(a[1], b[1]) - min(a[3], b[3]) <= gap:
+                parent[find(i)] = find(j)
+    merged = {}
+    for i, b in enumerate(boxes):
+        r = find(i)
+        merged[r] = union_box(merged[r], b) if r in merged else b
+    return list(merged.values())
+
+
+_coord = st.floats(0, 300, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_coord, _coord, st.floats(0, 120), st.floats(0, 40)), max_size=60),
+       st.sampled_from([0.0, 0.5, 4.0, 24.0]))
+def test_the_column_sweep_clusters_exactly_as_comparing_every_pair(corners, gap):
+    boxes = [(x, y, x + w, y + h) for x, y, w, h in corners]
+    assert _cluster(boxes, gap) == _cluster_pairwise(boxes, gap)
 
 
 def test_a_plain_text_page_with_a_header_rule_has_no_region():
