@@ -164,14 +164,15 @@ def test_the_tuning_and_held_out_label_sets_are_well_formed_and_share_no_page():
     here = Path(__file__).resolve().parents[1] / "bench" / "figures"
     pages = {s["doc"]: s["pages"] for s in load_sources()}
     tuned, held = (load_labels(here / name) for name in ("boxes.jsonl", "heldout.jsonl"))
-    assert (len(tuned), len(held)) == (47, 40)
+    assert (len(tuned), len(held)) == (47, 64)
     assert not {(r["doc"], r["page"]) for r in tuned} & {(r["doc"], r["page"]) for r in held}
     for row in tuned + held:
         assert row["doc"] in pages and 1 <= row["page"] <= pages[row["doc"]], row
         for f in row["figures"]:
             x0, y0, x1, y1 = f["bbox_pt"]
             assert 0 <= x0 < x1 and 0 <= y0 < y1 and f["kind"] in ("figure", "table", "image"), row
-    assert sum(len(r["figures"]) for r in held) == 12 and sum(not r["figures"] for r in held) == 30
+    assert sum(len(r["figures"]) for r in held) == 19 and sum(not r["figures"] for r in held) == 47
+    assert len({(r["doc"], r["page"]) for r in held}) == len(held)  # no page drawn twice across the three draws
 
 
 def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path):
