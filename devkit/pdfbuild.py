@@ -101,6 +101,15 @@ class PageBuilder:
             pdfium_c.FPDFPath_SetDrawMode(path, 0, True)
             pdfium_c.FPDFPage_InsertObject(self.page, path)
 
+    def form(self, figure_pdf: bytes, at: tuple[float, float], scale: float = 1.0) -> None:
+        """The first page of ``figure_pdf`` included as ONE form XObject, its top-left corner at ``at`` (points),
+        at ``scale``: what LaTeX's \\includegraphics of a PDF figure writes."""
+        figure = pdfium.PdfDocument(figure_pdf)
+        form = figure.page_as_xobject(0, self.pdf).as_pageobject()
+        height = figure[0].get_size()[1] * scale
+        form.set_matrix(pdfium.PdfMatrix().scale(scale, scale).translate(at[0], self.h - at[1] - height))
+        self.page.insert_obj(form)
+
     def open(self) -> pdfium.PdfPage:
         return pdfium.PdfDocument(self.bytes())[0]
 
@@ -119,6 +128,25 @@ def join_pages(documents: list[bytes]) -> bytes:
     buf = io.BytesIO()
     out.save(buf)
     return buf.getvalue()
+
+
+def stored_turned(data: bytes, turn: int) -> bytes:
+    """The one page of ``data`` shown the same, but stored turned: its content turned a quarter the other way and
+    /Rotate ``turn`` (90 or 270) set, as a landscape page of a portrait document (LaTeX's pdflscape) is stored."""
+    pdf = pdfium.PdfDocument(data)
+    page = pdf[0]
+    width, height = page.get_size()
+    m = {90: (0, 1, -1, 0, height, 0), 270: (0, -1, 1, 0, 0, width)}[turn]
+    for obj in page.get_objects(max_depth=1):
+        obj.transform(pdfium.PdfMatrix(*m))
+        pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, *m)
+    page.set_mediabox(0, 0, height, width)
+    page.set_cropbox(0, 0, height, width)
+    page.set_rotation(turn)
+    page.gen_content()
+    out = io.BytesIO()
+    pdf.save(out)
+    return out.getvalue()
 
 
 def shaded_chart(dx: float = 0.0, dy: float = 0.0) -> bytes:

@@ -18,6 +18,7 @@ the page's objects and text, renders nothing. About 1-3 ms a page on the realdoc
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -70,13 +71,14 @@ class _Region:
 
 def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None = None) -> list[FigureRegion]:
     """The figure regions of ``page``, in reading order, boxes in points with a top-left origin."""
-    width, height = page.get_size()
+    view = _View.of(page)
+    width, height = view.size
     page_area = width * height
     textpage = textpage or page.get_textpage()
 
     def flip(bounds: tuple[float, float, float, float]) -> Box:
-        left, bottom, right, top = bounds
-        return (max(0.0, left), max(0.0, height - top), min(width, right), min(height, height - bottom))
+        x0, y0, x1, y1 = view.box(bounds)
+        return (max(0.0, x0), max(0.0, y0), min(width, x1), min(height, y1))
 
     images: list[Box] = []
     forms: list[Box] = []
@@ -92,7 +94,7 @@ def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None 
         elif kind in _GRAPHIC:
             graphics.append(flip(obj.get_bounds()))
 
-    lines = _text_lines(textpage, height)
+    lines = _text_lines(textpage, view)
     regions: list[_Region] = []
     for box in images:
         w, h = box[2] - box[0], box[3] - box[1]
@@ -159,20 +161,52 @@ def _is_figure_sized(box: Box, page_area: float) -> bool:
 # --- text ---------------------------------------------------------------------------------------------------
 
 
-def _top_left(bounds: tuple[float, float, float, float], height: float) -> Box:
-    """pdfium's (left, bottom, right, top) in PDF space as a box with a top-left origin, unclamped."""
-    left, bottom, right, top = bounds
-    return (left, height - top, right, height - bottom)
+@dataclass(frozen=True, slots=True)
+class _View:
+    """A page as it is shown: its crop box, turned by its /Rotate. ``box`` maps pdfium's (left, bottom, right, top)
+    in PDF space (objects' bounds, text rectangles) to points with a top-left origin on the page as rendered, which
+    FigureRegion reports and the page's image shows (a landscape page stored portrait with /Rotate 90, a page whose
+    crop box does not start at the origin); ``bounds`` maps such a box back. Unclamped."""
+
+    left: float
+    bottom: float
+    width: float  # the crop box's, before the turn
+    height: float
+    turn: int  # /Rotate, clockwise: 0, 90, 180 or 270
+
+    @classmethod
+    def of(cls, page: pdfium.PdfPage) -> _View:
+        left, bottom, right, top = page.get_cropbox()  # the media box where the page sets none
+        return cls(left, bottom, right - left, top - bottom, page.get_rotation() % 360)
+
+    @property
+    def size(self) -> tuple[float, float]:
+        return (self.height, self.width) if self.turn in (90, 270) else (self.width, self.height)
+
+    def box(self, bounds: tuple[float, float, float, float]) -> Box:
+        left, bottom, right, top = bounds
+        w, h = self.width, self.height
+        u0, u1 = left - self.left, right - self.left  # top-left origin on the crop box, before the turn
+        v0, v1 = self.bottom + h - top, self.bottom + h - bottom
+        return {0: (u0, v0, u1, v1), 90: (h - v1, u0, h - v0, u1), 180: (w - u1, h - v1, w - u0, h - v0),
+                270: (v0, w - u1, v1, w - u0)}[self.turn]
+
+    def bounds(self, box: Box) -> tuple[float, float, float, float]:
+        x0, y0, x1, y1 = box
+        w, h = self.width, self.height
+        u0, v0, u1, v1 = {0: (x0, y0, x1, y1), 90: (y0, h - x1, y1, h - x0), 180: (w - x1, h - y1, w - x0, h - y0),
+                          270: (w - y1, x0, w - y0, x1)}[self.turn]
+        return (self.left + u0, self.bottom + h - v1, self.left + u1, self.bottom + h - v0)
 
 
-def _text_lines(textpage: pdfium.PdfTextPage, height: float) -> list[_Line]:
+def _text_lines(textpage: pdfium.PdfTextPage, view: _View) -> list[_Line]:
     """The text page's rectangles joined into lines (pdfium splits a line at font changes and wide gaps)."""
     rects: list[_Line] = []
     for i in range(textpage.count_rects()):
         rect = textpage.get_rect(i)
         text = textpage.get_text_bounded(*rect)
         if text.strip():
-            rects.append(_Line(_top_left(rect, height), text.strip()))
+            rects.append(_Line(view.box(rect), text.strip()))
     lines: list[_Line] = []
     for rect in rects:  # pdfium gives them in reading order, a line's pieces one after another
         last = lines[-1] if lines else None
@@ -419,7 +453,8 @@ def _finish(region: _Region) -> FigureRegion:
 #   its pixel grid starting at the region's corner.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
 FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
-# v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset)
+# v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset; boxes and
+# crops on the page as shown, its crop box turned by /Rotate)
 FIGURE_RENDER = {"no_smoothpath": True, "no_smoothtext": True}  # pypdfium2's render flags for what is drawn alone
 SIZE_GRID_PT = 1 / 1024  # ... on a page of its extent's size rounded to this (far above pdfium's float noise)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
@@ -464,12 +499,12 @@ def _or_none(render: Callable[..., Image.Image | None], page: pdfium.PdfPage, *a
 def _top_forms(page: pdfium.PdfPage) -> list[Box | None]:
     """Each top-level form object's drawn box (points, top-left origin; None when it draws nothing), in page
     order: the k-th is the k-th form of a copy of the page."""
-    height = page.get_size()[1]
+    view = _View.of(page)
     out: list[Box | None] = []
     for obj in page.get_objects(max_depth=1):
         if obj.type == pdfium_c.FPDF_PAGEOBJ_FORM:
             box = _form_box(page, obj)
-            out.append(None if box is None else _top_left(box, height))
+            out.append(None if box is None else view.box(box))
     return out
 
 
@@ -486,23 +521,27 @@ def _form_alone(page: pdfium.PdfPage, index: int, forms: list[Box | None], box: 
         for obj in objects:  # switched off, not removed: nothing is rewritten
             if obj is not form:
                 pdfium_c.FPDFPageObj_SetIsActive(obj.raw, False)
+        # Shown as on the page: the quarter turns of its placement and of the page's /Rotate stay (a figure on a
+        # landscape page stored portrait is upright), whatever else of the placement goes.
+        a, b = form.get_matrix().get()[:2]
+        turn = (_View.of(page).turn - 90 * round(math.degrees(math.atan2(b, a)) / 90)) % 360
         form.set_matrix(pdfium.PdfMatrix())  # its own space: the placement's offset and scale are gone
         drawn = _form_box(copy, form)
         if drawn is None:
             return None
         form.set_matrix(pdfium.PdfMatrix().translate(-drawn[0], -drawn[1]))
-        return _render_from_origin(copy, drawn, max_pixels)
+        return _render_from_origin(copy, drawn, max_pixels, turn)
 
 
 def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) -> Image.Image | None:
     """The page's top-level objects lying (mostly) inside ``box``, rendered alone from their joint extent's corner
     (see above); None when none does."""
+    view = _View.of(page)
     with _scratch_copy(page, index) as copy:
-        height = copy.get_size()[1]
         inside, extent = [], None
         for obj in copy.get_objects(max_depth=1):
             bounds = obj.get_bounds()
-            if _mostly_inside(_top_left(bounds, height), box):
+            if _mostly_inside(view.box(bounds), box):
                 inside.append(obj)
                 extent = bounds if extent is None else union_box(extent, bounds)
             else:
@@ -516,7 +555,7 @@ def _objects_alone(page: pdfium.PdfPage, index: int, box: Box, max_pixels: int) 
             except pdfium.PdfiumError:  # a shading object has no matrix of its own: moved as it is
                 obj.transform(pdfium.PdfMatrix().translate(-extent[0], -extent[1]))
             pdfium_c.FPDFPageObj_TransformClipPath(obj.raw, 1, 0, 0, 1, -extent[0], -extent[1])  # or it would hide it
-        return _render_from_origin(copy, extent, max_pixels)
+        return _render_from_origin(copy, extent, max_pixels, view.turn)  # turned as the page is shown
 
 
 def _mostly_inside(b: Box, box: Box) -> bool:
@@ -540,17 +579,17 @@ def _scratch_copy(page: pdfium.PdfPage, index: int) -> Iterator[pdfium.PdfPage]:
         scratch.close()
 
 
-def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float, float], max_pixels: int
-                        ) -> Image.Image | None:
+def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float, float], max_pixels: int,
+                        turn: int) -> Image.Image | None:
     """``copy``, whose content was moved so ``extent`` (PDF space) starts at the origin, rendered on a page of
-    that extent at FIGURE_SCALE (scaled down only to fit ``max_pixels``) without anti-aliasing (FIGURE_RENDER); None
-    for an empty extent. Its size is rounded to SIZE_GRID_PT: the bitmap's is the ceiling of size x scale, which
+    that extent turned by ``turn`` (clockwise degrees) at FIGURE_SCALE (scaled down only to fit ``max_pixels``)
+    without anti-aliasing (FIGURE_RENDER); None for an empty extent. Its size is rounded to SIZE_GRID_PT: the bitmap's is the ceiling of size x scale, which
     float noise in the extent (222.00002 pt) would otherwise push a pixel further."""
     width, height = (round((hi - lo) / SIZE_GRID_PT) * SIZE_GRID_PT for lo, hi in ((extent[0], extent[2]),
                                                                                    (extent[1], extent[3])))
     if width <= 0 or height <= 0:
         return None
-    copy.set_rotation(0)
+    copy.set_rotation(turn)
     copy.set_mediabox(0, 0, width, height)
     copy.set_cropbox(0, 0, width, height)
     bitmap = copy.render(scale=min(FIGURE_SCALE, (max_pixels / (width * height)) ** 0.5), **FIGURE_RENDER)
@@ -561,11 +600,11 @@ def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float,
 
 
 def _image_objects(page: pdfium.PdfPage) -> list[tuple[Box, pdfium.PdfImage]]:
-    height = page.get_size()[1]
+    view = _View.of(page)
     out = []
     for obj in page.get_objects(max_depth=2):
         if obj.type == pdfium_c.FPDF_PAGEOBJ_IMAGE:
-            out.append((_top_left(obj.get_bounds(), height), obj))
+            out.append((view.box(obj.get_bounds()), obj))
     return out
 
 
@@ -589,11 +628,10 @@ def _own_pixels(images: list[tuple[Box, pdfium.PdfImage]], box: Box, max_pixels:
 
 
 def _render_alone(page: pdfium.PdfPage, box: Box) -> Image.Image:
-    """The page inside ``box`` (points, top-left origin) at FIGURE_SCALE, its pixel grid starting at the box's
-    corner. The crop box is set for the render and put back."""
+    """The page inside ``box`` (points, top-left origin, as shown) at FIGURE_SCALE, turned as the page is, its pixel
+    grid starting at the box's corner. The crop box is set for the render and put back."""
     left, bottom, right, top = page.get_cropbox()
-    x0, y0, x1, y1 = box
-    page.set_cropbox(left + x0, top - y1, left + x1, top - y0)
+    page.set_cropbox(*_View.of(page).bounds(box))
     try:
         bitmap = page.render(scale=FIGURE_SCALE)
     finally:

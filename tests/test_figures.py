@@ -91,6 +91,31 @@ def test_the_column_sweep_clusters_exactly_as_comparing_every_pair(corners, gap)
     assert _cluster(boxes, gap) == _cluster_pairwise(boxes, gap)
 
 
+@pytest.mark.parametrize("turn", [0, 90, 180, 270])
+def test_a_figures_box_is_where_the_rendered_page_shows_it_whatever_the_rotate_and_crop_box(turn):
+    """Boxes are reported on the page as shown (what its image and a citation's outline use): turned by /Rotate
+    and relative to a crop box that does not start at the origin. pdfium gives objects in PDF space, which neither
+    turns nor crops; before, a turned page's boxes were in the wrong place (IoU 0) and a cropped one's shifted."""
+    import io
+
+    import numpy as np
+    import pypdfium2 as pdfium
+
+    b = PageBuilder()
+    b.image((100, 100, 300, 225))  # navy
+    b.text(100, 235, "Figure 1: Revenue.")
+    pdf = pdfium.PdfDocument(b.bytes())
+    pdf[0].set_rotation(turn)
+    pdf[0].set_cropbox(30, 20, 580, 770)
+    out = io.BytesIO()
+    pdf.save(out)
+    page = pdfium.PdfDocument(out.getvalue())[0]
+    (region,) = detect_figures(page)
+    pixels = np.asarray(page.render(scale=1).to_pil().convert("RGB")).astype(int)
+    ys, xs = np.nonzero((pixels[:, :, 2] > 100) & (pixels[:, :, 0] < 50))
+    assert iou(region.bbox_pt, (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)) > 0.99
+
+
 def test_a_plain_text_page_with_a_header_rule_has_no_region():
     b = PageBuilder()
     b.text(72, 40, "Chapter 3: Tutorial")
@@ -137,21 +162,12 @@ def _including(figure_pdf: bytes, page_size: tuple[float, float], at: tuple[floa
     """A document whose one page has body text (and a ``chart`` of paths drawn on the page itself) and the
     figure's page included as ONE form XObject at ``at`` (top-left, points) and ``scale``: what LaTeX's
     \\includegraphics of a PDF figure writes."""
-    import pypdfium2 as pdfium
-
     host = PageBuilder(*page_size)
     host.body(40, 3)
     if chart is not None:
         host.chart(chart)
-    doc = pdfium.PdfDocument(host.bytes())
-    figure = pdfium.PdfDocument(figure_pdf)
-    form = figure.page_as_xobject(0, doc).as_pageobject()
-    height = figure[0].get_size()[1] * scale
-    form.set_matrix(pdfium.PdfMatrix().scale(scale, scale).translate(at[0], page_size[1] - at[1] - height))
-    page = doc[0]
-    page.insert_obj(form)
-    page.gen_content()
-    doc.save(str(path))
+    host.form(figure_pdf, at, scale)
+    Path(path).write_bytes(host.bytes())
 
 
 def test_the_tuning_and_held_out_label_sets_are_well_formed_and_share_no_page():
