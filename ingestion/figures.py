@@ -47,8 +47,8 @@ MIN_IMAGE_SIDE_PT = 40.0  # images smaller than this on a side, or under 1.5 % o
 MIN_IMAGE_SHARE = 0.015
 PAGE_SHARE = 0.85  # an image or path covering this much of the page is the page (a scan, a background)
 LABEL_GAP_PT = 6.0  # a short text line this close to a drawing is one of its labels
-CAPTION_GAP_PT = 30.0
-PANEL_GAP_PT = 24.0  # drawings this close, with nothing between them, are panels of one figure  # a caption this close above or below a region names it
+CAPTION_GAP_PT = 30.0  # a caption this close above or below a region names it
+PANEL_GAP_PT = 24.0  # drawings this close, with nothing between them, are panels of one figure
 _LINE_JOIN_PT = 12.0  # text rectangles on one baseline closer than this are one line
 
 _GRAPHIC = (pdfium_c.FPDF_PAGEOBJ_PATH, pdfium_c.FPDF_PAGEOBJ_SHADING)
@@ -451,6 +451,8 @@ def _finish(region: _Region) -> FigureRegion:
 # - what none of these takes (no object lies mostly inside the region, pdfium refuses to move one, or no page
 #   index was given) is the page inside the region: the crop box set to it, at FIGURE_SCALE pixels per point,
 #   its pixel grid starting at the region's corner.
+# Every crop is turned as its page is shown (/Rotate; for a form, with its placement's quarter turns), like the
+# regions' boxes (_View): a landscape page stored portrait gives the crops of the page stored landscape.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
 FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
 # v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset; boxes and
@@ -583,8 +585,9 @@ def _render_from_origin(copy: pdfium.PdfPage, extent: tuple[float, float, float,
                         turn: int) -> Image.Image | None:
     """``copy``, whose content was moved so ``extent`` (PDF space) starts at the origin, rendered on a page of
     that extent turned by ``turn`` (clockwise degrees) at FIGURE_SCALE (scaled down only to fit ``max_pixels``)
-    without anti-aliasing (FIGURE_RENDER); None for an empty extent. Its size is rounded to SIZE_GRID_PT: the bitmap's is the ceiling of size x scale, which
-    float noise in the extent (222.00002 pt) would otherwise push a pixel further."""
+    without anti-aliasing (FIGURE_RENDER); None for an empty extent. Its size is rounded to SIZE_GRID_PT: the
+    bitmap's is the ceiling of size x scale, which float noise in the extent (222.00002 pt) would otherwise push a
+    pixel further."""
     width, height = (round((hi - lo) / SIZE_GRID_PT) * SIZE_GRID_PT for lo, hi in ((extent[0], extent[2]),
                                                                                    (extent[1], extent[3])))
     if width <= 0 or height <= 0:

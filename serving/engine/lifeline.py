@@ -88,16 +88,15 @@ def keep_engine_sockets_private() -> str | None:
     """
     if RPC_PATH_VAR in os.environ:
         return None
-    base = tempfile.gettempdir()
+    base, owner = tempfile.gettempdir(), os.getpid()
     _sweep_dead_owners(base)
-    path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-", dir=base)
+    path = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{owner}-", dir=base)
     if len(path) + 1 + _UUID_NAME_LEN > _SOCKET_PATH_MAX:  # a long TMPDIR: vLLM's own default is no shorter
         os.rmdir(path)
         log.warning("vLLM's sockets stay in %s: a folder below it would make socket paths longer than %d bytes",
                     base, _SOCKET_PATH_MAX)
         return None
     os.environ[RPC_PATH_VAR] = path
-    owner = os.getpid()
     atexit.register(_remove_if_owner, path, owner)  # a forked child inherits the hook, not the folder
     return path
 
