@@ -318,7 +318,9 @@ def reexec_under_emulated_isa() -> None:
 
 def main() -> None:
     from adapters.hardware import reproducible_numerics
+    from serving.engine.lifeline import exit_promptly
 
+    exit_promptly()  # the command's output is written: exit without seconds of garbage collection
     reproducible_numerics()  # before any matmul: MKL reads it once
     try:
         reexec_under_emulated_isa()

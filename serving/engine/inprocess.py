@@ -181,7 +181,10 @@ class InProcessEngine:
         await self.llm.reset_prefix_cache()
 
     async def close(self) -> None:
-        self.llm.shutdown()
+        # Stopped at once, as `vllm serve` stops its own (VllmConfig.shutdown_timeout 0: requests still in flight
+        # are aborted). vLLM's default here waits 5 s for the engine core, which waits for its worker, which spends
+        # longer than that in its interpreter's final garbage collection: it is killed after the wait anyway.
+        self.llm.shutdown(timeout=0)
         # Drop the last reference now: AsyncLLM.__del__ shuts down again, which fails noisily if it only runs
         # at interpreter exit, after the modules it needs are gone.
         self.llm = None
