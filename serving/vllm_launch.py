@@ -26,8 +26,8 @@ from serving.engine.config import EngineConfig
 from serving.engine.lifeline import (
     PARENT_PID_VAR,
     die_with,
-    keep_engine_sockets_private,
     exit_promptly,
+    keep_engine_sockets_private,
     tie_engine_cores_to_this_process,
 )
 # ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.

@@ -33,7 +33,6 @@ import os
 import select
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -133,8 +132,8 @@ def exit_promptly() -> None:
     """Let this process exit as soon as its work is done: without the interpreter's last garbage collections
     (seconds; see above) and without the noise of its teardown.
 
-    Call it first thing: atexit runs its hooks last-registered first, so this one runs after every other
-    (temporary folders, logging, vLLM's and our own clean-ups). It flushes every file still open for writing, then
+    Call it first thing: atexit runs its hooks last-registered first, so this one runs after every hook registered
+    after it (temporary folders, vLLM's and our own clean-ups). It flushes every file still open for writing, then
     ``gc.freeze()`` moves every object still tracked to the permanent generation, which those collections skip.
     What is skipped is the finalizers of objects still alive at exit (Python never promises to run them): of
     those, what loses data is a buffered write to a file never closed, hence the flush first; a writer that must
