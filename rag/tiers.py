@@ -3,10 +3,10 @@
 Indexed pages carry the key of the ``standard`` tier; their tokens in another tier are looked up under the same
 content hash and encoder with that tier's policy (``ImageKey.in_policy``). A page whose tokens in the asked tier
 are not stored yet is encoded on demand, once, from its source file (the page image is at hand: the index names
-the file and page), and the forward is counted in the answer's ``usage.vision_encodes``. What an encoder makes is
-stored under that encoder's own key (``key_for``), through a store scoped to it: the key names the encoder that
-made the tokens, not the one the index names. Only when it cannot be (its source is gone
-or renders another image, or the tower is not in this process: MMRAG_VISION_URL) does the page fall back to
+the file and page; a figure shown as its crop is cropped from it again), and the forward is counted in the
+answer's ``usage.vision_encodes``. What an encoder makes is stored under that encoder's own key (``key_for``),
+through a store scoped to it: the key names the encoder that made the tokens, not the one the index names. Only
+when it cannot be (its source is gone or renders another image, or the tower is not in this process: MMRAG_VISION_URL) does the page fall back to
 the nearest tier whose tokens are stored, and the answer says so (``tier.fell_back``).
 """
 
@@ -136,12 +136,22 @@ class PageTiers:
         return served
 
     def _render(self, hit: Hit) -> Image.Image:
+        """The image ``hit`` shows, rendered from its source as ingestion rendered it: its page, or, for a figure
+        shown as its crop (rag/plans.shown_as_figures), that figure's crop of the page."""
         from ingestion.loaders import IngestError, render_page
 
+        crop = hit.figure is not None and hit.image_key.content_hash == hit.figure.image_key.content_hash
+        settings = self.settings.model_copy(update={"figures": True}) if crop else self.settings
         try:
-            rendered = render_page(Path(hit.path), hit.page, self.settings)
+            rendered = render_page(Path(hit.path), hit.page, settings)
         except IngestError as exc:
             raise PageUnavailableError(f"its source file cannot be opened: {exc}") from exc
+        if rendered is not None and crop:
+            found = next((c.image for c in rendered.figures if c.content_hash == hit.image_key.content_hash), None)
+            if found is None:
+                raise PageUnavailableError(f"its source file changed since it was indexed: no crop of "
+                                           f"{hit.figure.label} on the page matches")
+            return found
         if rendered is None or rendered.content_hash != hit.image_key.content_hash:
             raise PageUnavailableError("its source file changed since it was indexed")
         return rendered.image

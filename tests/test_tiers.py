@@ -161,6 +161,36 @@ async def test_tokens_encoded_on_demand_are_keyed_by_the_encoder_that_made_them(
     assert set(store.keys()) == {high.key_for(h.image_key.content_hash) for h in hits}
 
 
+async def test_a_figure_shown_as_its_crop_is_cropped_again_and_encoded_on_demand_in_the_asked_tier(
+        engine_settings, ingested, encoder, tmp_path):
+    """MMRAG_FIGURE_CROPS shows a figure hit as its crop (rag/plans.shown_as_figures): a crop missing in the asked
+    tier is cropped from its page again, encoded once under the crop's own key, not refused as a changed page."""
+    from ingestion.loaders import render_page
+    from rag.plans import shown_as_figures
+
+    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    try:
+        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+    finally:
+        client.close()
+    pages = [PagePayload.from_qdrant(x.payload) for x in points]
+    page = next(p for p in sorted(pages, key=lambda p: (p.doc, p.page)) if p.figures and p.figures[0].region.number)
+    figure = page.figures[0]
+    question = f"What does {figure.label} show?"
+    (shown,), = shown_as_figures([[dataclasses.replace(Hit.of(page, 1.0, question), figure=figure)]], [question])
+    assert shown.image_key == figure.image_key  # the crop, not the page
+    store = DiskFeatureStore(tmp_path / "features")
+    got = await PageTiers(engine_settings, store, encoder.with_policy)([[shown]], "high")
+    high = encoder.with_policy(engine_settings.tier_table.policy("high"))
+    assert got.fell_back == [] and got.vision_encodes == 1
+    (tiered,), = got.hits
+    assert tiered.image_key == high.key_for(figure.image_key.content_hash) and tiered.figure == figure
+    crop = next(c for c in render_page(Path(page.path), page.page, engine_settings).figures
+                if c.content_hash == figure.image_key.content_hash)
+    assert store.get(tiered.image_key).num_tokens == tiered.image_tokens == high.num_tokens_for(crop.image)
+    assert tiered.image_key.policy != figure.image_key.policy
+
+
 async def test_a_page_whose_source_is_gone_falls_back_to_the_nearest_stored_tier(engine_settings, hits, encoder,
                                                                                  tmp_path):
     store = DiskFeatureStore(tmp_path / "features")
