@@ -373,7 +373,7 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
     for q in questions:
         hits = question_hits(q, titles, ingested)
         if figures:
-            hits = shown_as_figures(hits)
+            hits = shown_as_figures(hits, q.sub_texts(titles))
         for hs in hits:
             popularity.observe(h.image_key for h in hs)
         choice = choose_answer(mode, hits, misfit=lambda pages: None, popularity=popularity)

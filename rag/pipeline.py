@@ -129,7 +129,7 @@ class Pipeline:
         if not any(retrieved) and not images:
             return run.clock.stamp(self._no_pages(run, decomposition, Usage()))
         usage = Usage()
-        hits, cut, tiered = await self._pages(retrieved, images, tier, usage)
+        hits, cut, tiered = await self._pages(retrieved, subs, images, tier, usage)
         lease = self.lease()
         try:
             gone = await asyncio.to_thread(lease.take, {h.image_key for hs in hits for h in hs})
@@ -183,13 +183,13 @@ class Pipeline:
             answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
         return answer
 
-    async def _pages(self, retrieved: list[list[Hit]], images: Sequence[ImageKey], tier: str | None, usage: Usage
-                     ) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
+    async def _pages(self, retrieved: list[list[Hit]], subs: Sequence[str], images: Sequence[ImageKey],
+                     tier: str | None, usage: Usage) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
         """Each sub-question's pages that a prompt has room for beside the question's images (and those cut),
         in the asked tier (its on-demand encodes counted in ``usage``), their token counts recorded for the
         scheduler and their use counted in the popularity order."""
         if self.config.figure_crops:
-            retrieved = shown_as_figures(retrieved)
+            retrieved = shown_as_figures(retrieved, subs)
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
 from core.engine import Layout, PromptPlan, SamplingSpec
+from core.figures import PageFigure
 from core.keys import ImageKey
+from core.text import figure_refs
 from rag.answer import Citation
 from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit
@@ -174,13 +177,35 @@ def part_heading(page: Hit, first: bool) -> str:
     return f"{'' if first else chr(10) * 2}{image_label(page, in_prompt=False)}: "
 
 
-def shown_as_figures(hits: Sequence[Sequence[Hit]]) -> list[list[Hit]]:
-    """Each hit on a figure (``Hit.figure``) shown as the figure's crop: its image key and tokens, the page's
-    place kept for the citation. What the model then loses is the page around the figure: its body text, its
-    other figures, and the caption's look (the caption is given as text, one_prompt_text). A hit on no figure
-    stays its page."""
+# Words by which a question asks for what a page SAYS, not what its figure shows: the page is shown then.
+_PAGE_WORDS = re.compile(r"\b(?:text|texts|paragraphs?|sections?|passages?|surrounding|according|why|explain\w*|"
+                         r"discuss\w*|mention\w*|say|says|said|conclu\w*)\b", re.IGNORECASE)
+
+
+def needs_page(question: str, figure: PageFigure) -> str | None:
+    """Why ``question`` needs more than ``figure``'s crop (None when the crop is enough): it asks what the page
+    says around the figure (its words: "according to the text", "why", "explain", "what does the section
+    conclude"; _PAGE_WORDS), or it names another figure or table than this one ("compare Figure 2 with Table
+    3"), which the page may show beside it. A rule over the question's words, so it errs on the page's side: a
+    question the crop would answer but that uses one of those words costs the page's tokens, never an answer."""
+    if word := _PAGE_WORDS.search(question):
+        return f"it asks what the page says ({word.group(0)!r})"
+    others = [ref for ref in figure_refs(question) if ref != figure.region.ref]
+    if others:
+        kind, number = others[0]
+        return f"it names {kind} {number} too"
+    return None
+
+
+def shown_as_figures(hits: Sequence[Sequence[Hit]], questions: Sequence[str]) -> list[list[Hit]]:
+    """Each hit on a figure (``Hit.figure``) shown as the figure's crop, its image key and tokens, the page's
+    place kept for the citation, unless its sub-question (``questions[i]`` found ``hits[i]``) needs more than
+    the figure (:func:`needs_page`): then it stays its page, the figure still named in its citation. What the
+    model loses with the crop alone is the page around the figure: its body text, its other figures, and the
+    caption's look (the caption is given as text, one_prompt_text). A hit on no figure stays its page."""
     return [[dataclasses.replace(h, image_key=h.figure.image_key, image_tokens=h.figure.image_tokens)
-             if h.figure is not None else h for h in hs] for hs in hits]
+             if h.figure is not None and needs_page(q, h.figure) is None else h for h in hs]
+            for hs, q in zip(hits, questions, strict=True)]
 
 
 def image_label(hit: Hit, *, in_prompt: bool = True) -> str:

@@ -8,13 +8,14 @@ from dataclasses import replace
 
 import pytest
 
+from core.figures import FigureRegion, PageFigure
 from core.keys import ImageKey
 from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, one_prompt_plan, one_prompt_text,
-                       per_image_plans, plan_prompts, synthesis_plan, union_pages)
+from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, needs_page, one_prompt_plan,
+                       one_prompt_text, per_image_plans, plan_prompts, shown_as_figures, synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
@@ -70,12 +71,17 @@ async def test_per_sub_question_answers_each_within_its_own_length_then_synthesi
     assert p.submitted[-1].sampling.max_tokens == 8
 
 
-async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with):
-    # fp32, greedy: the answer from the prefix cache is the answer computed cold, token for token.
-    p = pipeline_with("canonical")
+@pytest.mark.parametrize("figure_crops", [False, True], ids=["pages", "figure_crops"])
+async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with, figure_crops):
+    # fp32, greedy: the answer from the prefix cache is the answer computed cold, token for token; with
+    # MMRAG_FIGURE_CROPS too, where a question about Figure 4 is shown its crop beside the other part's pages.
+    p = pipeline_with("canonical", figure_crops=figure_crops)
+    question = "What does Figure 4 show, and what is the retry limit?" if figure_crops else TWO_PART
     await p.engine.reset_prefix_cache()
-    cold = await p.ask(TWO_PART)
-    warm = await p.ask(TWO_PART)
+    cold = await p.ask(question)
+    warm = await p.ask(question)
+    crops = [c.figure.image_key for c in cold.citations if c.figure is not None and c.image_key == str(c.figure.image_key)]
+    assert len(crops) == figure_crops and all(k in p.submitted[0].images for k in crops)
     assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64
     assert warm.answer == cold.answer and warm.usage.completion_tokens == cold.usage.completion_tokens
 
@@ -464,6 +470,44 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     assert len(alone) == 1 and len(crops.submitted) - 1 == len(led.extra["image_answers"]) > 1
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload: " in led.answer
     assert ImageKey.parse(cited.image_key) not in plan.images  # the page itself is not shown
+    # A question about what the page says around the figure is shown the page, the figure still cited.
+    crops.submitted.clear()
+    around = await crops.ask("According to the text, what does Figure 4 show about the hit rate by workload?",
+                             answer_mode="one_prompt")
+    (named,) = [c for c in around.citations if c.figure is not None]
+    (plan,) = crops.submitted
+    assert named.figure == cited.figure and named.image_key == cited.image_key
+    assert ImageKey.parse(cited.image_key) in plan.images and cited.figure.image_key not in plan.images
+
+
+def test_a_figure_hit_is_shown_as_its_crop_unless_its_question_needs_more_than_the_figure():
+    """MMRAG_FIGURE_CROPS: a question about the figure is shown its crop; one that asks what the page says around
+    it, or names another figure or table, is shown the page (its citation still names the figure)."""
+    page_key, crop_key = (ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "ab")
+    figure = PageFigure(FigureRegion(4, "figure", "Figure 4: hit rate by workload", (72, 90, 400, 300), "vector"),
+                        crop_key, 64)
+    hit = Hit(page_id="p", doc_id="d", doc="paper.pdf", page=4, score=1.0, snippet="", image_key=page_key,
+              image_tokens=247, path="paper.pdf", figure=figure)
+    crop_alone = ["What does Figure 4 show?", "What does the chart of hit rate by workload show?",
+                  "Which workload has the highest hit rate in figure 4?", "Compare Figure 4 and figure 4.",
+                  "What do the page views by region look like in Figure 4?"]  # "page" names no prose
+    with_page = {"Why does the hit rate in Figure 4 drop?": "'Why'",
+                 "According to the text, what does Figure 4 show?": "'According'",
+                 "What does the section around Figure 4 conclude?": "'section'",
+                 "How is Figure 4 explained?": "'explained'",
+                 "Compare Figure 4 with Table 2.": "table 2", "Is Figure 4 like Fig. 5?": "figure 5"}
+    for question in crop_alone:
+        assert needs_page(question, figure) is None, question
+    for question, why in with_page.items():
+        assert why in needs_page(question, figure), question
+    questions = [*crop_alone, *with_page]
+    shown = shown_as_figures([[hit, replace(hit, figure=None)]] * len(questions), questions)
+    for question, (first, whole) in zip(questions, shown):
+        want = (crop_key, 64) if question in crop_alone else (page_key, 247)
+        assert (first.image_key, first.image_tokens, first.figure) == (*want, figure), question
+        assert whole == replace(hit, figure=None)  # a hit on no figure stays its page
+    with pytest.raises(ValueError):  # a sub-question for every hit list
+        shown_as_figures([[hit]], [])
 
 
 async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_resident(pipeline_with):
