@@ -229,3 +229,33 @@ def test_a_page_whose_figures_have_no_number_says_to_outline_one_by_its_box(figu
         _figure_box(page, 1)
     assert refused.value.kind == "unknown_figure" and "none of its 1 figures has a number" in refused.value.message
     assert "figure.bbox" in refused.value.fix
+
+
+def test_a_figure_and_a_table_of_one_number_are_told_apart_by_kind(figures_app):
+    """A page may number a figure and a table alike ("Figure 2", "Table 2"): ``kind`` (a citation's
+    ``figure.kind``) says which to outline; unset, the figure."""
+    from serving.api.errors import ApiError
+    from serving.api.routers.documents import _figure_box
+
+    both = dataclasses.replace(figures_app["payload"], figures=(
+        figure(2, "Table 2: Latency", (5, 6, 70, 80), "table"), figure(2, "Figure 2: Revenue", (1, 2, 30, 40))))
+    assert _figure_box(both, 2) == _figure_box(both, 2, "figure") == (1, 2, 30, 40)
+    assert _figure_box(both, 2, "table") == (5, 6, 70, 80)
+    only_figure = dataclasses.replace(both, figures=both.figures[1:])
+    with pytest.raises(ApiError) as refused:
+        _figure_box(only_figure, 2, "table")
+    assert refused.value.kind == "unknown_figure" and "no table 2, only a figure 2" in refused.value.message
+    assert "kind=figure" in refused.value.fix
+
+
+async def test_kind_outlines_a_table_by_its_number_and_is_refused_without_figure(figures_app):
+    http, page = figures_app["http"], figures_app["page"]
+    plain = await http.get(f"/v1/pages/{page}/image", params={"figure": 3})
+    same = await http.get(f"/v1/pages/{page}/image", params={"figure": 3, "kind": "figure"})
+    assert plain.status_code == same.status_code == 200 and plain.content == same.content
+    table = await http.get(f"/v1/pages/{page}/image", params={"figure": 3, "kind": "table"})
+    assert table.status_code == 404 and table.json()["error"]["type"] == "unknown_figure", table.text
+    alone = await http.get(f"/v1/pages/{page}/image", params={"kind": "table"})
+    assert alone.status_code == 400 and alone.json()["error"]["type"] == "conflicting_parameters", alone.text
+    bad = await http.get(f"/v1/pages/{page}/image", params={"figure": 3, "kind": "chart"})
+    assert bad.status_code == 422, bad.text

@@ -74,6 +74,19 @@ async def test_the_openai_client_gets_an_answer_with_footnoted_citations_and_usa
     assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
 
 
+async def test_a_footnote_names_the_figure_a_question_about_it_was_answered_from(client):
+    """Issue 26: the sample paper's page 4 holds "Figure 4: hit rate by workload"; the footnote of its citation
+    names the figure after the page, as the citation's `figure` does."""
+    done = await client.chat.completions.create(
+        model="mmrag", messages=[{"role": "user", "content": "What does Figure 4 show about the hit rate?"}])
+    citations = done.model_extra["citations"]
+    (cited,) = [c for c in citations if c["figure"] is not None]
+    assert (cited["doc"], cited["page"], cited["figure"]["number"]) == ("page_cache_paper.pdf", 4, 4)
+    notes = done.choices[0].message.content.rsplit("\n\n", 1)[-1].splitlines()
+    assert f"[{citations.index(cited) + 1}] page_cache_paper.pdf, page 4, Figure 4: hit rate by workload" in notes
+    assert len(notes) == len(citations)
+
+
 async def test_the_openai_client_streams_the_answer_then_its_footnotes_then_the_usage(client):
     stream = await client.chat.completions.create(model="mmrag", messages=[{"role": "user", "content": RETRY}],
                                                   stream=True, stream_options={"include_usage": True})

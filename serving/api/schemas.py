@@ -152,7 +152,8 @@ class Citation(_Response):
     figure: FigureCitation | None = Field(
         default=None, description="The figure of the page the hit was on (the question named its number, or its "
         "caption matched best); null when the hit was the page as a whole. GET "
-        "/v1/pages/{page_id}/image?figure=N shows it outlined (N: its `number`; `bbox=` for one without).")
+        "/v1/pages/{page_id}/image?figure=N shows it outlined (N: its `number`, `&kind=table` for a table; `bbox=` "
+        "for one without).")
 
 
 class Usage(_Response):

@@ -9,7 +9,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
@@ -174,10 +174,11 @@ async def page(page_id: str, services: TenantDep) -> Page:
 
 IMAGE_ERRORS = {
     **PAGE_ERRORS, **SOURCE_GONE,
-    404: "No indexed page has this id (`unknown_page`), or the page has no figure numbered `figure` "
+    404: "No indexed page has this id (`unknown_page`), or the page has no figure (of `kind`) numbered `figure` "
          "(`unknown_figure`; the message names the numbers it has).",
     400: "`bbox` is not four numbers x0,y0,x1,y1 (points, top-left origin) with x0 < x1 and y0 < y1 inside the page "
-         "(`invalid_bbox`), or `figure` and `bbox` are both given (`conflicting_parameters`).",
+         "(`invalid_bbox`), or `figure` and `bbox` are both given, or `kind` without `figure` "
+         "(`conflicting_parameters`).",
 }
 BBOX_FIX = ("give bbox=x0,y0,x1,y1 in PDF points (1/72 inch), top-left origin, y down, inside the page: a "
             "citation's `figure.bbox` is one")
@@ -193,10 +194,17 @@ async def page_image(
     page_id: str, services: TenantDep,
     figure: int | None = Query(None, ge=1, description="Outline this figure (or table) of the page: the `number` of "
                                "a citation's `figure`. The page's figures without a number: use their `bbox`."),
+    kind: Literal["figure", "table"] | None = Query(None, description="With `figure`: a figure's or a table's "
+                                                    "number (a citation's `figure.kind`; `image` and `slide` are "
+                                                    "figures). Unset: the one so numbered, the figure where a "
+                                                    "figure and a table share the number."),
     bbox: str | None = Query(None, max_length=200, description="Outline this box: `x0,y0,x1,y1` in PDF points "
                              "(1/72 inch), top-left origin, y down (a citation's `figure.bbox`); drawn at the "
                              "render's MMRAG_PDF_DPI/72 pixels per point (an image document: its pixels)."),
 ) -> Response:
+    if kind is not None and figure is None:
+        raise ApiError(400, "conflicting_parameters", "`kind` says which of a figure and a table `figure` names, "
+                       "and no `figure` is given", "give figure=N with kind, or leave kind out", param="kind")
     if figure is not None and bbox is not None:
         raise ApiError(400, "conflicting_parameters", "`figure` and `bbox` both name a box to outline",
                        "give one of them: figure=N for a numbered figure of the page, bbox=x0,y0,x1,y1 for any box",
@@ -204,7 +212,7 @@ async def page_image(
     box = _parse_bbox(bbox) if bbox is not None else None
     found = await _page(services, page_id)
     if figure is not None:
-        box = _figure_box(found, figure)
+        box = _figure_box(found, figure, kind)
     path = Path(found.path)
     if box is None:  # the page as is: the bytes it always was
         png = await asyncio.to_thread(_render_png, path, found.page, services.settings)
@@ -230,11 +238,17 @@ def _parse_bbox(text: str) -> Box:
     return x0, y0, x1, y1
 
 
-def _figure_box(page: PagePayload, number: int) -> Box:
-    """The box of the page's figure ``number``; 404 naming the numbers it has, or saying it has none."""
-    found = page.figure(number)
-    if found is not None:
-        return found.region.bbox_pt
+def _figure_box(page: PagePayload, number: int, kind: str | None = None) -> Box:
+    """The box of the page's figure (or table: ``kind``) ``number``, the figure where both share it and ``kind``
+    is None; 404 naming the numbers it has, or saying it has none."""
+    named = [f for f in page.figures if f.region.ref is not None and f.region.number == number
+             and kind in (None, f.region.ref[0])]
+    if named:
+        return min(named, key=lambda f: f.region.ref[0] != "figure").region.bbox_pt
+    if kind is not None and any(f.region.number == number for f in page.figures):
+        other = "figure" if kind == "table" else "table"
+        raise ApiError(404, "unknown_figure", f"page {page.page} of {page.doc} has no {kind} {number}, only a "
+                       f"{other} {number}", f"ask for kind={other}, or leave kind out", param="kind")
     where = f"page {page.page} of {page.doc}"
     numbers = sorted({f.region.number for f in page.figures if f.region.number is not None})
     if numbers:

@@ -235,7 +235,7 @@ class Turn {
   source(c) {
     const fig = c.figure;
     let path = `v1/pages/${encodeURIComponent(c.page_id)}/image`;
-    if (fig && fig.number !== null) path += `?figure=${fig.number}`;
+    if (fig && fig.number !== null) path += `?figure=${fig.number}${fig.kind === "table" ? "&kind=table" : ""}`;
     else if (fig) path += `?bbox=${fig.bbox.join(",")}`;
     const where = `${c.doc}, page ${c.page}`;
     const img = el("img", { alt: fig ? `${where}, ${figureName(fig)} outlined in red` : `${where}`,
