@@ -328,6 +328,30 @@ def test_reencode_gives_figure_crops_the_new_encoders_keys_and_index_check_count
     assert (current.pages, current.figures) == (2, 2)
 
 
+def test_reencode_leaves_a_page_whose_figure_crops_differently_as_it_was_and_says_why(ingested, tmp_path):
+    """A page whose indexed figure no crop of its render matches any more (another detector made it) is not
+    switched to keys that would name other pixels: it keeps its old keys, skipped with the reason."""
+    from ingestion.reencode import FIGURES_CHANGED, Reencoder
+
+    settings = copied(ingested, tmp_path, encoder_salt="figures-c")
+    before = pages_of(settings)
+    deck = before["deck.pdf"]
+    (fig,) = deck.figures
+    older = dataclasses.replace(fig, image_key=dataclasses.replace(fig.image_key, content_hash="f" * 64))
+    index = wiring.read_index(settings)
+    try:
+        index.set_page_fields(deck.page_id, {"figures": [older.to_json()]})
+        report = Reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
+                           store=wiring.feature_store(settings), index=index).run()
+    finally:
+        index.client.close()
+    assert report.reencoded == 1 and [(s.path, s.page, s.reason) for s in report.skipped] == \
+        [(deck.path, deck.page, FIGURES_CHANGED)]
+    after = pages_of(settings)
+    assert after["deck.pdf"].image_key == deck.image_key and after["deck.pdf"].figures == (older,)
+    assert after["report.pdf"].image_key != before["report.pdf"].image_key  # the other page moved on
+
+
 def test_with_figures_off_pages_carry_none_and_their_fingerprint_says_so(tiny_model, ingested, tmp_path):
     settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, figures=False)
     ingestor = wiring.ingestor(settings)

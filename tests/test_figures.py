@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bench.figures.evaluate import match
 from core.figures import FigureRegion, iou, union_box
 from devkit.pdfbuild import PageBuilder
-from ingestion.figures import _cluster, detect_figures
+from ingestion.figures import _cluster, detect_figures, figure_text
 
 
 def close(a, b, tol=2.0) -> bool:
@@ -136,6 +136,37 @@ def test_two_figures_on_a_page_come_in_reading_order_with_their_own_numbers():
     assert (second.number, second.source) == (2, "raster")
     assert first.bbox_pt[1] < second.bbox_pt[1]
     assert close(second.bbox_pt, (150, 420, 450, 620))
+
+
+def test_a_fig_dot_caption_below_and_a_table_caption_above_name_their_regions():
+    """The caption styles a figure is numbered by, through detection: "Fig. 7." below a picture, and "Table 2:"
+    above a table drawn as rules (a table's caption is printed above it)."""
+    b = PageBuilder()
+    b.body(60, 3)
+    b.image((150, 120, 450, 300))
+    b.text(150, 312, "Fig. 7. Queue depth over one day.")
+    b.body(350, 2)
+    b.text(150, 420, "Table 2: Retry limits by service.")
+    for k in range(6):  # a ruled table: six rules across, two down
+        b.line(150, 440 + 30 * k, 450)
+    b.rect((150, 440, 450, 590))
+    b.rect((300, 440, 300.5, 590), fill=True)
+    figure, table = detect_figures(b.open())
+    assert (figure.number, figure.kind, figure.source) == (7, "figure", "raster")
+    assert figure.caption.startswith("Fig. 7. Queue depth") and close(figure.bbox_pt, (150, 120, 450, 300))
+    assert (table.number, table.kind, table.source) == (2, "table", "vector") and table.ref == ("table", "2")
+    assert table.caption.startswith("Table 2: Retry limits") and iou(table.bbox_pt, (150, 440, 450, 590)) > 0.9
+
+
+def test_a_figure_point_is_found_by_its_caption_and_the_sentences_that_name_it():
+    region = FigureRegion(3, "figure", "Figure 3: Revenue by quarter.", (0, 0, 10, 10), "raster")
+    page = ("Sales rose. As Figure 3 shows, revenue peaked in Q2. Table 3 lists the regions. "
+            "Figures 2-4 share one axis.\nNothing else names it.")
+    assert figure_text(region, page) == ("Figure 3: Revenue by quarter. As Figure 3 shows, revenue peaked in Q2. "
+                                         "Figures 2-4 share one axis.")
+    table = FigureRegion(3, "table", "", (0, 0, 10, 10), "vector")
+    assert figure_text(table, page) == "Table 3 lists the regions."
+    assert figure_text(FigureRegion(None, "image", "", (0, 0, 10, 10), "raster"), page) == ""
 
 
 def test_bbox_px_at_scale_2_doubles_the_box_and_json_round_trips():
