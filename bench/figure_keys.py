@@ -15,7 +15,7 @@ before is a page-level hit too. So the run sweeps it (``placements``: 2, 3, 4 an
 questions, the same charts asked in the same order, each ask reaching its chart through one of the chart's first
 ``placements`` pages (one uniform draw per ask, shared by every point of the sweep). Each question becomes the
 one prompt mmrag serves (rag/plans: choose_answer's pages in the popularity order, one_prompt_plan), from hits
-built on the indexed payloads (retrieval.search.Hit with ``figure`` = the page's chart):
+built on the indexed payloads (retrieval.search.Hit.of, whose ``figure`` must be the page's chart):
 
 - ``page_level``: every hit shows its page (the page's key);
 - ``figure_level``: the same hits through ``shown_as_figures`` (MMRAG_FIGURE_CROPS): the chart's crop key;
@@ -353,12 +353,15 @@ def make_questions(corpus: FigureCorpus, n: int, zipf_s: float, seed: int, place
 
 
 def question_hits(q: FigureQuestion, titles: Sequence[str], ingested: Ingested) -> list[list[Hit]]:
-    """One hit per sub-question: the page it reaches its chart through, ``figure`` that chart (retrieval's
-    hit_figure would name it on a captioned page; a slide's chart has no caption, so it is set here)."""
+    """One hit per sub-question: the page it reaches its chart through, its figure named as retrieval names it
+    (retrieval/search.py hit_figure: by the caption, on a slide by its title), which must be that chart."""
     out = []
     for text, place in zip(q.sub_texts(titles), q.places):
         page = ingested.by_place[(place.doc, place.page)]
-        hit = replace(Hit.of(page, 1.0, text), figure=ingested.chart_figure[(place.doc, place.page)])
+        hit = Hit.of(page, 1.0, text)
+        if hit.figure != ingested.chart_figure[(place.doc, place.page)]:
+            raise RuntimeError(f"{text!r} names {hit.figure} on {place.doc} page {place.page}, not its chart: "
+                               "the figure corpus no longer matches retrieval's hit_figure")
         out.append([hit])
     return out
 
@@ -372,13 +375,13 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
     plans = {}
     for q in questions:
         hits = question_hits(q, titles, ingested)
+        subs = q.sub_texts(titles)
+        question = " ".join(subs)
         if figures:
-            hits = shown_as_figures(hits, q.sub_texts(titles))
+            hits = shown_as_figures(hits, subs, whole=question)
         for hs in hits:
             popularity.observe(h.image_key for h in hs)
         choice = choose_answer(mode, hits, misfit=lambda pages: None, popularity=popularity)
-        subs = q.sub_texts(titles)
-        question = " ".join(subs)
         if choice.mode is AnswerMode.PER_IMAGE:
             shown = [p.plan for p in per_image_plans(question, subs, choice.pages, max_tokens=max_tokens, hits=hits)]
         else:

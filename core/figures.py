@@ -11,6 +11,7 @@ point maps a box to pixels by one multiplication (:meth:`FigureRegion.bbox_px`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -59,6 +60,20 @@ class FigureRegion:
         if self.number is None:
             return None
         return ("table" if self.kind == "table" else "figure"), str(self.number)
+
+    def named_by(self, ref: tuple[str, str]) -> bool:
+        """Whether a question's reference (core/text.py figure_refs: ("figure", "3")) names this figure: its kind
+        (a table, or any other kind as a figure) and its number, as a whole number or as its caption prints it
+        ("Table IV", "Figure 3.2"), a panel of it included ("Figure 3a", "Figure 3b")."""
+        kind, number = ref
+        if kind != ("table" if self.kind == "table" else "figure"):
+            return False
+        printed = caption_label(self.caption)
+        own = {str(self.number)} if self.number is not None else set()
+        if printed is not None and printed[0] == kind:
+            own.add(printed[1].upper())
+        panel = re.fullmatch(r"(\d+)[a-z]", number)
+        return number.upper() in own or (panel is not None and panel.group(1) in own)
 
     def bbox_px(self, scale: float, size: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
         """The box on the page rendered at ``scale`` pixels per point: outward-rounded ints, clamped at 0 and,

@@ -327,6 +327,12 @@ class Settings(BaseSettings):
         return self.late_retriever is None and (self.clip_weights is not None or self.clip_random_init)
 
     @property
+    def page_image_channel(self) -> bool:
+        """A page-image channel (CLIP or late interaction) is on: it finds a figure's crop by its pixels, so
+        retrieval can name any figure, an uncaptioned one too."""
+        return self.image_channel or self.late_retriever is not None
+
+    @property
     def late_retriever(self) -> Path | None:
         """The late-interaction checkpoint of the page-image channel, when MMRAG_PAGE_RETRIEVER names one."""
         value = self.page_retriever.strip()

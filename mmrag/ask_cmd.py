@@ -135,7 +135,8 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float, tenant:
             payloads = index.pages()
         encoder = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
         candidates = rank_by_demand((key, tokens) for key, tokens in
-                                    leading_images(payloads, figure_crops=settings.figure_crops)
+                                    leading_images(payloads, figure_crops=settings.figure_crops,
+                                                   by_pixels=settings.page_image_channel)
                                     if encoder.covers(key))
         if not pages_spec:
             candidates = candidates[:top] if top else candidates

@@ -178,13 +178,15 @@ async def cited_pages(settings: Settings, searcher: PageSearcher, questions: lis
     from core.engine import Layout
     from rag.decompose import RuleDecomposer
     from rag.order import PagePopularity
-    from rag.plans import AnswerMode, choose_answer, cite, fit_pages
+    from rag.plans import AnswerMode, choose_answer, cite, fit_pages, shown_as_figures
 
     rules = RuleDecomposer(max_n=settings.max_sub_questions)
     out = []
     for question in questions:  # one round trip per question, as an answer makes
         subs = rules.split(question)
         hits = await searcher.search_many(subs, top_k=settings.top_k, context=question if len(subs) > 1 else None)
+        if settings.figure_crops:  # a figure's crop is an image of its own: one key wherever it recurs
+            hits = shown_as_figures(hits, subs, whole=question)
         shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout(settings.layout))
         choice = choose_answer(AnswerMode(settings.answer_mode), shown, misfit=lambda pages: None,
                                popularity=PagePopularity(), layout=Layout(settings.layout),

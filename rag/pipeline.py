@@ -129,7 +129,7 @@ class Pipeline:
         if not any(retrieved) and not images:
             return run.clock.stamp(self._no_pages(run, decomposition, Usage()))
         usage = Usage()
-        hits, cut, tiered = await self._pages(retrieved, subs, images, tier, usage)
+        hits, cut, tiered = await self._pages(retrieved, question, subs, images, tier, usage)
         lease = self.lease()
         try:
             gone = await asyncio.to_thread(lease.take, {h.image_key for hs in hits for h in hs})
@@ -183,13 +183,14 @@ class Pipeline:
             answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
         return answer
 
-    async def _pages(self, retrieved: list[list[Hit]], subs: Sequence[str], images: Sequence[ImageKey],
-                     tier: str | None, usage: Usage) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
+    async def _pages(self, retrieved: list[list[Hit]], question: str, subs: Sequence[str],
+                     images: Sequence[ImageKey], tier: str | None, usage: Usage
+                     ) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
         """Each sub-question's pages that a prompt has room for beside the question's images (and those cut),
         in the asked tier (its on-demand encodes counted in ``usage``), their token counts recorded for the
         scheduler and their use counted in the popularity order."""
         if self.config.figure_crops:
-            retrieved = shown_as_figures(retrieved, subs)
+            retrieved = shown_as_figures(retrieved, subs, whole=question)
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
                               layout=self.config.layout)
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None
@@ -269,7 +270,7 @@ class Pipeline:
         async def sub_answer(p: PlannedPrompt) -> dict:
             c = await self._submit(p.plan, run if only else None)
             usage.add(c.usage)
-            row = {"sub_question": p.plan.text, "answer": c.text,
+            row = {"sub_question": p.question, "answer": c.text,
                    **({"page": page_label(p.page)} if p.page is not None else {})}
             run.emit({"event": "sub_answer", **row})
             return row

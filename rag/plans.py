@@ -70,6 +70,12 @@ class PlannedPrompt:
     plan: PromptPlan
     sub_question: int  # index into the sub-questions
     page: Hit | None = None  # per-page layout: the page the plan is about
+    asked: str | None = None  # the sub-question, where the plan's text also says what its images are
+
+    @property
+    def question(self) -> str:
+        """What this plan asks, as the sub-answers and the synthesis show it."""
+        return self.plan.text if self.asked is None else self.asked
 
 
 # --- one prompt --------------------------------------------------------------------------------------------
@@ -177,41 +183,45 @@ def part_heading(page: Hit, first: bool) -> str:
     return f"{'' if first else chr(10) * 2}{image_label(page, in_prompt=False)}: "
 
 
-# Words by which a question asks for what a page SAYS, not what its figure shows: the page is shown then.
-_PAGE_WORDS = re.compile(r"\b(?:text|texts|paragraphs?|sections?|passages?|surrounding|according|why|explain\w*|"
-                         r"discuss\w*|mention\w*|say|says|said|conclu\w*)\b", re.IGNORECASE)
+# Words by which a question asks for what a page SAYS, not what its figure shows: the page is shown then. Whole
+# words only ("cross-section" is not "section").
+_PAGE_WORDS = re.compile(r"(?<![\w-])(?:text|texts|paragraphs?|sections?|passages?|surrounding|according|why|"
+                         r"explain\w*|discuss\w*|mention\w*|say|says|said|conclu\w*)(?![\w-])", re.IGNORECASE)
 
 
-def needs_page(question: str, figure: PageFigure) -> str | None:
-    """Why ``question`` needs more than ``figure``'s crop (None when the crop is enough): it asks what the page
-    says around the figure (its words: "according to the text", "why", "explain", "what does the section
-    conclude"; _PAGE_WORDS), or it names another figure or table than this one ("compare Figure 2 with Table
-    3"), which the page may show beside it. A rule over the question's words, so it errs on the page's side: a
-    question the crop would answer but that uses one of those words costs the page's tokens, never an answer."""
-    if word := _PAGE_WORDS.search(question):
-        return f"it asks what the page says ({word.group(0)!r})"
-    others = [ref for ref in figure_refs(question) if ref != figure.region.ref]
+def needs_page(question: str, figure: PageFigure, *, whole: str = "") -> str | None:
+    """Why ``question`` needs more than ``figure``'s crop (None when the crop is enough): it, or the ``whole``
+    question it was split from, asks what the page says around the figure (its words: "according to the text",
+    "why", "explain", "what does the section conclude"; _PAGE_WORDS), or it names another figure or table than
+    this one ("is Figure 2 like Table 3?"), which the page may show beside it. A rule over the question's words,
+    so it errs on the page's side: a question the crop would answer but that uses one of those words costs the
+    page's tokens, never an answer."""
+    for text in (question, whole):
+        if word := _PAGE_WORDS.search(text):
+            return f"it asks what the page says ({word.group(0)!r})"
+    others = [ref for ref in figure_refs(question) if not figure.region.named_by(ref)]
     if others:
         kind, number = others[0]
         return f"it names {kind} {number} too"
     return None
 
 
-def shown_as_figures(hits: Sequence[Sequence[Hit]], questions: Sequence[str]) -> list[list[Hit]]:
+def shown_as_figures(hits: Sequence[Sequence[Hit]], questions: Sequence[str], whole: str = "") -> list[list[Hit]]:
     """Each hit on a figure (``Hit.figure``) shown as the figure's crop, its image key and tokens, the page's
-    place kept for the citation, unless its sub-question (``questions[i]`` found ``hits[i]``) needs more than
-    the figure (:func:`needs_page`): then it stays its page, the figure still named in its citation. What the
-    model loses with the crop alone is the page around the figure: its body text, its other figures, and the
-    caption's look (the caption is given as text, one_prompt_text). A hit on no figure stays its page."""
+    place kept for the citation, unless its sub-question (``questions[i]`` found ``hits[i]``; ``whole``: the
+    question they were split from) needs more than the figure (:func:`needs_page`): then it stays its page, the
+    figure still named in its citation. What the model loses with the crop alone is the page around the figure:
+    its body text, its other figures, and the caption's look (the caption is given as text: one_prompt_text,
+    plan_prompts). A hit on no figure stays its page."""
     return [[dataclasses.replace(h, image_key=h.figure.image_key, image_tokens=h.figure.image_tokens)
-             if h.figure is not None and needs_page(q, h.figure) is None else h for h in hs]
+             if h.figure is not None and needs_page(q, h.figure, whole=whole) is None else h for h in hs]
             for hs, q in zip(hits, questions, strict=True)]
 
 
 def image_label(hit: Hit, *, in_prompt: bool = True) -> str:
     """What an image is: its page's label, and when it is a figure's crop, the figure's caption (in a prompt, said
     to be the figure alone)."""
-    if hit.figure is not None and hit.image_key == hit.figure.image_key:
+    if hit.figure is not None and hit.shows_crop:
         alone = " (the figure alone)" if in_prompt else ""
         return f"{page_label(hit)}, {hit.figure.region.caption or hit.figure.label}{alone}"
     return page_label(hit)
@@ -269,7 +279,13 @@ def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *,
 
     def plan(i: int, pages: Sequence[ImageKey], page: Hit | None = None) -> PlannedPrompt:
         keys = tuple(dict.fromkeys((*lead, *pages)))
-        return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
+        # A figure's crop is said to be one, with its caption (the model sees no page around it); a plan of
+        # pages alone asks its sub-question, nothing more.
+        crops = {h.image_key: image_label(h) for h in hits[i] if h.shows_crop and h.image_key in keys}
+        if not crops:
+            return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
+        text = "".join(f"{label}\n" for label in crops.values()) + sub_questions[i]
+        return PlannedPrompt(PromptPlan(keys, text, sampling=sampling, layout=layout), i, page, sub_questions[i])
 
     if layout is Layout.PER_PAGE:
         planned = []
@@ -305,7 +321,7 @@ def synthesis_plan(question: str, planned: Sequence[PlannedPrompt], answers: Seq
     lines = [f"Question: {question}"]
     for i, (_, group) in enumerate(groupby(zip(planned, answers), key=lambda row: row[0].sub_question), 1):
         rows = list(group)
-        lines.append(f"Sub-question {i}: {rows[0][0].plan.text}")
+        lines.append(f"Sub-question {i}: {rows[0][0].question}")
         lines += [f"Answer {i}{_source(p.page)}: {a.strip()}" for p, a in rows]
     return PromptPlan(images=(), text="\n".join(lines), system_prompt_id="synthesize",
                       sampling=SamplingSpec(max_tokens=max_tokens))

@@ -6,8 +6,9 @@ are not stored yet is encoded on demand, once, from its source file (the page im
 the file and page; a figure shown as its crop is cropped from it again), and the forward is counted in the
 answer's ``usage.vision_encodes``. What an encoder makes is stored under that encoder's own key (``key_for``),
 through a store scoped to it: the key names the encoder that made the tokens, not the one the index names. Only
-when it cannot be (its source is gone or renders another image, or the tower is not in this process: MMRAG_VISION_URL) does the page fall back to
-the nearest tier whose tokens are stored, and the answer says so (``tier.fell_back``).
+when it cannot be (its source is gone or renders another image, or the tower is not in this process:
+MMRAG_VISION_URL) does the page fall back to the nearest tier whose tokens are stored, and the answer says so
+(``tier.fell_back``).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class PageTiers:
         shown as its crop (rag/plans.shown_as_figures), that figure's crop of the page."""
         from ingestion.loaders import IngestError, render_page
 
-        crop = hit.figure is not None and hit.image_key.content_hash == hit.figure.image_key.content_hash
+        crop = hit.shows_crop
         settings = self.settings.model_copy(update={"figures": True}) if crop else self.settings
         try:
             rendered = render_page(Path(hit.path), hit.page, settings)

@@ -177,11 +177,16 @@ class Hit:
     # caption the query matches; None when the page as a whole answered.
     figure: PageFigure | None = None
 
+    @property
+    def shows_crop(self) -> bool:
+        """Whether the image this hit shows is its figure's crop (rag/plans.shown_as_figures), in any tier."""
+        return self.figure is not None and self.image_key.content_hash == self.figure.image_key.content_hash
+
     @classmethod
     def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0, found: int | None = None
            ) -> Hit:
         """``found``: the index of the page's figure whose figure point the query found (the figure channel)."""
-        figure = hit_figure(page.figures, query)
+        figure = hit_figure(page.figures, query, title=slide_title(page.captions))
         if figure is None and found is not None and 0 <= found < len(page.figures):
             figure = page.figures[found]
         return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
@@ -194,21 +199,31 @@ CAPTION_MATCH_SHARE = 0.5
 _CAPTION_TERMS = LexicalEncoder()
 
 
-def hit_figure(figures: Sequence[PageFigure], query: str) -> PageFigure | None:
+def slide_title(captions: Sequence[str]) -> str:
+    """A slide's title among a page's caption lines (ingestion finds one on a slide only: a landscape page of
+    few words): the line without a "Figure N" label; empty when there is none."""
+    return next((c for c in captions if caption_label(c) is None), "")
+
+
+def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") -> PageFigure | None:
     """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
-    "Table 2"; core/text.py figure_refs), else the one whose caption terms (without its "Figure N:" label) the
-    query shares most of, at least CAPTION_MATCH_SHARE of them and two; None when neither holds."""
+    "Table 2", "Figure 3a"; core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms
+    (without its "Figure N:" label) the query shares most of, at least CAPTION_MATCH_SHARE of them and two; None
+    when neither holds. A slide's lone uncaptioned figure (a chart pasted on a slide) is what the slide's
+    ``title`` says, and matches by the title's terms."""
     if not figures:
         return None
-    named = set(figure_refs(query))
+    named = figure_refs(query)
     for figure in figures:
-        if figure.region.ref in named:
+        if any(figure.region.named_by(ref) for ref in named):
             return figure
     asked = set(_CAPTION_TERMS.tokens(query))
+    lone = len(figures) == 1 and not figures[0].region.caption
     best, best_share = None, 0.0
     for figure in figures:
-        parsed = caption_label(figure.region.caption)
-        terms = set(_CAPTION_TERMS.tokens(parsed[2] if parsed else figure.region.caption))
+        caption = title if lone else figure.region.caption
+        parsed = caption_label(caption)
+        terms = set(_CAPTION_TERMS.tokens(parsed[2] if parsed else caption))
         shared = len(asked & terms)
         if terms and shared >= 2 and shared / len(terms) > best_share:
             best, best_share = figure, shared / len(terms)

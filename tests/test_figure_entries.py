@@ -28,7 +28,7 @@ from ingestion.figures import FIGURE_SCALE, crop_figures, detect_figures
 from ingestion.pipeline import IngestReport
 from mmrag import wiring
 from rag.plans import cite
-from retrieval.search import Channel, Hit, hit_figure
+from retrieval.search import Channel, Hit, hit_figure, slide_title
 from devkit.pdfbuild import PageBuilder, stored_turned
 
 SLIDE = (792.0, 612.0)  # a landscape slide, points
@@ -380,6 +380,15 @@ def test_a_hit_names_the_figure_the_question_names_or_whose_caption_it_matches()
     assert hit_figure(figures, "What does Figure 4 show?") is None
     assert hit_figure(figures, "Who wrote the cache?") is None  # one caption word is not a match
     assert hit_figure((), "What does Figure 3 show?") is None
+    # A slide's lone uncaptioned chart is what the slide's title says; a captioned one keeps its caption.
+    chart = PageFigure(FigureRegion(None, "image", "", (1, 2, 3, 4), "raster"), KEY, 64)
+    title = "Headcount by team: where we stand"
+    assert hit_figure((chart,), "What does the chart of headcount by team show?", title=title) is chart
+    assert hit_figure((chart,), "What does the chart of headcount by team show?") is None
+    assert hit_figure((chart,), "How is the team doing?", title=title) is None  # one shared term
+    assert hit_figure((chart, chart), "headcount by team", title=title) is None  # not alone: the title is the slide's
+    assert hit_figure((f3,), "headcount by team", title=title) is None
+    assert slide_title(["Figure 2: Revenue", title]) == title and slide_title(["Table 1: x"]) == ""
 
 
 def test_citations_carry_the_figure_of_the_pages_best_hit_on_a_figure():

@@ -169,6 +169,18 @@ def test_a_figure_point_is_found_by_its_caption_and_the_sentences_that_name_it()
     assert figure_text(FigureRegion(None, "image", "", (0, 0, 10, 10), "raster"), page) == ""
 
 
+def test_a_reference_names_a_figure_by_kind_and_number_as_printed_or_a_panel_of_it():
+    fig3 = FigureRegion(3, "figure", "Figure 3: Latency.", (0, 0, 1, 1), "vector")
+    assert fig3.named_by(("figure", "3")) and fig3.named_by(("figure", "3b"))
+    assert not any(fig3.named_by(ref) for ref in (("table", "3"), ("figure", "33"), ("figure", "4")))
+    roman = FigureRegion(None, "table", "TABLE IV: Costs.", (0, 0, 1, 1), "vector")
+    assert roman.named_by(("table", "IV")) and not any(roman.named_by(r) for r in (("table", "V"), ("figure", "IV")))
+    dotted = FigureRegion(None, "figure", "Figure 3.2 Cache hits", (0, 0, 1, 1), "vector")
+    assert dotted.named_by(("figure", "3.2")) and not dotted.named_by(("figure", "3"))
+    picture = FigureRegion(None, "image", "", (0, 0, 1, 1), "raster")
+    assert not picture.named_by(("figure", "1"))
+
+
 def test_bbox_px_at_scale_2_doubles_the_box_and_json_round_trips():
     region = FigureRegion(3, "figure", "Figure 3: x", (10.25, 20.0, 110.5, 220.0), "raster")
     assert region.bbox_px(2) == (20, 40, 221, 440)

@@ -80,7 +80,8 @@ async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with, figure
     await p.engine.reset_prefix_cache()
     cold = await p.ask(question)
     warm = await p.ask(question)
-    crops = [c.figure.image_key for c in cold.citations if c.figure is not None and c.image_key == str(c.figure.image_key)]
+    crops = [c.figure.image_key for c in cold.citations
+             if c.figure is not None and c.image_key == str(c.figure.image_key)]
     assert len(crops) == figure_crops and all(k in p.submitted[0].images for k in crops)
     assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64
     assert warm.answer == cold.answer and warm.usage.completion_tokens == cold.usage.completion_tokens
@@ -490,7 +491,8 @@ def test_a_figure_hit_is_shown_as_its_crop_unless_its_question_needs_more_than_t
               image_tokens=247, path="paper.pdf", figure=figure)
     crop_alone = ["What does Figure 4 show?", "What does the chart of hit rate by workload show?",
                   "Which workload has the highest hit rate in figure 4?", "Compare Figure 4 and figure 4.",
-                  "What do the page views by region look like in Figure 4?"]  # "page" names no prose
+                  "What do the page views by region look like in Figure 4?",  # "page" names no prose
+                  "What does the cross-section in Figure 4b show?"]  # a panel of Figure 4; a word with a hyphen
     with_page = {"Why does the hit rate in Figure 4 drop?": "'Why'",
                  "According to the text, what does Figure 4 show?": "'According'",
                  "What does the section around Figure 4 conclude?": "'section'",
@@ -498,6 +500,13 @@ def test_a_figure_hit_is_shown_as_its_crop_unless_its_question_needs_more_than_t
                  "Compare Figure 4 with Table 2.": "table 2", "Is Figure 4 like Fig. 5?": "figure 5"}
     for question in crop_alone:
         assert needs_page(question, figure) is None, question
+    # The question a sub-question was split from frames it too; another figure it names does not.
+    assert "'according'" in needs_page("What does Figure 4 show?", figure, whole="Summarise, according to the "
+                                       "text, Figure 4 and Table 2.")
+    assert needs_page("What does Figure 4 show?", figure, whole="Compare Figure 4 with Table 2.") is None
+    roman = PageFigure(FigureRegion(None, "table", "TABLE IV: Costs by tier", (0, 0, 9, 9), "vector"), crop_key, 9)
+    assert needs_page("What does Table IV list?", roman) is None
+    assert "table V" in needs_page("Is Table IV like Table V?", roman)
     for question, why in with_page.items():
         assert why in needs_page(question, figure), question
     questions = [*crop_alone, *with_page]
@@ -508,6 +517,51 @@ def test_a_figure_hit_is_shown_as_its_crop_unless_its_question_needs_more_than_t
         assert whole == replace(hit, figure=None)  # a hit on no figure stays its page
     with pytest.raises(ValueError):  # a sub-question for every hit list
         shown_as_figures([[hit]], [])
+
+
+def test_a_crop_is_said_to_be_one_in_every_prompt_that_shows_it_in_any_tier():
+    """A figure's crop carries its caption and "(the figure alone)" in one prompt, per image and per sub-question
+    (where the sub-answer still shows the sub-question as asked), in the asked tier too (its key's policy differs
+    from the indexed crop's)."""
+    from core.keys import ResolutionPolicy
+    from rag.plans import image_label
+
+    page_key, crop_key = (ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "ab")
+    figure = PageFigure(FigureRegion(4, "figure", "Figure 4: hit rate by workload", (72, 90, 400, 300), "vector"),
+                        crop_key, 64)
+    page = Hit(page_id="p", doc_id="d", doc="paper.pdf", page=4, score=1.0, snippet="", image_key=page_key,
+               image_tokens=247, path="paper.pdf")
+    (crop,), = shown_as_figures([[replace(page, figure=figure)]], ["What does Figure 4 show?"])
+    low = replace(crop, image_key=crop_key.in_policy(ResolutionPolicy(64 * 28 * 28, 256 * 28 * 28, pool=2)))
+    said = "[paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)"
+    for shown in (crop, low):
+        assert shown.shows_crop and image_label(shown) == said
+        assert said in one_prompt_text("Q?", ["What does Figure 4 show?"], [shown], 0)
+        (planned,) = plan_prompts(["What does Figure 4 show?"], [[shown]], max_tokens=8)
+        assert planned.plan.text == f"{said}\nWhat does Figure 4 show?"
+        assert planned.question == "What does Figure 4 show?"
+    (plain,) = plan_prompts(["Which page?"], [[page]], max_tokens=8)  # pages alone: the sub-question, as before
+    assert plain.plan.text == plain.question == "Which page?" and not page.shows_crop
+    assert image_label(replace(page, figure=figure)) == "[paper.pdf, page 4]"  # the page, its figure named
+
+
+async def test_a_question_in_a_tier_is_shown_the_crop_in_that_tier_and_told_it_is_the_figure(engine_settings,
+                                                                                              pipeline_with):
+    store = wiring.feature_store(engine_settings)
+    before = set(store.keys())
+    crops = pipeline_with("canonical", figure_crops=True, top_k=1)
+    question = "What does Figure 4 show about the hit rate by workload?"
+    try:
+        answer = await crops.ask(question, tier="low")
+    finally:
+        for key in set(store.keys()) - before:  # the session's store, as it was (other tests count its entries)
+            store.delete(key)
+    (cited,) = [c for c in answer.citations if c.figure is not None]
+    (plan,) = crops.submitted
+    low = engine_settings.tier_table.policy("low")
+    (shown,) = [k for k in plan.images if k.content_hash == cited.figure.image_key.content_hash]
+    assert shown.policy == low and answer.extra["tier"] == {"name": "low", "fell_back": []}
+    assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text
 
 
 async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_resident(pipeline_with):

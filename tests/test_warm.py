@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,6 +39,16 @@ def _page(doc: str, key: ImageKey, *crops: ImageKey) -> PagePayload:
     return PagePayload(doc_id=doc, doc=doc, path=doc, page=1, num_pages=1, file_sha256="0", content_hash="0",
                        image_key=key, image_tokens=256, width=64, height=64, text="", text_source=TextSource.TEXT_LAYER,
                        fingerprint="f", figures=figures)
+
+
+def test_the_crop_of_a_figure_no_hit_can_name_is_not_warmed_unless_pixels_find_it():
+    """An uncaptioned, unnumbered figure (a logo or a chart pasted on slides) is named by no question's words,
+    so without a page-image channel no hit shows its crop: warming it would spend KV on a prefix never asked."""
+    plain = PageFigure(FigureRegion(None, "image", "", (10, 20, 110, 220), "raster"), K[3], 64)
+    pages = [dataclasses.replace(_page(doc, key), figures=(plain,)) for doc, key in (("a", K[0]), ("b", K[1]))]
+    assert [c.key for c in rank_by_demand(leading_images(pages, figure_crops=True))] == [K[0], K[1]]
+    ranked = rank_by_demand(leading_images(pages, figure_crops=True, by_pixels=True))
+    assert [(c.key, c.demand) for c in ranked] == [(K[3], 2), (K[0], 1), (K[1], 1)]
 
 
 def test_with_figure_crops_in_prompts_a_figure_pasted_into_several_pages_is_warmed_first():

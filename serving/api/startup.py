@@ -23,7 +23,8 @@ async def warm_at_startup(services: Services) -> None:
         if not pages:
             log.info("warm-up skipped for tenant %s: no pages of the configured encoder are indexed", view.tenant)
             continue
-        candidates = rank_by_demand(leading_images(pages, figure_crops=services.settings.figure_crops))
+        candidates = rank_by_demand(leading_images(pages, figure_crops=services.settings.figure_crops,
+                                                   by_pixels=services.settings.page_image_channel))
         top = services.settings.warm_top
         # The unmetered engine: warm-up prefills are misses by design and would drag the hit-rate panels down.
         report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates,

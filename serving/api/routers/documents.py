@@ -195,8 +195,8 @@ async def page_image(
     figure: int | None = Query(None, ge=1, description="Outline this figure (or table) of the page: the `number` of "
                                "a citation's `figure`. The page's figures without a number: use their `bbox`."),
     kind: Literal["figure", "table"] | None = Query(None, description="With `figure`: a figure's or a table's "
-                                                    "number (a citation's `figure.kind`; `image` and `slide` are "
-                                                    "figures). Unset: the one so numbered, the figure where a "
+                                                    "number (a citation's `figure.kind`; an `image` is a "
+                                                    "figure). Unset: the one so numbered, the figure where a "
                                                     "figure and a table share the number."),
     bbox: str | None = Query(None, max_length=200, description="Outline this box: `x0,y0,x1,y1` in PDF points "
                              "(1/72 inch), top-left origin, y down (a citation's `figure.bbox`); drawn at the "
