@@ -205,6 +205,15 @@ def slide_title(captions: Sequence[str]) -> str:
     return next((c for c in captions if caption_label(c) is None), "")
 
 
+def named_figures(page: PagePayload) -> list[PageFigure]:
+    """The page's figures a question's words can name (:func:`hit_figure`): by a number, by a caption, or, a
+    slide's lone uncaptioned figure, by the slide's title. The others are found only by their pixels (a
+    page-image channel's figure points)."""
+    if len(page.figures) == 1 and not page.figures[0].region.caption and slide_title(page.captions):
+        return list(page.figures)
+    return [f for f in page.figures if f.region.number is not None or f.region.caption]
+
+
 def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") -> PageFigure | None:
     """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
     "Table 2", "Figure 3a"; core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from core.keys import ImageKey
 from core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
 from core.payload import PagePayload
+from retrieval.search import named_figures
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +63,14 @@ def leading_images(pages: Iterable[PagePayload], *, figure_crops: bool, by_pixel
                    ) -> Iterator[tuple[ImageKey, int]]:
     """(image key, image tokens) of every image a prompt over ``pages`` can lead with, once per occurrence (the
     demand :func:`rank_by_demand` counts): each page's image and, with ``figure_crops`` (a hit on a figure is shown
-    as its crop: rag/plans.shown_as_figures), the crops of its figures that a hit can name: those with a number or
-    a caption a question names them by, and with a page-image channel finding crops by their pixels
-    (``by_pixels``: Settings.page_image_channel), every one. An uncaptioned figure is otherwise never a hit's, so
-    its crop is never shown, however many pages show it."""
+    as its crop: rag/plans.shown_as_figures), the crops of its figures that a hit can name: those a question's words
+    name (retrieval/search.py named_figures: a number, a caption, a slide's title), and with a page-image channel
+    finding crops by their pixels (``by_pixels``: Settings.page_image_channel), every one. Another figure is never
+    a hit's, so its crop is never shown, however many pages show it."""
     for page in pages:
         yield page.image_key, page.image_tokens
         if figure_crops:
-            yield from ((f.image_key, f.image_tokens) for f in page.figures
-                        if by_pixels or f.region.number is not None or f.region.caption)
+            yield from ((f.image_key, f.image_tokens) for f in (page.figures if by_pixels else named_figures(page)))
 
 
 def rank_by_demand(pages: Iterable[tuple[ImageKey, int]]) -> list[WarmCandidate]:
