@@ -62,17 +62,17 @@ class FigureRegion:
         return ("table" if self.kind == "table" else "figure"), str(self.number)
 
     def named_by(self, ref: tuple[str, str]) -> bool:
-        """Whether a question's reference (core/text.py figure_refs: ("figure", "3")) names this figure: its kind
-        (a table, or any other kind as a figure) and its number, as a whole number or as its caption prints it
-        ("Table IV", "Figure 3.2"), a panel of it included ("Figure 3a", "Figure 3b")."""
+        """Whether a question's reference (core/text.py figure_refs: ("figure", "3")) names this figure: by its
+        kind (a table, or any other kind as a figure) and whole number, or as its caption prints it ("Table IV",
+        "Figure 3.2", "Listing 2"), a panel of it included ("Figure 3a", "Figure 3B", "Figure 3.2a")."""
         kind, number = ref
-        if kind != ("table" if self.kind == "table" else "figure"):
-            return False
+        own = set()
+        if self.number is not None and kind == ("table" if self.kind == "table" else "figure"):
+            own.add(str(self.number))
         printed = caption_label(self.caption)
-        own = {str(self.number)} if self.number is not None else set()
         if printed is not None and printed[0] == kind:
             own.add(printed[1].upper())
-        panel = re.fullmatch(r"(\d+)[a-z]", number)
+        panel = re.fullmatch(r"(\d[\d.]*)[a-z]", number, re.IGNORECASE)
         return number.upper() in own or (panel is not None and panel.group(1) in own)
 
     def bbox_px(self, scale: float, size: tuple[int, int] | None = None) -> tuple[int, int, int, int]:

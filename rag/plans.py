@@ -281,10 +281,13 @@ def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *,
         keys = tuple(dict.fromkeys((*lead, *pages)))
         # A figure's crop is said to be one, with its caption (the model sees no page around it); a plan of
         # pages alone asks its sub-question, nothing more.
-        crops = {h.image_key: image_label(h) for h in hits[i] if h.shows_crop and h.image_key in keys}
+        crops: dict[ImageKey, str] = {}
+        for h in hits[i]:  # best first: a crop in several documents is named by its best hit's place
+            if h.shows_crop and h.image_key in keys:
+                crops.setdefault(h.image_key, image_label(h))
         if not crops:
             return PlannedPrompt(PromptPlan(keys, sub_questions[i], sampling=sampling, layout=layout), i, page)
-        text = "".join(f"{label}\n" for label in crops.values()) + sub_questions[i]
+        text = "".join(f"{crops[k]}\n" for k in keys if k in crops) + sub_questions[i]  # in the images' order
         return PlannedPrompt(PromptPlan(keys, text, sampling=sampling, layout=layout), i, page, sub_questions[i])
 
     if layout is Layout.PER_PAGE:

@@ -199,18 +199,24 @@ CAPTION_MATCH_SHARE = 0.5
 _CAPTION_TERMS = LexicalEncoder()
 
 
+# A caption line that starts with a figure, table or listing label and its number ("Figure 3", "TABLE IV",
+# "Fig. 2 shows ..."): every caption line but a slide's title (the payload keeps caption lines as text only).
+_LABELLED = re.compile(r"\s*(?i:fig(?:ure)?s?\.?|tab(?:le)?s?\.?|listings?)\s*(?:\d|[IVXLC]+\b|[A-Z]\.\d)")
+
+
 def slide_title(captions: Sequence[str]) -> str:
     """A slide's title among a page's caption lines (ingestion finds one on a slide only: a landscape page of
-    few words): the line without a "Figure N" label; empty when there is none."""
-    return next((c for c in captions if caption_label(c) is None), "")
+    few words): the line without a figure, table or listing label; empty when there is none."""
+    return next((c for c in captions if not _LABELLED.match(c)), "")
 
 
 def named_figures(page: PagePayload) -> list[PageFigure]:
     """The page's figures a question's words can name (:func:`hit_figure`): by a number, by a caption, or, a
-    slide's lone uncaptioned figure, by the slide's title. The others are found only by their pixels (a
-    page-image channel's figure points)."""
-    if len(page.figures) == 1 and not page.figures[0].region.caption and slide_title(page.captions):
-        return list(page.figures)
+    slide's lone uncaptioned figure, by the slide's title (of two terms at least, as a match needs two). The
+    others are found only by their pixels (a page-image channel's figure points)."""
+    if len(page.figures) == 1 and not page.figures[0].region.caption:
+        title = slide_title(page.captions)
+        return list(page.figures) if len(set(_CAPTION_TERMS.tokens(title))) >= 2 else []
     return [f for f in page.figures if f.region.number is not None or f.region.caption]
 
 

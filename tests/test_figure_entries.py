@@ -389,6 +389,9 @@ def test_a_hit_names_the_figure_the_question_names_or_whose_caption_it_matches()
     assert hit_figure((chart, chart), "headcount by team", title=title) is None  # not alone: the title is the slide's
     assert hit_figure((f3,), "headcount by team", title=title) is None
     assert slide_title(["Figure 2: Revenue", title]) == title and slide_title(["Table 1: x"]) == ""
+    # Caption lines joined with the sentence after them are still labelled, so never a page's title.
+    assert slide_title(["Figure 3 shows the throughput of the system", "TABLE IV costs by tier", "Table A.1 x"]) == ""
+    assert slide_title(["Tablets sold in 2024", "x"]) == "Tablets sold in 2024"
 
 
 def test_citations_carry_the_figure_of_the_pages_best_hit_on_a_figure():

@@ -171,12 +171,15 @@ def test_a_figure_point_is_found_by_its_caption_and_the_sentences_that_name_it()
 
 def test_a_reference_names_a_figure_by_kind_and_number_as_printed_or_a_panel_of_it():
     fig3 = FigureRegion(3, "figure", "Figure 3: Latency.", (0, 0, 1, 1), "vector")
-    assert fig3.named_by(("figure", "3")) and fig3.named_by(("figure", "3b"))
+    assert fig3.named_by(("figure", "3")) and fig3.named_by(("figure", "3b")) and fig3.named_by(("figure", "3B"))
     assert not any(fig3.named_by(ref) for ref in (("table", "3"), ("figure", "33"), ("figure", "4")))
     roman = FigureRegion(None, "table", "TABLE IV: Costs.", (0, 0, 1, 1), "vector")
     assert roman.named_by(("table", "IV")) and not any(roman.named_by(r) for r in (("table", "V"), ("figure", "IV")))
     dotted = FigureRegion(None, "figure", "Figure 3.2 Cache hits", (0, 0, 1, 1), "vector")
-    assert dotted.named_by(("figure", "3.2")) and not dotted.named_by(("figure", "3"))
+    assert dotted.named_by(("figure", "3.2")) and dotted.named_by(("figure", "3.2a"))
+    assert not dotted.named_by(("figure", "3"))
+    listing = FigureRegion(2, "figure", "Listing 2: retry loop in the client", (0, 0, 1, 1), "vector")
+    assert listing.named_by(("listing", "2")) and not listing.named_by(("listing", "3"))
     picture = FigureRegion(None, "image", "", (0, 0, 1, 1), "raster")
     assert not picture.named_by(("figure", "1"))
 

@@ -540,6 +540,13 @@ def test_a_crop_is_said_to_be_one_in_every_prompt_that_shows_it_in_any_tier():
         (planned,) = plan_prompts(["What does Figure 4 show?"], [[shown]], max_tokens=8)
         assert planned.plan.text == f"{said}\nWhat does Figure 4 show?"
         assert planned.question == "What does Figure 4 show?"
+    # Two crops are named in the order their images are shown (the canonical layout sorts them by key).
+    other = PageFigure(FigureRegion(2, "table", "Table 2: costs", (1, 2, 3, 4), "vector"),
+                       ImageKey.parse(f"img1-{'0' * 64}-{'ab' * 8}-px1-2"), 32)
+    (two,) = plan_prompts(["Q?"], [[crop, replace(page, page=5, figure=other, image_key=other.image_key)]],
+                          max_tokens=8)
+    assert two.plan.images == (other.image_key, crop_key)
+    assert two.plan.text == "[paper.pdf, page 5], Table 2: costs (the figure alone)\n" + said + "\nQ?"
     (plain,) = plan_prompts(["Which page?"], [[page]], max_tokens=8)  # pages alone: the sub-question, as before
     assert plain.plan.text == plain.question == "Which page?" and not page.shows_crop
     assert image_label(replace(page, figure=figure)) == "[paper.pdf, page 4]"  # the page, its figure named

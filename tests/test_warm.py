@@ -53,6 +53,8 @@ def test_the_crop_of_a_figure_no_hit_can_name_is_not_warmed_unless_pixels_find_i
     slide = dataclasses.replace(pages[0], captions=("Headcount by team: where we stand",))
     assert [(c.key, c.demand) for c in rank_by_demand(leading_images([slide, pages[1]], figure_crops=True))] == \
         [(K[0], 1), (K[1], 1), (K[3], 1)]
+    short = dataclasses.replace(pages[0], captions=("Agenda",))  # one term: no question matches it (two needed)
+    assert [c.key for c in rank_by_demand(leading_images([short], figure_crops=True))] == [K[0]]
 
 
 def test_with_figure_crops_in_prompts_a_figure_pasted_into_several_pages_is_warmed_first():

@@ -178,7 +178,8 @@ class ModelInfo(_Response):
 
 
 class SubAnswer(_Response):
-    sub_question: str = Field(description="One sub-question, as it was asked of the model.")
+    sub_question: str = Field(description="One sub-question, as it was asked (its prompt also names the figure "
+                              "crops it shows, with MMRAG_FIGURE_CROPS).")
     answer: str = Field(description="The model's answer to it, before synthesis.")
     page: str | None = Field(default=None, description="MMRAG_LAYOUT=per_page: the one page this answer saw, "
                              "as `[document, page N]`; absent when the sub-question's pages were seen together.")
