@@ -128,10 +128,6 @@ class PagePayload:
         entry from `mmrag store gc` and what deleting the page frees."""
         return (self.image_key, *(f.image_key for f in self.figures))
 
-    def figure(self, number: int) -> PageFigure | None:
-        """Its figure (or table) numbered ``number``, if it has one."""
-        return next((f for f in self.figures if f.region.number == number), None)
-
     @property
     def page_id(self) -> str:
         """The page's point id: what citations, ``GET /v1/documents`` and ``/v1/pages/{id}`` name."""

@@ -444,6 +444,13 @@ _REF_NUM = re.compile(rf"({_NUMBER})(?!\w)(?:\s*(?:\u2013|-|to)\s*({_NUMBER})(?!
 _MAX_RANGE = 20
 
 
+def starts_with_reference(line: str) -> bool:
+    """Whether ``line`` opens with a figure, table or listing reference that :func:`figure_refs` accepts ("Figure
+    3: ...", "TABLE IV costs", "Fig. 2 shows ..."), as every caption line does and a slide's title does not."""
+    opening = _REF.match(line.strip())
+    return opening is not None and bool(figure_refs(opening.group(0)))
+
+
 def figure_refs(text: str) -> list[tuple[str, str]]:
     """(kind, number) for each figure/table/listing a question names, in order, once each:
     "Figure 12", "fig. 3.2", "Table A.1", "Figure 2-1", "Figures 3 and 4", "Figs. 2-4" (after a plural, a

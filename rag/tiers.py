@@ -142,7 +142,7 @@ class PageTiers:
         from ingestion.loaders import IngestError, render_page
 
         crop = hit.shows_crop
-        settings = self.settings.model_copy(update={"figures": True}) if crop else self.settings
+        settings = self.settings.model_copy(update={"figures": crop})  # a page's figures are not cropped for it
         try:
             rendered = render_page(Path(hit.path), hit.page, settings)
         except IngestError as exc:

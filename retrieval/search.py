@@ -53,7 +53,7 @@ from core.payload import (
     PagePayload,
 )
 from core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
-from core.text import caption_label, figure_refs, normalise
+from core.text import caption_label, figure_refs, normalise, starts_with_reference
 
 log = logging.getLogger(__name__)
 
@@ -199,22 +199,23 @@ CAPTION_MATCH_SHARE = 0.5
 _CAPTION_TERMS = LexicalEncoder()
 
 
-# A caption line that starts with a figure, table or listing label and its number ("Figure 3", "TABLE IV",
-# "Fig. 2 shows ..."): every caption line but a slide's title (the payload keeps caption lines as text only).
-_LABELLED = re.compile(r"\s*(?i:fig(?:ure)?s?\.?|tab(?:le)?s?\.?|listings?)\s*(?:\d|[IVXLC]+\b|[A-Z]\.\d)")
-
-
 def slide_title(captions: Sequence[str]) -> str:
     """A slide's title among a page's caption lines (ingestion finds one on a slide only: a landscape page of
-    few words): the line without a figure, table or listing label; empty when there is none."""
-    return next((c for c in captions if not _LABELLED.match(c)), "")
+    few words; the payload keeps caption lines as text only): the line that opens with no figure, table or
+    listing reference; empty when there is none."""
+    return next((c for c in captions if not starts_with_reference(c)), "")
+
+
+def _lone_uncaptioned(figures: Sequence[PageFigure]) -> bool:
+    """A page's only figure, without a caption: on a slide, what the slide's title is about."""
+    return len(figures) == 1 and not figures[0].region.caption
 
 
 def named_figures(page: PagePayload) -> list[PageFigure]:
     """The page's figures a question's words can name (:func:`hit_figure`): by a number, by a caption, or, a
     slide's lone uncaptioned figure, by the slide's title (of two terms at least, as a match needs two). The
     others are found only by their pixels (a page-image channel's figure points)."""
-    if len(page.figures) == 1 and not page.figures[0].region.caption:
+    if _lone_uncaptioned(page.figures):
         title = slide_title(page.captions)
         return list(page.figures) if len(set(_CAPTION_TERMS.tokens(title))) >= 2 else []
     return [f for f in page.figures if f.region.number is not None or f.region.caption]
@@ -233,7 +234,7 @@ def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") ->
         if any(figure.region.named_by(ref) for ref in named):
             return figure
     asked = set(_CAPTION_TERMS.tokens(query))
-    lone = len(figures) == 1 and not figures[0].region.caption
+    lone = _lone_uncaptioned(figures)
     best, best_share = None, 0.0
     for figure in figures:
         caption = title if lone else figure.region.caption

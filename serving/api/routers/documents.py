@@ -241,10 +241,10 @@ def _parse_bbox(text: str) -> Box:
 def _figure_box(page: PagePayload, number: int, kind: str | None = None) -> Box:
     """The box of the page's figure (or table: ``kind``) ``number``, the figure where both share it and ``kind``
     is None; 404 naming the numbers it has, or saying it has none."""
-    named = [f for f in page.figures if f.region.ref is not None and f.region.number == number
-             and kind in (None, f.region.ref[0])]
-    if named:
-        return min(named, key=lambda f: f.region.ref[0] != "figure").region.bbox_pt
+    kinds = ("figure", "table") if kind is None else (kind,)
+    named = next((f for k in kinds for f in page.figures if f.region.named_by((k, str(number)))), None)
+    if named is not None:
+        return named.region.bbox_pt
     if kind is not None and any(f.region.number == number for f in page.figures):
         other = "figure" if kind == "table" else "table"
         raise ApiError(404, "unknown_figure", f"page {page.page} of {page.doc} has no {kind} {number}, only a "
