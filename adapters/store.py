@@ -278,7 +278,7 @@ class DiskFeatureStore(_BlobStore):
         # writer's PID, so files of a live writer (a concurrent ingest) are left alone.
         for tmp in self.root.glob(f"??/{_TMP_PREFIX}*"):
             pid = int(tmp.name[len(_TMP_PREFIX):].split("-", 1)[0])
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 tmp.unlink(missing_ok=True)
 
     def path_for(self, key: ImageKey) -> Path:
@@ -557,7 +557,8 @@ def _without_password(url: str) -> str:
     return parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")).geturl()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is alive (a temporary file's or a lease's writer, on this host)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

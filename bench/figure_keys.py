@@ -14,14 +14,19 @@ through decides how much page keys can reuse at all: a chart re-asked through th
 before is a page-level hit too. So the run sweeps it (``placements``: 2, 3, 4 and 6 pages a chart): the same
 questions, the same charts asked in the same order, each ask reaching its chart through one of the chart's first
 ``placements`` pages (one uniform draw per ask, shared by every point of the sweep). Each question becomes the
-one prompt mmrag serves (rag/plans: choose_answer's pages in the popularity order, one_prompt_plan), from hits
-built on the indexed payloads (retrieval.search.Hit.of, whose ``figure`` must be the page's chart):
+prompts mmrag serves in each strategy (rag/plans.py), planned as Pipeline.ask plans them (bench/runner.answer_plans),
+from hits built on the indexed payloads (retrieval.search.Hit.of, whose ``figure`` must be the page's chart):
 
-- ``page_level``: every hit shows its page (the page's key);
+- ``page_level``: joint (MMRAG_ANSWER_MODE=joint: one prompt over the question's images in their stable order,
+  joint_plan), every hit showing its page (the page's key);
 - ``figure_level``: the same hits through ``shown_as_figures`` (MMRAG_FIGURE_CROPS): the chart's crop key;
-- ``page_level_per_image``, ``figure_level_per_image``: the same, answered per image (MMRAG_ANSWER_MODE=per_image:
-  each image leads a prompt of its own, the answer's length shared among them), so an image after the first
-  one of a question hits too.
+- ``page_level_split``, ``figure_level_split``: the same, answered split (MMRAG_ANSWER_MODE=split, split_plans: each
+  image leads a prompt of its own, the answer's length shared among them), so an image after the first one of a
+  question hits too. These questions relate nothing across their charts, so split is what the default, auto,
+  answers them with (a one-chart question: its one prompt, the same in both).
+
+Runs before the strategies were renamed call the split ones ``*_per_image`` and order a joint prompt's pages by
+popularity instead of by key.
 
 All four run back to back on ONE in-process engine, prefix caching on, every cache reset before each
 (runner._cold), through the scheduler at the same concurrency (runner.run_config), at each point of the sweep and
@@ -43,13 +48,13 @@ from PIL import Image, ImageDraw, ImageFont
 
 from adapters.checkpoint import ModelSource
 from adapters.store import FeatureStore
-from core.engine import Layout, PromptPlan
+from core.engine import PromptPlan
 from core.figures import PageFigure
 from core.keys import ImageKey
 from core.payload import PagePayload
 from devkit.pdfbuild import PageBuilder, join_pages
-from rag.order import PagePopularity
-from rag.plans import AnswerMode, choose_answer, one_prompt_plan, per_image_plans, shown_as_figures
+from rag.pipeline import PipelineConfig
+from rag.plans import AnswerMode, shown_as_figures
 from retrieval.search import Hit
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
@@ -57,17 +62,16 @@ from serving.engine.inprocess import InProcessEngine
 from serving.scheduler import Policy
 
 from bench.report import config_summary
-from bench.runner import (BenchInputs, ConfigSpec, ImageInput, Keys, Prompts, _cold, _hits_by_position, fixed_length,
-                          machine_info, prompt_images, run_config)
+from bench.runner import (BenchInputs, ConfigSpec, ImageInput, Keys, Prompts, _cold, _hits_by_position, answer_plans,
+                          fixed_length, machine_info, prompt_images, run_config)
 from bench.workload import (Question, SubQuestion, Workload, WorkloadSpec, oracle_bound, prefix_bound,
                             zipf_probabilities)
 
 PAGE_LEVEL, FIGURE_LEVEL = "page_level", "figure_level"
-PER_IMAGE = "_per_image"
-# name -> (which level's keys, the answer mode): the one prompt first, as mmrag answers by default.
-CONFIGS = {PAGE_LEVEL: (PAGE_LEVEL, AnswerMode.ONE_PROMPT), FIGURE_LEVEL: (FIGURE_LEVEL, AnswerMode.ONE_PROMPT),
-           PAGE_LEVEL + PER_IMAGE: (PAGE_LEVEL, AnswerMode.PER_IMAGE),
-           FIGURE_LEVEL + PER_IMAGE: (FIGURE_LEVEL, AnswerMode.PER_IMAGE)}
+SPLIT = "_split"
+# name -> (which level's keys, the strategy): joint first (the names the runs before split had), then split.
+CONFIGS = {PAGE_LEVEL: (PAGE_LEVEL, AnswerMode.JOINT), FIGURE_LEVEL: (FIGURE_LEVEL, AnswerMode.JOINT),
+           PAGE_LEVEL + SPLIT: (PAGE_LEVEL, AnswerMode.SPLIT), FIGURE_LEVEL + SPLIT: (FIGURE_LEVEL, AnswerMode.SPLIT)}
 LENGTHS = (4, 128)
 CHART_PX = (400, 260)  # each chart's JPEG: a quarter of a page's pixels, about half its image tokens
 SLIDE = (792.0, 612.0)  # landscape, points
@@ -366,12 +370,12 @@ def question_hits(q: FigureQuestion, titles: Sequence[str], ingested: Ingested) 
     return out
 
 
-def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], ingested: Ingested, max_tokens: int,
-                *, figures: bool, mode: AnswerMode = AnswerMode.ONE_PROMPT) -> dict[int, list[PromptPlan]]:
-    """Each question's prompts as Pipeline.ask builds them: its hits (as figures: shown_as_figures), the
-    popularity observed, choose_answer's pages; one_prompt_plan over them, or per image per_image_plans (a
-    prompt per page, the length shared); a fixed answer length."""
-    popularity = PagePopularity()
+def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], ingested: Ingested,
+                config: PipelineConfig, *, figures: bool, mode: AnswerMode = AnswerMode.JOINT
+                ) -> dict[int, list[PromptPlan]]:
+    """Each question's prompts as Pipeline.ask builds them under ``config`` (bench/runner.answer_plans): its hits
+    (as figures: shown_as_figures), choose_answer's pages, then joint_plan over them in their stable order, or
+    split_plans (a prompt per image, the answer's length shared); each decoding exactly its length."""
     plans = {}
     for q in questions:
         hits = question_hits(q, titles, ingested)
@@ -379,13 +383,7 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
         question = " ".join(subs)
         if figures:
             hits = shown_as_figures(hits, subs, whole=question)
-        for hs in hits:
-            popularity.observe(h.image_key for h in hs)
-        choice = choose_answer(mode, hits, misfit=lambda pages: None, popularity=popularity)
-        if choice.mode is AnswerMode.PER_IMAGE:
-            shown = [p.plan for p in per_image_plans(question, subs, choice.pages, max_tokens=max_tokens, hits=hits)]
-        else:
-            shown = [one_prompt_plan(question, subs, choice.pages, max_tokens=max_tokens, hits=hits)]
+        shown = answer_plans(question, subs, hits, mode, config)[1]
         plans[q.qid] = [replace(plan, sampling=fixed_length(plan.sampling.max_tokens)) for plan in shown]
     return plans
 
@@ -473,14 +471,14 @@ async def _run_level(engine: InProcessEngine, name: str, length: int, questions:
     """One level at one length, from cold caches, through the scheduler as run_config drives every bench config;
     the oracle and the prefix bound over its own prompts."""
     level, mode = CONFIGS[name]
-    plans = level_plans(questions, inputs.corpus.titles, inputs.ingested, length, figures=level == FIGURE_LEVEL,
-                        mode=mode)
-    spec = ConfigSpec(name, ImageInput.TOKENS, caching=True, layout=Layout.CANONICAL, policy=Policy.DFS_WEIGHT,
-                      answer_mode=AnswerMode.ONE_PROMPT, max_tokens=length)
+    spec = ConfigSpec(name, ImageInput.TOKENS, caching=True, policy=Policy.DFS_WEIGHT, answer_mode=mode,
+                      max_tokens=length)
     # run_config reads the workload, the engine config and the scheduler's concurrency; the plans are given.
     bench = BenchInputs(model=inputs.model, corpus=None, workload=_workload(  # type: ignore[arg-type]
         questions, inputs.corpus, inputs, length), store=inputs.store, full=keys, budget=keys,
         engine_config=inputs.engine_config, scheduler_concurrency=inputs.concurrency, log=inputs.log)
+    plans = level_plans(questions, inputs.corpus.titles, inputs.ingested, bench.pipeline_config(spec),
+                        figures=level == FIGURE_LEVEL, mode=mode)
     await _cold(engine)
     inputs.log(f"  {placements} pages a chart, {name} at {length} tokens: {len(questions)} questions ...")
     result = await run_config(engine, spec, bench, keys, bench.workload.questions, plans)
@@ -565,8 +563,8 @@ def _target(name: str, measured: float | None, wanted: str, met: bool) -> dict[s
 
 def targets(by_placements: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 26's checks at each point of the sweep and each length: figure-level keys reach 0.9 of their own
-    oracle (answered per image, and in one prompt) and twice page-level's hit rate (page-level answered as by
-    default, in one prompt, and in the same per-image mode), with fewer image tokens per prompt."""
+    oracle (answered split, and joint) and twice page-level's hit rate (page-level answered joint, and split as
+    they are), with fewer image tokens per prompt."""
     return [t for k, point in by_placements.items() for t in _targets_at(point["by_length"], f"{k} pages a chart")]
 
 
@@ -578,13 +576,13 @@ def _targets_at(by_length: dict[str, dict[str, dict]], where: str) -> list[dict[
     out = []
     for length, r in by_length.items():
         at = f"at {length} tokens, {where}"
-        for name in (FIGURE_LEVEL + PER_IMAGE, FIGURE_LEVEL):
+        for name in (FIGURE_LEVEL + SPLIT, FIGURE_LEVEL):
             x = _ratio(r[name]["image_hit_rate"], r[name]["position_oracle_hit_rate"])
             out.append(_target(f"{name} hit rate / its position oracle {at}", x, ">= 0.9", x is not None and x >= 0.9))
-        fig = r[FIGURE_LEVEL + PER_IMAGE]
-        for name in (PAGE_LEVEL, PAGE_LEVEL + PER_IMAGE):
+        fig = r[FIGURE_LEVEL + SPLIT]
+        for name in (PAGE_LEVEL, PAGE_LEVEL + SPLIT):
             x = _ratio(fig["image_hit_rate"], r[name]["image_hit_rate"])
-            out.append(_target(f"{FIGURE_LEVEL + PER_IMAGE} hit rate / {name} hit rate {at}", x, ">= 2.0",
+            out.append(_target(f"{FIGURE_LEVEL + SPLIT} hit rate / {name} hit rate {at}", x, ">= 2.0",
                                x is None and fig["image_hit_rate"] > 0 or x is not None and x >= 2.0))
         x = _ratio(r[FIGURE_LEVEL]["image_tokens_per_prompt"], r[PAGE_LEVEL]["image_tokens_per_prompt"])
         out.append(_target(f"image tokens per prompt, figure-level / page-level {at}", x, "< 1.0",

@@ -10,8 +10,8 @@ page (the encoder's call and the store write; the page PNGs are decoded before t
 encoder is loaded and run once on a batch of a probe page before it), tower forwards per page and stored bytes
 per page (``encode_entry``), and ``ingest_time_saved`` = 1 - pixels_only / tokens seconds per page.
 
-Serving: the ``tokens_and_pixels`` store, the workload's questions planned once (one prompt per question, as
-`mmrag serve` answers by default: rag/plans.py, through bench/runner.workload_plans) and every plan decoding
+Serving: the ``tokens_and_pixels`` store, the workload's questions planned once (one prompt per question: the joint
+strategy, rag/plans.py, planned as `mmrag serve` plans it, through bench/runner.workload_plans) and every plan decoding
 exactly ``max_tokens`` (min_tokens: both forms decode the same amount), driven through the prefix-aware scheduler
 at the same concurrency (bench/runner.run_config) by four engines:
 
@@ -57,7 +57,7 @@ from devkit.ports import free_port
 from bench.runner import (BenchInputs, ConfigResult, ConfigSpec, ImageInput as BenchImages, Keys, cpu_snapshot,
                           machine_info, run_config, workload_plans)
 from bench.workload import Workload
-from core.engine import Completion, EngineWrapper, ImageInput, Layout, OnText, PromptPlan
+from core.engine import Completion, EngineWrapper, ImageInput, OnText, PromptPlan
 from core.keys import ImageKey, ResolutionPolicy
 from core.pages import EncodedImage
 from rag.plans import AnswerMode
@@ -73,10 +73,12 @@ INGEST_KINDS = (("tokens", False, True), ("tokens_and_pixels", True, True), ("pi
 SERVING_STORE = "tokens_and_pixels"  # serves both forms
 FORMS = (ImageInput.EMBEDS, ImageInput.PIXELS)
 CHECK_PLANS = 3  # plans answered one at a time in both forms before the timed runs (the same-tokens check)
-# The plans: one prompt per question over the union of its sub-questions' pages (mmrag serve's default answer
-# mode), mmrag's canonical layout and scheduler policy. Built by the runner, as its mmrag_one_prompt does.
-PLAN_SPEC = ConfigSpec("image_input", BenchImages.TOKENS, caching=True, layout=Layout.CANONICAL,
-                       policy=Policy.DFS_WEIGHT, answer_mode=AnswerMode.ONE_PROMPT)
+# The plans: the joint strategy, one prompt per question over its sub-questions' pages (at most 4, in their stable
+# order), and mmrag's scheduler policy; built by the runner, as its mmrag_joint is. Joint rather than the default,
+# auto, on purpose: one plan shape per question at the whole answer length, so the same-tokens check compares
+# whole answers, whatever auto would choose; the forms' costs are per image either way.
+PLAN_SPEC = ConfigSpec("image_input", BenchImages.TOKENS, caching=True, policy=Policy.DFS_WEIGHT,
+                       answer_mode=AnswerMode.JOINT)
 REPLICA_RESETS = ("reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache")
 
 

@@ -12,12 +12,11 @@ from core.engine import Usage
 
 from bench.runner import LONG_ANSWER_TOKENS, MIXED_SHORT_TOKENS, BenchRun, ConfigResult, long_answer_name
 
-# The exact layouts (prefix-cache hits only, every page seen with its siblings or said otherwise) that compete
-# for "best exact layout": a config with a new pipeline layout joins here once it is in runner.CONFIGS.
-EXACT_LAYOUTS = ("mmrag_warm", "mmrag_global", "mmrag_per_page")
-# Costed beside them (requests, decode and prompt tokens next to mmrag_warm) but not ranked: one prompt is exact
-# too, but it shows each page once per question, so its hit rate is over other image tokens than theirs.
-ONE_PROMPT = "mmrag_one_prompt"
+# The strategies after the warm-up, which compete for "best strategy": each shows a question's pages once (the
+# same pages: at most MMRAG_ONE_PROMPT_PAGES of the union, each sub-question's best first), so their hit rates are
+# over the same image tokens. The default, mmrag_auto, cold and warm, carries the targets.
+STRATEGIES = ("mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm")
+DEFAULT, DEFAULT_WARM = "mmrag_auto", "mmrag_auto_warm"
 
 # Measured and reported without a threshold (the issue gives none; it wants the figure).
 REPORT = "report"
@@ -27,35 +26,36 @@ REPORT = "report"
 # `mmrag serve` / llama-index over HTTP, >= 2) is not an engine configuration: the --e2e report adds it.
 # Each is evaluated again at LONG_ANSWER_TOKENS where the run has every config it names as ``<name>@128``.
 TARGETS = (
-    ("throughput mmrag / no_cache", "mmrag", "no_cache", "throughput_qps", ">=", 3.0),
-    ("throughput mmrag / apc_naive", "mmrag", "apc_naive", "throughput_qps", ">=", 1.5),
-    ("throughput mmrag_warm / vllm_llamaindex", "mmrag_warm", "vllm_llamaindex", "throughput_qps", ">=", 5.0),
-    ("throughput mmrag_warm / vllm_images_first", "mmrag_warm", "vllm_images_first", "throughput_qps", ">=", 3.0),
-    ("TTFT p50 mmrag / no_cache", "mmrag", "no_cache", "ttft_p50_s", "<=", 0.3),
-    ("TTFT p99 mmrag / apc_naive", "mmrag", "apc_naive", "ttft_p99_s", "<=", 1.0),
-    ("TTFT p50 mmrag_warm / floor", "mmrag_warm", "floor", "ttft_p50_s", "<=", 1.5),
-    ("hit rate best exact layout / position oracle", EXACT_LAYOUTS, None, "position_oracle_ratio", ">=", 0.9),
-    ("throughput mmrag_one_prompt / vllm_llamaindex", ONE_PROMPT, "vllm_llamaindex", "throughput_qps", REPORT, None),
-    ("throughput mmrag_one_prompt / vllm_images_first", ONE_PROMPT, "vllm_images_first", "throughput_qps", REPORT,
-     None),
-    ("TTFT p50 mmrag_one_prompt / floor_one_prompt", ONE_PROMPT, "floor_one_prompt", "ttft_p50_s", REPORT, None),
+    ("throughput mmrag_auto / no_cache", DEFAULT, "no_cache", "throughput_qps", ">=", 3.0),
+    ("throughput mmrag_auto / apc_naive", DEFAULT, "apc_naive", "throughput_qps", ">=", 1.5),
+    ("throughput mmrag_auto_warm / vllm_llamaindex", DEFAULT_WARM, "vllm_llamaindex", "throughput_qps", ">=", 5.0),
+    ("throughput mmrag_auto_warm / vllm_images_first", DEFAULT_WARM, "vllm_images_first", "throughput_qps", ">=",
+     3.0),
+    ("TTFT p50 mmrag_auto / no_cache", DEFAULT, "no_cache", "ttft_p50_s", "<=", 0.3),
+    ("TTFT p99 mmrag_auto / apc_naive", DEFAULT, "apc_naive", "ttft_p99_s", "<=", 1.0),
+    ("TTFT p50 mmrag_auto_warm / floor", DEFAULT_WARM, "floor", "ttft_p50_s", "<=", 1.5),
+    ("hit rate best strategy / position oracle", STRATEGIES, None, "position_oracle_ratio", ">=", 0.9),
+    ("TTFT p50 mmrag_split_warm / floor_split", "mmrag_split_warm", "floor_split", "ttft_p50_s", REPORT, None),
+    ("TTFT p50 mmrag_joint_warm / floor_joint", "mmrag_joint_warm", "floor_joint", "ttft_p50_s", REPORT, None),
 )
 
-# mmrag's ratios to what a user runs instead and to the floors (numerator, denominator); each again at
-# LONG_ANSWER_TOKENS where the run has both at that length. The one prompt also against the per-sub-question
-# floor, and against mmrag_warm (the same warm-up, one request per question instead of one per sub-question).
+# mmrag's ratios (numerator, denominator); each again at LONG_ANSWER_TOKENS where the run has both at that length.
+# The default, cold and warm, to what a user runs instead and to its floor; split and joint to llama-index, to the
+# default (the same warm-up and pages, another strategy) and to their own floors.
 _USERS_AND_FLOOR = ("vllm_llamaindex", "vllm_images_first", "floor")
-COMPARISONS = (*((n, d) for n in ("mmrag", "mmrag_warm") for d in _USERS_AND_FLOOR),
-               *((ONE_PROMPT, d) for d in (*_USERS_AND_FLOOR, "floor_one_prompt", "mmrag_warm")))
+COMPARISONS = (*((n, d) for n in (DEFAULT, DEFAULT_WARM) for d in _USERS_AND_FLOOR),
+               *((n, d) for n in ("mmrag_split_warm", "mmrag_joint_warm") for d in ("vllm_llamaindex", DEFAULT_WARM)),
+               ("mmrag_split_warm", "floor_split"), ("mmrag_joint_warm", "floor_joint"))
 
 
 COLORS = {"no_cache": "#9ca3af", "vision_cache": "#6b7280", "apc_naive": "#f28e2b", "vllm_llamaindex": "#e15759",
-          "vllm_images_first": "#ff9d9a", "mmrag": "#2f6db5", "mmrag_warm": "#1f4e8c", "mmrag_budget": "#59a14f",
-          "mmrag_global": "#76b7b2", "mmrag_per_page": "#b07aa1", "mmrag_one_prompt": "#17becf",
-          "floor": "#1f2a44", "floor_one_prompt": "#3b4a6b", "mixed": "#edc948", "mixed_tiered": "#9c755f",
+          "vllm_images_first": "#ff9d9a", "mmrag": "#2f6db5", "mmrag_auto": "#2f6db5", "mmrag_auto_warm": "#1f4e8c",
+          "mmrag_auto_budget": "#59a14f", "mmrag_split_warm": "#0f8a99", "mmrag_joint_warm": "#7d4f78",
+          "floor": "#1f2a44", "floor_split": "#3b4a6b", "floor_joint": "#4a3b6b", "mixed": "#edc948",
+          "mixed_tiered": "#9c755f",  # mmrag_split and mmrag_joint (cold): as --e2e's sides of the same name
           # mmrag bench --e2e's sides
-          "llamaindex": "#e15759", "llamaindex_subq": "#ff9d9a", "mmrag_every_page": "#76b7b2",
-          "mmrag_per_sub_question": "#b07aa1", "mmrag_model_decomposer": "#59a14f", "mmrag_per_image": "#17becf"}
+          "llamaindex": "#e15759", "llamaindex_subq": "#ff9d9a", "mmrag_split": "#17becf", "mmrag_joint": "#b07aa1",
+          "mmrag_model_decomposer": "#59a14f"}
 
 # On the mixed-resolution corpus and workload, each against ``mixed``: the scheduler's short queue, and the
 # pages under the standard tier's bounds and pooled 2x2.
@@ -92,8 +92,10 @@ def config_summary(r: ConfigResult) -> dict[str, Any]:
         "throughput_qps": _r(questions / r.wall_s if r.wall_s else 0.0),
         "wall_s": _r(r.wall_s, 2),
         "questions": questions,
-        "answer_mode": r.spec.answer_mode.value,
-        "answer_tokens": r.answer_tokens,  # max_tokens of every request
+        # The strategy (rag/plans.py; None: a request per sub-question) and how many questions each answered.
+        "answer_mode": r.spec.answer_mode.value if r.spec.answer_mode is not None else None,
+        "answer_modes": r.answer_modes,
+        "answer_tokens": r.answer_tokens,  # the answer's length: every request's, or a split's parts together
         "requests": len(r.records),
         "requests_per_question": _per(len(r.records), questions, 3),
         "ttft_mean_s": _r(statistics.fmean(ttft) if ttft else 0.0),
@@ -197,15 +199,16 @@ def _target(configs: dict[str, dict[str, Any]], nums: list[str], den: str | None
             "config": best, "answer_tokens": configs[best]["answer_tokens"]}
 
 
-def layout_costs(configs: dict[str, dict[str, Any]], base: str = "mmrag_warm") -> dict[str, dict[str, Any]]:
-    """What each exact layout costs and saves next to ``base`` (the canonical layout, same warm-up): engine
-    requests and decode tokens (what a layout with more prompts pays), computed prompt tokens and image hit
-    rate (what it saves), and which layout is best: the highest image hit rate, ties by fewer requests."""
+def strategy_costs(configs: dict[str, dict[str, Any]], base: str = DEFAULT_WARM) -> dict[str, dict[str, Any]]:
+    """What each strategy (after the warm-up) costs and saves next to ``base`` (the default): engine requests and
+    decode tokens (a split pays a request per page, the answer's length shared), computed prompt tokens and image
+    hit rate (what every page leading its own prompt saves), and which is best: the highest image hit rate, ties
+    by fewer requests."""
     if base not in configs:
         return {}
     b = configs[base]
     out: dict[str, dict[str, Any]] = {}
-    for name in (*EXACT_LAYOUTS, ONE_PROMPT):
+    for name in STRATEGIES:
         if name in configs:
             c = configs[name]
             out[name] = {
@@ -214,8 +217,9 @@ def layout_costs(configs: dict[str, dict[str, Any]], base: str = "mmrag_warm") -
                 "completion_tokens_ratio": _per(c["completion_tokens"], b["completion_tokens"], 3),
                 "computed_prompt_tokens_ratio": _per(c["computed_prompt_tokens"], b["computed_prompt_tokens"], 3),
                 "image_hit_rate": c["image_hit_rate"], "position_oracle_ratio": c["position_oracle_ratio"],
+                "answer_modes": c["answer_modes"],
             }
-    ranked = [n for n in EXACT_LAYOUTS if n in out]
+    ranked = list(out)
     if ranked:
         best = max(ranked, key=lambda n: (out[n]["image_hit_rate"], -out[n]["requests"]))
         out = {"best": best, **out}
@@ -223,8 +227,8 @@ def layout_costs(configs: dict[str, dict[str, Any]], base: str = "mmrag_warm") -
 
 
 def comparisons(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """``"mmrag_warm / floor"`` and ``"mmrag_warm@128 / floor@128"``: throughput ratio (above 1: faster) and TTFT
-    p50 ratio (below 1: sooner), each pair of COMPARISONS the run has, at each answer length it has it."""
+    """``"mmrag_auto_warm / floor"`` and ``"mmrag_auto_warm@128 / floor@128"``: throughput ratio (above 1: faster)
+    and TTFT p50 ratio (below 1: sooner), each pair of COMPARISONS the run has, at each answer length it has it."""
     out = {}
     for num, den in COMPARISONS:
         for a, b in ((num, den), (long_answer_name(num), long_answer_name(den))):
@@ -257,14 +261,14 @@ def build_json(run: BenchRun, *, model: dict, workload: dict, corpus: dict, engi
     engine = {**engine, "kv_blocks": run.capacity.blocks, "kv_tokens": run.capacity.tokens,
               "engine_start_s": run.engine_start_s}
     machine = {**run.machine, "dtype": run.dtype}
-    return {"configs": configs, "comparisons": comparisons(configs), "layouts": layout_costs(configs),
+    return {"configs": configs, "comparisons": comparisons(configs), "strategies": strategy_costs(configs),
             "long_answer": long_answer(configs),
             "mixed_resolution": mixed_resolution(configs), "targets": targets(configs), "model": model,
             "machine": machine, "workload": workload, "corpus": corpus, "engine": engine, "run": meta}
 
 
 def markdown_tables(data: dict) -> str:
-    rows = _config_rows(data) + _ratio_rows(data) + _mixed_rows(data)
+    rows = _config_rows(data) + _mode_rows(data) + _ratio_rows(data) + _mixed_rows(data)
     m = data["machine"]
     flags = ", ".join(f"{f} {'yes' if on else 'no'}" for f, on in m["cpu_flags"].items())
     emulated = f"; {m['emulated_isa'].upper()} emulated (kernels capped)" if m.get("emulated_isa") else ""
@@ -292,6 +296,15 @@ def _config_rows(data: dict) -> list[str]:
             f"{c['probe_ttft_s']:.3f} | {c['other_cpu_cores']:.2f} |"
         )
     return rows
+
+
+def _mode_rows(data: dict) -> list[str]:
+    """How each strategy's questions were answered (what auto chose; a split with one page to show is joint)."""
+    modes = [(n, c["answer_modes"]) for n, c in data["configs"].items() if c.get("answer_modes")]
+    if not modes:
+        return []
+    return ["", "Questions answered split / joint: " + "; ".join(
+        f"{n} {m.get('split', 0)} / {m.get('joint', 0)}" for n, m in modes) + "."]
 
 
 def _ratio_rows(data: dict) -> list[str]:
@@ -411,7 +424,7 @@ def _plot_prefill(ax: Any, data: dict, names: list[str]) -> None:
 
 
 def _plot_work(ax: Any, data: dict, names: list[str]) -> None:
-    """What each question costs the engine: requests (one prompt: 1) and decode tokens."""
+    """What each question costs the engine: requests (joint: 1; split: one per page shown) and decode tokens."""
     cfg, x = [data["configs"][n] for n in names], np.arange(len(names))
     ax.bar(x - _W / 2, [c["requests_per_question"] for c in cfg], _W, label="engine requests / question",
            color="#4e79a7")
@@ -446,15 +459,16 @@ def _plot_ratios(ax: Any, data: dict) -> None:
 
 
 def plot_e2e(data: dict, out: Path) -> None:
-    """`mmrag bench --e2e`'s figures: questions/s, TTFT p50 and generated tokens per question, per side at each
-    answer length (the sides that ran at every length; the candidates at the reference length are in the JSON)."""
+    """`mmrag bench --e2e`'s figures: questions/s (over the llama-index one-shot's), TTFT p50 and generated tokens
+    per question, per side at each answer length (the sides that ran at every length); then, at the reference
+    length, every side's questions/s over llama-index's per question class (estimated per class: bench/e2e.py)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     e2e = data["e2e"]
     lengths = list(e2e["by_length"])
     sides = [s for s in e2e["by_length"][lengths[0]] if all(s in e2e["by_length"][n] for n in lengths)]
-    fig = Figure(figsize=(15.0, 4.8), dpi=100)
+    fig = Figure(figsize=(20.0, 4.8), dpi=100)
     panels = (("questions_per_s", "questions / s, × llama-index one-shot's (higher is better)"),
               ("ttft_p50_s", "TTFT p50 of the streamed answer, s"),
               ("generation_tokens_per_question", "generated tokens / question"))
@@ -467,7 +481,8 @@ def plot_e2e(data: dict, out: Path) -> None:
             return v / (rows.get("llamaindex", {}).get(field_name) or 1.0)
         return v
 
-    for ax, (field_name, title) in zip(fig.subplots(1, 3), panels):
+    axes = fig.subplots(1, 4)
+    for ax, (field_name, title) in zip(axes, panels):
         for i, side in enumerate(sides):
             values = [value(n, side, field_name) for n in lengths]
             ax.bar(np.arange(len(lengths)) + (i - (len(sides) - 1) / 2) * width, values, width, label=side,
@@ -475,10 +490,28 @@ def plot_e2e(data: dict, out: Path) -> None:
         ax.set_xticks(np.arange(len(lengths)), [f"{n} answer tokens" for n in lengths])
         ax.set_title(title, fontsize=10)
         ax.set_yscale("log")
-    fig.axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8)
+    _plot_e2e_classes(axes[3], e2e)
     meta = data["meta"]
     fig.suptitle(f"mmrag bench --e2e — {data['model']['name']} ({meta['dtype']}), "
                  f"{e2e['spec']['questions']} questions, {e2e['spec']['concurrency']} in flight; {meta['cpu']}, "
                  f"{meta['cpus']} cores", fontsize=11)
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(out))
+
+
+def _plot_e2e_classes(ax, e2e: dict) -> None:
+    """Per class at the reference length: each side's questions/s over llama-index's on the same class, with
+    the line at 1 (as fast as llama-index)."""
+    reference = str(e2e["spec"]["reference_length"])
+    by_side = {side: per for side, per in e2e["by_class"][reference].items() if side != "llamaindex"}
+    classes = [k for k in ("compound", "comparison", "one_part") if any(k in per for per in by_side.values())]
+    width = 0.8 / max(1, len(by_side))
+    for i, (side, per) in enumerate(by_side.items()):
+        values = [(per.get(k) or {}).get("questions_per_s_over_llamaindex") or 0.0 for k in classes]
+        ax.bar(np.arange(len(classes)) + (i - (len(by_side) - 1) / 2) * width, values, width, label=side,
+               color=COLORS.get(side, "#bab0ac"))
+    ax.axhline(1.0, color="#444444", linewidth=0.8, linestyle="--")
+    ax.set_xticks(np.arange(len(classes)), classes)
+    ax.set_title(f"per class at {reference} tokens: questions / s × llama-index's (est.)", fontsize=10)
+    ax.legend(fontsize=7)

@@ -7,32 +7,52 @@ serves every other configuration; its prefix, processor and encoder caches are r
 Before each configuration two cold single-page probe prompts time the machine, and during it the CPU time of
 other processes is measured, so a reader can tell a ratio from a change in background load.
 
-The configurations a user would run instead of mmrag send page pixels with vLLM's defaults:
+What a user would run instead of mmrag, and the ablations, send one request per sub-question over the pages it
+retrieved (the per-sub-question plans of their layout, rag/plans.build_plans; no synthesis is modelled):
 
-- ``vllm_llamaindex``: the prompt llama-index's multimodal chat path builds (:func:`llamaindex_messages`);
+- ``no_cache``: page pixels with a fresh ``multi_modal_uuids`` per request, caches off: the vision encoder runs
+  per image per request; ``vision_cache``: the feature store's image tokens, prefix caching off; ``apc_naive``:
+  image tokens with vLLM's prefix caching, the question before the pages (naive layout);
+- ``vllm_llamaindex``: page pixels with vLLM's defaults, the prompt llama-index's multimodal chat path builds
+  (:func:`llamaindex_messages`);
 - ``vllm_images_first``: the savvy vLLM user's prompt, images first in retrieval-score order, then the
   question (mmrag's renderer on score-ordered pages).
 
-``mixed`` and ``mixed_tiered`` run mmrag on the mixed-resolution corpus (bench/corpus.py: small figures, slides
-and scanned A4 pages, a 16x spread in image tokens), the second with the scheduler's short queue
-(``MIXED_SHORT_TOKENS``, one reserved slot): the TTFT of the short requests with and without it.
-``mixed_standard`` and ``mixed_pooled`` run ``mixed`` with the pages under the standard tier's bounds (max 448²:
-the A4 page scaled down) and pooled 2x2 (a quarter of the tokens): throughput, TTFT and KV share per
-resolution policy (``MIXED_POLICIES``). Full run only, unless named with --configs.
+mmrag's configurations are the answer strategies `mmrag serve` has (rag/plans.py, MMRAG_ANSWER_MODE), each
+question planned as rag/pipeline.Pipeline.ask plans it (:func:`answer_plans`: no more pages than
+MMRAG_ONE_PROMPT_PAGES, as served, and the workload's answer length for the whole answer):
 
-``floor`` is mmrag's prompts and scheduler with every image prefix already in the KV cache: the questions
-run in batches whose image prefixes fit in half the KV cache; before each batch every distinct image prefix
-of it is prefilled (untimed), then the batch runs timed. What is left is what no cache can remove: the text
-after the images, the image tokens in the block that holds the first text tokens, and the decode.
+- ``mmrag_split``: each page of the union of the sub-questions' pages leads a prompt of its own, with the
+  sub-questions that found it (rag/plans.split_plans); the parts share the answer's length;
+- ``mmrag_joint``: one prompt over those pages in their stable order (choose_answer(JOINT), joint_plan);
+- ``mmrag_auto`` (the default): choose_answer(AUTO) per question, then split or joint as it chose: joint for the
+  workload's questions that relate their pages (a "Compare ..." part), split for the others;
+- ``mmrag_split_warm``, ``mmrag_joint_warm``, ``mmrag_auto_warm``: the same after the production warm-up
+  (serving/warmup.warm: pages ranked by how many documents show them, ``warm_share`` of the KV cache);
+- ``mmrag_auto_budget``: ``mmrag_auto_warm`` on the smaller resolution policy's keys (a quarter of the tokens).
 
-``mmrag_one_prompt`` answers as ``mmrag serve`` does by default (MMRAG_ANSWER_MODE, rag/plans.py): ONE engine
-request per question over the union of its sub-questions' pages, each once, the most-asked first, with
-``mmrag_warm``'s warm-up; ``floor_one_prompt`` is the floor of those prompts. Every other configuration sends
-one request per sub-question (per page with per_page) and models no synthesis.
+So a strategy decodes one answer's length per question and shows at most 4 pages, where the per-sub-question
+configurations decode it per sub-question over every page they retrieved: what `mmrag serve` does against what
+the others do, not the same prompts made cheaper.
+
+The floors, ``floor`` (``mmrag_auto``'s plans) and ``floor_split``, ``floor_joint`` (full run only), run a
+strategy's plans and scheduler with every image prefix already in the KV cache: the questions run in batches
+whose image prefixes fit in half the KV cache; before each batch every distinct image prefix of it is
+prefilled (untimed), then the batch runs timed. What is left is what no cache can remove: the text after the
+images, the image tokens in the block that holds the first text tokens, and the decode.
+
+``mixed`` and ``mixed_tiered`` run mmrag's per-sub-question canonical plans (joint's overflow path) on the
+mixed-resolution corpus (bench/corpus.py: small figures, slides and scanned A4 pages, a 16x spread in image
+tokens), the second with the scheduler's short queue (``MIXED_SHORT_TOKENS``, one reserved slot): the TTFT of
+the short requests with and without it. ``mixed_standard`` and ``mixed_pooled`` run ``mixed`` with the pages
+under the standard tier's bounds (max 448²: the A4 page scaled down) and pooled 2x2 (a quarter of the tokens):
+throughput, TTFT and KV share per resolution policy (``MIXED_POLICIES``). They keep per-sub-question plans
+because what they measure is the scheduler and the resolution policies over requests of one or two pages of
+mixed sizes. Full run only, unless named with --configs.
 
 ``<config>@128`` (``LONG_ANSWER_CONFIGS``, full run only): the configurations whose ratios BENCHMARKS.md states,
-again at ``LONG_ANSWER_TOKENS`` answer tokens per request, on the first ``LONG_ANSWER_QUESTIONS`` questions of
-the same workload: at 4 tokens prefill decides, at a real answer length decode weighs in.
+again at ``LONG_ANSWER_TOKENS`` answer tokens, on the first ``LONG_ANSWER_QUESTIONS`` questions of the same
+workload: at 4 tokens prefill decides, at a real answer length decode weighs in.
 """
 
 from __future__ import annotations
@@ -43,6 +63,7 @@ import os
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,7 +77,9 @@ from adapters.checkpoint import ModelSource
 from adapters.hardware import cpu_flags, emulated_isa, native_cpu_dtype
 from adapters.store import FeatureStore
 from rag.order import PagePopularity
-from rag.plans import AnswerMode, build_plans, choose_answer, one_prompt_plan
+from rag.pipeline import PROMPT_FRAME_TOKENS, PipelineConfig
+from rag.plans import (AnswerChoice, AnswerMode, build_plans, choose_answer, fit_pages, joint_plan, joint_text,
+                       split_plans)
 from retrieval.search import Hit
 from core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
 from serving.engine.config import EngineConfig, resolve_dtype
@@ -99,13 +122,16 @@ class PromptStyle(str, enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class ConfigSpec:
-    """One configuration. A new pipeline layout is one more line in CONFIGS with its ``layout``."""
+    """One configuration. ``answer_mode`` None: one request per sub-question, the per-sub-question plans of
+    ``layout`` (rag/plans.build_plans; no synthesis); SPLIT, JOINT or AUTO: the product's strategy, each question
+    planned as Pipeline.ask plans it (:func:`answer_plans`). A new strategy or layout is one more line in CONFIGS."""
 
     name: str
     images: ImageInput
     caching: bool  # engine B (vLLM's caching defaults) or engine A (prefix and processor caches off)
-    layout: Layout  # what rag/pipeline.build_plans gets: the page order of each plan
     policy: Policy
+    layout: Layout = Layout.CANONICAL  # per sub-question: the page order of each plan (a strategy's: canonical)
+    answer_mode: AnswerMode | None = None  # the strategy (rag/plans.py); None: per sub-question
     prompt: PromptStyle = PromptStyle.MMRAG
     warm: bool = False
     budget: bool = False  # the smaller resolution policy's keys
@@ -113,55 +139,53 @@ class ConfigSpec:
     mixed: str = ""  # the mixed-resolution corpus, its keys under this policy of MIXED_POLICIES
     tier_queues: bool = False  # the scheduler's short queue (MIXED_SHORT_TOKENS) with a reserved slot
     full_only: bool = False  # left out of --quick unless named with --configs
-    # PER_SUB_QUESTION: the plans of ``layout`` (no synthesis); ONE_PROMPT: one plan per question (rag/plans.py)
-    answer_mode: AnswerMode = AnswerMode.PER_SUB_QUESTION
-    max_tokens: int | None = None  # answer tokens per request; None: the workload's (--max-tokens)
+    # The answer's length: every request's per sub-question, the parts' together for split; None: the workload's
+    # (--max-tokens).
+    max_tokens: int | None = None
     questions: int | None = None  # the workload's first N questions; None: all of them
 
     def __post_init__(self) -> None:
         if self.prompt is not PromptStyle.MMRAG and self.images is ImageInput.TOKENS:
             raise ValueError(f"{self.name}: only pixel configurations render their own prompt style")
-        if self.answer_mode is AnswerMode.AUTO:
-            raise ValueError(f"{self.name}: a configuration answers every question one way: give ONE_PROMPT or "
-                             "PER_SUB_QUESTION (auto decides per question, which would mix the two)")
-        if self.answer_mode is AnswerMode.ONE_PROMPT and (self.layout is not Layout.CANONICAL
-                                                          or self.images is not ImageInput.TOKENS):
-            raise ValueError(f"{self.name}: one prompt is mmrag's own (image tokens, its pages in the popularity "
-                             "order): give images=TOKENS and layout=CANONICAL")
-
-    @property
-    def one_prompt(self) -> bool:
-        return self.answer_mode is AnswerMode.ONE_PROMPT
+        if self.answer_mode is not None and (self.layout is not Layout.CANONICAL
+                                             or self.images is not ImageInput.TOKENS):
+            raise ValueError(f"{self.name}: a strategy plans as mmrag serves (image tokens, rendered images first): "
+                             "give images=TOKENS and layout=CANONICAL, or answer_mode=None for per-sub-question "
+                             "plans in another layout")
 
 
 _T, _PX, _FRESH = ImageInput.TOKENS, ImageInput.PIXELS, ImageInput.FRESH_PIXELS
-_NAIVE, _CANON, _FCFS, _DFS = Layout.NAIVE, Layout.CANONICAL, Policy.FCFS, Policy.DFS_WEIGHT
-_ONE = AnswerMode.ONE_PROMPT
+_NAIVE, _FCFS, _DFS = Layout.NAIVE, Policy.FCFS, Policy.DFS_WEIGHT
+_SPLIT, _JOINT, _AUTO = AnswerMode.SPLIT, AnswerMode.JOINT, AnswerMode.AUTO
 BASE_CONFIGS = (
+    # What users run instead, and the ablations: a request per sub-question. NAIVE keeps the retrieval-score page
+    # order; the prompt style decides where the question goes.
     ConfigSpec("no_cache", _FRESH, caching=False, layout=_NAIVE, policy=_FCFS),
     ConfigSpec("vision_cache", _T, caching=False, layout=_NAIVE, policy=_FCFS),
     ConfigSpec("apc_naive", _T, caching=True, layout=_NAIVE, policy=_FCFS),
-    # NAIVE keeps the retrieval-score page order; the prompt style decides where the question goes.
     ConfigSpec("vllm_llamaindex", _PX, caching=True, layout=_NAIVE, policy=_FCFS, prompt=PromptStyle.LLAMAINDEX),
     ConfigSpec("vllm_images_first", _PX, caching=True, layout=_NAIVE, policy=_FCFS,
                prompt=PromptStyle.IMAGES_FIRST),
-    ConfigSpec("mmrag", _T, caching=True, layout=_CANON, policy=_DFS),
-    ConfigSpec("mmrag_warm", _T, caching=True, layout=_CANON, policy=_DFS, warm=True),
-    ConfigSpec("mmrag_budget", _T, caching=True, layout=_CANON, policy=_DFS, warm=True, budget=True),
-    # The exact layouts that try to close the gap to the position oracle (rag/pipeline.py, MMRAG_LAYOUT), both
-    # with mmrag_warm's warm-up: one global page order learned online, and one prompt per retrieved page.
-    ConfigSpec("mmrag_global", _T, caching=True, layout=Layout.GLOBAL, policy=_DFS, warm=True),
-    ConfigSpec("mmrag_per_page", _T, caching=True, layout=Layout.PER_PAGE, policy=_DFS, warm=True),
-    ConfigSpec("floor", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True),
-    # mmrag serve's default answer mode: one request per question, mmrag_warm's warm-up; and its own floor (the
-    # per-sub-question floor prefills other prompts and pays a request per sub-question).
-    ConfigSpec("mmrag_one_prompt", _T, caching=True, layout=_CANON, policy=_DFS, warm=True, answer_mode=_ONE),
-    ConfigSpec("floor_one_prompt", _T, caching=True, layout=_CANON, policy=_DFS, prefilled=True, answer_mode=_ONE),
-    ConfigSpec("mixed", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", full_only=True),
-    ConfigSpec("mixed_tiered", _T, caching=True, layout=_CANON, policy=_DFS, mixed="full", tier_queues=True,
-               full_only=True),
-    ConfigSpec("mixed_standard", _T, caching=True, layout=_CANON, policy=_DFS, mixed="standard", full_only=True),
-    ConfigSpec("mixed_pooled", _T, caching=True, layout=_CANON, policy=_DFS, mixed="pooled", full_only=True),
+    # mmrag serve's strategies (rag/plans.py), from cold caches and after the production warm-up.
+    ConfigSpec("mmrag_split", _T, caching=True, policy=_DFS, answer_mode=_SPLIT),
+    ConfigSpec("mmrag_joint", _T, caching=True, policy=_DFS, answer_mode=_JOINT),
+    ConfigSpec("mmrag_auto", _T, caching=True, policy=_DFS, answer_mode=_AUTO),
+    ConfigSpec("mmrag_split_warm", _T, caching=True, policy=_DFS, answer_mode=_SPLIT, warm=True),
+    ConfigSpec("mmrag_joint_warm", _T, caching=True, policy=_DFS, answer_mode=_JOINT, warm=True),
+    ConfigSpec("mmrag_auto_warm", _T, caching=True, policy=_DFS, answer_mode=_AUTO, warm=True),
+    ConfigSpec("mmrag_auto_budget", _T, caching=True, policy=_DFS, answer_mode=_AUTO, warm=True, budget=True),
+    # Each strategy's plans with every image prefix in the KV cache: the default's in --quick, the others' in the
+    # full run.
+    ConfigSpec("floor", _T, caching=True, policy=_DFS, answer_mode=_AUTO, prefilled=True),
+    ConfigSpec("floor_split", _T, caching=True, policy=_DFS, answer_mode=_SPLIT, prefilled=True, full_only=True),
+    ConfigSpec("floor_joint", _T, caching=True, policy=_DFS, answer_mode=_JOINT, prefilled=True, full_only=True),
+    # Mixed resolutions: per-sub-question canonical plans (joint's overflow path), on purpose: they measure the
+    # scheduler's short queue and the resolution policies over requests of one or two pages of mixed sizes, a
+    # spread a split's one-page prompts would narrow. Comparable with the mixed runs before the strategies.
+    ConfigSpec("mixed", _T, caching=True, policy=_DFS, mixed="full", full_only=True),
+    ConfigSpec("mixed_tiered", _T, caching=True, policy=_DFS, mixed="full", tier_queues=True, full_only=True),
+    ConfigSpec("mixed_standard", _T, caching=True, policy=_DFS, mixed="standard", full_only=True),
+    ConfigSpec("mixed_pooled", _T, caching=True, policy=_DFS, mixed="pooled", full_only=True),
 )
 
 # The ratios BENCHMARKS.md states, measured again at a real answer length in the same run (issue 22): these
@@ -170,12 +194,12 @@ BASE_CONFIGS = (
 # ratios compare them with each other, on the same questions.
 LONG_ANSWER_TOKENS = 128
 LONG_ANSWER_QUESTIONS = 16
-LONG_ANSWER_CONFIGS = ("vllm_llamaindex", "vllm_images_first", "mmrag_warm", "mmrag_one_prompt", "floor",
-                       "floor_one_prompt")
+LONG_ANSWER_CONFIGS = ("vllm_llamaindex", "vllm_images_first", "mmrag_split_warm", "mmrag_joint_warm",
+                       "mmrag_auto_warm", "floor")
 
 
 def long_answer_name(name: str) -> str:
-    """``mmrag_warm`` -> ``mmrag_warm@128``: the same configuration at LONG_ANSWER_TOKENS."""
+    """``mmrag_auto_warm`` -> ``mmrag_auto_warm@128``: the same configuration at LONG_ANSWER_TOKENS."""
     return f"{name}@{LONG_ANSWER_TOKENS}"
 
 
@@ -285,6 +309,14 @@ class BenchInputs:
     def max_tokens_for(self, spec: ConfigSpec) -> int:
         return spec.max_tokens or self.workload.spec.max_tokens
 
+    def pipeline_config(self, spec: ConfigSpec) -> PipelineConfig:
+        """What `mmrag serve`'s Pipeline would be configured with on this engine: the engine's image and context
+        limits, the configuration's answer length, every plan decoding exactly its length; the rest its defaults
+        (MMRAG_ONE_PROMPT_PAGES=4)."""
+        return PipelineConfig(max_tokens=self.max_tokens_for(spec), fixed_length=True,
+                              max_images_per_prompt=self.engine_config.max_images_per_prompt,
+                              max_model_len=self.engine_config.max_model_len)
+
     def keys_for(self, spec: ConfigSpec) -> Keys:
         if spec.mixed:
             return self._mixed(spec)[1]
@@ -311,7 +343,7 @@ class PlanRecord:
 class ConfigResult:
     spec: ConfigSpec
     questions: int = 0  # questions answered (the throughput's numerator)
-    answer_tokens: int = 0  # max_tokens of every request
+    answer_tokens: int = 0  # the answer's length (every request's per sub-question; a split's parts together)
     plans: list[PromptPlan] = field(default_factory=list)  # what was submitted, in workload order
     records: list[PlanRecord] = field(default_factory=list)
     question_latencies_s: list[float] = field(default_factory=list)
@@ -330,6 +362,7 @@ class ConfigResult:
     first_image_tokens: tuple[int, int] = (0, 0)
     later_image_tokens: tuple[int, int] = (0, 0)
     scheduler: dict[str, int] = field(default_factory=dict)
+    answer_modes: dict[str, int] = field(default_factory=dict)  # a strategy's questions by what answered them
 
     def absorb(self, part: ConfigResult) -> None:
         """Add a timed part of the run (floor's batches): times add up, loads average over the wall time."""
@@ -466,12 +499,11 @@ class _FirstTokens:
 
 def workload_plans(spec: ConfigSpec, inputs: BenchInputs, keys: Keys, questions: Sequence[Question]
                    ) -> dict[int, list[PromptPlan]]:
-    """Each question's plans by its id, planned in workload order with one PagePopularity for the run where the
-    configuration orders pages by it (as one process does)."""
-    learns = spec.one_prompt or spec.layout is Layout.GLOBAL
-    popularity = PagePopularity() if learns else None
-    corpus, max_tokens = inputs.corpus_for(spec), inputs.max_tokens_for(spec)
-    plans = {q.qid: question_plans(q, spec, keys, corpus, max_tokens, popularity) for q in questions}
+    """Each question's plans by its id, planned in workload order (the global layout with one PagePopularity for
+    the run, as one process does)."""
+    popularity = PagePopularity() if spec.layout is Layout.GLOBAL else None
+    corpus, config = inputs.corpus_for(spec), inputs.pipeline_config(spec)
+    plans = {q.qid: question_plans(q, spec, keys, corpus, config, popularity) for q in questions}
     most = max((len(p.images) for ps in plans.values() for p in ps), default=0)
     if most > inputs.engine_config.max_images_per_prompt:
         raise ValueError(f"{spec.name}: a prompt of {most} images, over the engine's max_images_per_prompt="
@@ -479,23 +511,70 @@ def workload_plans(spec: ConfigSpec, inputs: BenchInputs, keys: Keys, questions:
     return plans
 
 
-def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpus, max_tokens: int,
+def workload_answer_modes(spec: ConfigSpec, inputs: BenchInputs, keys: Keys, questions: Sequence[Question]
+                          ) -> dict[str, int]:
+    """How many of the questions each strategy answered ({"joint": n, "split": m}: what auto chose; a one-page
+    split is a joint prompt); {} for a per-sub-question configuration."""
+    if spec.answer_mode is None:
+        return {}
+    corpus, config = inputs.corpus_for(spec), inputs.pipeline_config(spec)
+    chosen = Counter(answer_plans(q.text, [s.text for s in q.subs], question_hits(q, keys, corpus), spec.answer_mode,
+                                  config)[0].mode.value for q in questions)
+    return dict(sorted(chosen.items()))
+
+
+def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpus, config: PipelineConfig,
                    popularity: PagePopularity | None = None) -> list[PromptPlan]:
-    """The plans the pipeline makes from this question's simulated retrieval: rag/plans.build_plans per
-    sub-question, or the one prompt. The global layout and one prompt learn as the pipeline does:
-    ``popularity`` (required for them) observes each sub-question's pages before this question is planned."""
-    hits = [[_hit(p, rank, keys, corpus) for rank, p in enumerate(s.pages)] for s in q.subs]
-    if popularity is not None:
-        for hs in hits:
-            popularity.observe(h.image_key for h in hs)
-    if spec.one_prompt:
-        if popularity is None:
-            raise ValueError(f"{spec.name}: one prompt orders its pages by a PagePopularity: pass popularity=")
-        plans = [one_prompt_question_plan(q, hits, max_tokens, popularity)]
+    """The plans of this question from its simulated retrieval, each decoding exactly its length: the strategy's
+    (:func:`answer_plans`), or rag/plans.build_plans per sub-question in the configuration's layout (the global
+    layout reads ``popularity``, which observes each sub-question's pages before this question is planned)."""
+    hits = question_hits(q, keys, corpus)
+    subs = [s.text for s in q.subs]
+    if spec.answer_mode is not None:
+        plans = answer_plans(q.text, subs, hits, spec.answer_mode, config)[1]
     else:
-        plans = build_plans([s.text for s in q.subs], hits, max_tokens=max_tokens, layout=spec.layout,
-                            popularity=popularity)
-    return [replace(p, sampling=fixed_length(max_tokens)) for p in plans]
+        if popularity is not None:
+            for hs in hits:
+                popularity.observe(h.image_key for h in hs)
+        plans = build_plans(subs, hits, max_tokens=config.max_tokens, layout=spec.layout, popularity=popularity)
+    return [replace(p, sampling=fixed_length(p.sampling.max_tokens)) for p in plans]
+
+
+def answer_plans(question: str, subs: Sequence[str], hits: Sequence[Sequence[Hit]], mode: AnswerMode,
+                 config: PipelineConfig) -> tuple[AnswerChoice, list[PromptPlan]]:
+    """What Pipeline.ask submits for a question with these sub-questions and hits (none of its own images, no
+    tier, figures as the hits show them; rag/pipeline.py ``_pages`` and ``_answer_over``): each sub-question's
+    pages cut to one prompt's room (fit_pages), choose_answer's strategy and pages under the engine's limits
+    (:func:`prompt_misfit`), then split_plans over them (the parts sharing ``config.max_tokens``) or joint_plan,
+    over the hits of the pages shown. Joint's overflow (a prompt per sub-question, then a synthesis over their
+    answers) cannot be planned before the answers exist: it raises, naming the limit to raise."""
+    limit = config.max_tokens
+    fitted, _ = fit_pages(hits, room=config.max_images_per_prompt, layout=Layout.CANONICAL)
+    choice = choose_answer(mode, fitted, question=question, max_pages=config.one_prompt_pages, max_parts=limit,
+                           misfit=lambda pages: prompt_misfit(question, subs, pages, fitted, limit, config))
+    if choice.overflow:
+        raise ValueError(f"{question!r}: {choice.why}. The bench plans no synthesis (it needs the sub-answers): "
+                         "raise max_model_len or max_images_per_prompt in default_engine_config")
+    dropped = {p.image_key for p in choice.left_out}
+    shown = [[h for h in hs if h.image_key not in dropped] for hs in fitted]
+    if choice.mode is AnswerMode.SPLIT:
+        return choice, [p.plan for p in split_plans(question, subs, choice.pages, max_tokens=limit, hits=shown)]
+    return choice, [joint_plan(question, subs, choice.pages, max_tokens=limit, hits=shown)]
+
+
+def prompt_misfit(question: str, subs: Sequence[str], pages: Sequence[Hit], hits: Sequence[Sequence[Hit]],
+                  max_tokens: int, config: PipelineConfig) -> str | None:
+    """Pipeline._misfit for a question without images of its own: why one prompt over ``pages`` would not fit the
+    engine (more images than it takes, or its tokens and the answer's over the context; text counted as UTF-8
+    bytes), or None."""
+    if len(pages) > config.max_images_per_prompt:
+        return f"{len(pages)} images, over max_images_per_prompt={config.max_images_per_prompt}"
+    image_tokens = sum(p.image_tokens for p in pages)
+    text = len(joint_text(question, subs, pages, 0, hits).encode())
+    if image_tokens + text + PROMPT_FRAME_TOKENS + max_tokens > config.max_model_len:
+        return (f"{image_tokens} image tokens, up to {text + PROMPT_FRAME_TOKENS} of text and {max_tokens} of answer: "
+                f"over max_model_len={config.max_model_len}")
+    return None
 
 
 def fixed_length(max_tokens: int) -> SamplingSpec:
@@ -504,13 +583,10 @@ def fixed_length(max_tokens: int) -> SamplingSpec:
     return SamplingSpec(max_tokens=max_tokens, min_tokens=max_tokens)
 
 
-def one_prompt_question_plan(q: Question, hits: list[list[Hit]], max_tokens: int, popularity: PagePopularity
-                             ) -> PromptPlan:
-    """Pipeline.ask's one prompt: choose_answer's pages (the union of the sub-questions' hits, each once, in
-    the popularity order), then one_prompt_plan. Nothing is left out: the bench engine holds the largest union
-    (default_engine_config), and workload_plans says so if it does not."""
-    choice = choose_answer(AnswerMode.ONE_PROMPT, hits, misfit=lambda pages: None, popularity=popularity)
-    return one_prompt_plan(q.text, [s.text for s in q.subs], choice.pages, max_tokens=max_tokens, hits=hits)
+def question_hits(q: Question, keys: Keys, corpus: BenchCorpus) -> list[list[Hit]]:
+    """Each sub-question's simulated retrieval: its pages in the workload's order, scores falling by rank. No
+    margins (Hit.margin 0): no page stands out, and the union keeps each sub-question's ranks."""
+    return [[_hit(p, rank, keys, corpus) for rank, p in enumerate(s.pages)] for s in q.subs]
 
 
 def _hit(page: int, rank: int, keys: Keys, corpus: BenchCorpus) -> Hit:
@@ -665,8 +741,9 @@ def _oracles(result: ConfigResult, inputs: BenchInputs, keys: Keys, base: Prompt
              capacity: KVCapacity, warmed: set[ImageKey] | None) -> None:
     """The position oracle over the canonical rendering (``base``: the same number for every configuration on
     these keys and questions), and the prefix bound of the configuration's own prompts (``own``) and warm-up.
-    One prompt shows each page once per question, so its image uses differ: its oracle is over its own plans
-    (the canonical rendering of one prompt is itself)."""
+    A strategy shows each of a question's pages once (at most MMRAG_ONE_PROMPT_PAGES of them), so its image uses
+    differ from the per-sub-question plans': its oracle is over its own plans (their canonical rendering is
+    themselves), the same for its cold, warm and floor configurations."""
     spec = result.spec
     as_canonical = replace(spec, layout=Layout.CANONICAL)
     by_question = workload_plans(as_canonical, inputs, keys, inputs.questions_for(spec))
@@ -790,6 +867,7 @@ async def run_all(inputs: BenchInputs, names: list[str] | None = None) -> BenchR
                     result = await run_config(target, spec, inputs, keys)
                     result.warm = warm_info
                 result.probe = probes
+                result.answer_modes = workload_answer_modes(spec, inputs, keys, inputs.questions_for(spec))
                 _oracles(result, inputs, keys, base, own, capacity, warmed)
                 _hits_by_position(result, keys, own)
                 results[spec.name] = result

@@ -42,7 +42,7 @@ class WorkloadSpec:
     pages_per_sub: tuple[int, int] = (1, 2)
     rate_qps: float | None = None  # Poisson arrivals; None: closed loop
     concurrency: int = 4  # questions in flight in the closed loop
-    max_tokens: int = 4  # answer tokens per sub-question
+    max_tokens: int = 4  # the answer's tokens: per request per sub-question, per question for mmrag's strategies
     seed: int = 0
 
 
@@ -60,8 +60,9 @@ class Question:
 
     @property
     def text(self) -> str:
-        """The compound question the sub-questions come from, as a user types it: one after the other (one
-        prompt ends with it; derived, so the workload's draws and every other configuration stay as they were)."""
+        """The compound question the sub-questions come from, as a user types it: one after the other (mmrag's
+        strategies' prompts end with it, and auto reads its words: a "Compare ..." part makes it joint; derived, so
+        the workload's draws and every other configuration stay as they were)."""
         return " ".join(s.text for s in self.subs)
 
 

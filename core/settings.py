@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import logging
 import re
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
+
+logger = logging.getLogger(__name__)
+# Old MMRAG_ANSWER_MODE values, kept one release (rag/plans.DEPRECATED_MODES says the same to a request's).
+_OLD_ANSWER_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
 
 
 if TYPE_CHECKING:
@@ -139,7 +144,10 @@ class Settings(BaseSettings):
 
     # Scheduler in front of the engine (serving/scheduler.py)
     scheduler_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight
-    max_concurrency: int = 4
+    # Plans in flight in the engine: as many as it batches (max_num_seqs). A split answer's parts decode side by
+    # side; at 4 (the old default) four questions' parts queued behind each other, and the engine's batching, the
+    # split's point, was lost (issue 40: TTFT p50 4.5 s where the floor's was 0.56 s).
+    max_concurrency: int = Field(default=64, ge=1)
     max_image_tokens_in_flight: int = 32_768
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128
@@ -222,9 +230,9 @@ class Settings(BaseSettings):
 
     # RAG
     top_k: int = 3  # pages per sub-question
-    # Prompt layout (rag/pipeline.py): canonical (pages in the batch's shared order), global (pages in a
-    # process-wide popularity order, stable across requests), per_page (one prompt per page, then a synthesis).
-    layout: Literal["canonical", "global", "per_page"] = "canonical"
+    # Deprecated (one release), ignored: a joint prompt has one stable page order and a split shows one page a
+    # prompt. per_page asks for what split does now (answer_mode=split, when answer_mode is left at auto).
+    layout: Literal["canonical", "global", "per_page"] | None = None
     # Figures in prompts (issue 26): a retrieved page whose hit was on one of its figures (named by number, or by
     # its caption) is shown as that figure's crop, with its caption as text: fewer image tokens than the page,
     # and the same key wherever the figure recurs. The page is shown when no figure answered the hit.
@@ -240,19 +248,26 @@ class Settings(BaseSettings):
     # Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the rules split the
     # question (rag/decompose.ModelDecomposer): a real model's decomposition cost on a random-weight one. 0: off.
     decompose_fixed_tokens: int = Field(default=0, ge=0)
-    # How retrieved pages become the answer (rag/plans.py): one_prompt (one prompt over the union of the
-    # sub-questions' pages, one decode), per_image (each of those pages leads its own prompt, the answer's length
-    # shared, the parts joined: every recurrence of a page or figure crop hits its prefix), per_sub_question (a
-    # prompt per sub-question, then a synthesis), or auto: one prompt when the union fits one
-    # (max_images_per_prompt, max_model_len), else per sub-question.
-    answer_mode: Literal["auto", "one_prompt", "per_image", "per_sub_question"] = "auto"
+    # How retrieved pages become the answer (rag/plans.py): split (each shown page leads a prompt of its own with
+    # the parts of the question that found it; the parts are one answer), joint (one prompt over the pages), or
+    # auto: per question, joint when it relates items across pages, else split. Old names, one release:
+    # one_prompt (joint), per_image (split), per_sub_question (joint, whose overflow it is now).
+    answer_mode: Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"] = "auto"
+    # Joint's overflow (a joint answer whose pages do not fit one prompt): each sub-question's answer's length.
     sub_answer_max_tokens: int = Field(default=64, ge=1)  # per sub-question: each sub-answer's length
-    # One prompt's page budget: at most this many pages, each sub-question's best first (0: every retrieved page).
+    # An answer's page budget: at most this many pages, each sub-question's best first (0: every retrieved page).
     # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (BENCHMARKS.md).
     one_prompt_pages: int = Field(default=4, ge=0)
     # Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max_tokens, so
     # answers of a random-weight model, which stops wherever it draws an end of sequence, have the asked length.
     answer_fixed_length: bool = False
+    # The answer cache (issue 40, rag/answer_cache.py, docs/answer-cache.md): a greedy answer is kept under a key
+    # of the tenant, the normalised question, its images, the pages shown, the model and the prompt version, and
+    # a repeat of all of those is served from it without an engine request; at most answer_cache_max_per_tenant
+    # answers per tenant (the least recently used go first), in Redis when MMRAG_REDIS_URL is set, else under
+    # data_dir/answers. false: every question is answered afresh (usage says answer_cache: off).
+    answer_cache: bool = True
+    answer_cache_max_per_tenant: int = Field(default=1000, ge=1)
 
     @field_validator("vision_device")
     @classmethod
@@ -263,6 +278,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.answer_mode in _OLD_ANSWER_MODES:
+            new = _OLD_ANSWER_MODES[self.answer_mode]
+            logger.warning("MMRAG_ANSWER_MODE=%s is deprecated and will be removed in the next release: it is %s "
+                           "now; set MMRAG_ANSWER_MODE=%s, or unset it (auto chooses per question)",
+                           self.answer_mode, new, new)
+            self.answer_mode = new
+        if self.layout is not None:
+            logger.warning("MMRAG_LAYOUT is deprecated, ignored, and will be removed in the next release: a joint "
+                           "prompt has one stable page order and a split answer shows one page a prompt%s; unset "
+                           "it", " (per_page: MMRAG_ANSWER_MODE=split, set for you)" if self.layout == "per_page"
+                           else "")
+            if self.layout == "per_page" and self.answer_mode == "auto":
+                self.answer_mode = "split"
         self.resolution_policy  # validates the bounds with a message that names the fix
         if STANDARD_TIER in self.tiers:
             raise ValueError("MMRAG_TIERS names `standard`: that tier is MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS; set "

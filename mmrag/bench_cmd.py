@@ -1,9 +1,10 @@
 """`mmrag bench`: thirteen serving configurations on one model and one workload, in one invocation (the
-baselines users run instead, mmrag's ablations, exact layouts and one-prompt answers, and the floors:
-bench/runner.py CONFIGS), and in the full run four more on pages of mixed sizes and six again at 128 answer
-tokens. ``--figures``: page-level against figure-level image keys on a corpus whose charts recur inside different
-page layouts (bench/figure_keys.py, issue 26). ``--image-input``: the two deployment forms of MMRAG_IMAGE_INPUT (image
-tokens or page pixels to vLLM) at ingest and at serving, in process and over `vllm serve` (bench/image_input.py).
+baselines users run instead and the ablations, mmrag's answer strategies split, joint and auto, cold and warm, and
+the floor: bench/runner.py CONFIGS), and in the full run two more floors, four on pages of mixed sizes and six
+again at 128 answer tokens. ``--figures``: page-level against figure-level image keys on a corpus whose charts
+recur inside different page layouts (bench/figure_keys.py, issue 26). ``--image-input``: the two deployment forms
+of MMRAG_IMAGE_INPUT (image tokens or page pixels to vLLM) at ingest and at serving, in process and over
+`vllm serve` (bench/image_input.py).
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -32,8 +33,9 @@ err = Console(stderr=True)
 # times); the configurations that send pixels pay the vision encoder per image and take the largest share.
 QUICK = {"pages": 24, "questions": 16}
 FULL = {"pages": 48, "questions": 80}
-# --e2e: every side at 4, 128 and 512 answer tokens on one replica, plus mmrag's two variants and the floor
-# (bench/e2e.py); 512 tokens per answer is most of the run.
+# --e2e: every side at 4, 128 and 512 answer tokens on one replica, the floor, mmrag's variants and the repeats run
+# at 128 (bench/e2e.py); 512 tokens per answer is most of the run. 32 questions: 12 compound, 12 comparison, 8
+# one-part (bench/e2e.CLASS_CYCLE).
 E2E_QUICK = {"pages": 24, "questions": 12}
 E2E_FULL = {"pages": 48, "questions": 32}
 # --figures: distinct charts and questions; the sweep's pages a chart is asked through: bench/figure_keys.PLACEMENTS
@@ -63,12 +65,13 @@ def bench(
     tiny: Annotated[bool, typer.Option("--tiny", help="Use the tiny test model (smoke tests: checks that "
                                        "everything runs; its timings mean nothing).")] = False,
     configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
-    e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions, streamed, through `mmrag serve` "
-                                      "(POST /v1/ask), two llama-index pipelines (one-shot and sub-questions) and "
-                                      "the floor (one request per question, images in KV), on one `vllm serve` "
-                                      "replica, at 4, 128 and 512 answer tokens; mmrag's per-sub-question and "
-                                      "model-decomposer variants at 128, or at --max-tokens when given "
-                                      "(bench/e2e.py).")] = False,
+    e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions (compound, comparison and "
+                                      "one-part, interleaved), streamed, through `mmrag serve` (POST /v1/ask), two "
+                                      "llama-index pipelines (one-shot and sub-questions) and the floor (mmrag's "
+                                      "own plans, images in KV), on one `vllm serve` replica, at 4, 128 and 512 "
+                                      "answer tokens, reported overall and per class; mmrag's split, joint and "
+                                      "model-decomposer variants and a run of repeated questions with the answer "
+                                      "cache on at 128, or at --max-tokens when given (bench/e2e.py).")] = False,
     transfer: Annotated[bool, typer.Option("--transfer", help="Instead: per page, the time and bytes of moving "
                                            "image tokens from the vision service to the engine (feature store, "
                                            "binary HTTP, base64 JSON to a replica; bench/transfer.py).")] = False,
@@ -110,14 +113,15 @@ def bench(
     """Benchmark mmrag against what users run instead, on one model and one workload.
 
     Configurations: no_cache, vision_cache, apc_naive (ablations); vllm_llamaindex, vllm_images_first (page
-    pixels to vLLM with its own caches: the llama-index layout, and images first); mmrag, mmrag_warm,
-    mmrag_budget; mmrag_global, mmrag_per_page (the exact layouts); floor (every image already in KV);
-    mmrag_one_prompt, floor_one_prompt (one request per question, as `mmrag serve` answers by default, and its
-    floor); mixed, mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue),
-    mixed_standard, mixed_pooled (the same pages scaled to the standard tier, and pooled 2x2); NAME@128
-    (vllm_llamaindex, vllm_images_first, mmrag_warm, mmrag_one_prompt, floor, floor_one_prompt again at 128
-    answer tokens, on the workload's first questions: bench/runner.py LONG_ANSWER_QUESTIONS). The mixed and @128
-    ones are not in --quick unless named with --configs.
+    pixels to vLLM with its own caches: the llama-index layout, and images first), all a request per
+    sub-question; mmrag_split, mmrag_joint, mmrag_auto (`mmrag serve`'s answer strategies, auto the default,
+    planned as it plans them), the same after the warm-up (NAME_warm), mmrag_auto_budget (auto, warm, a quarter
+    of the image tokens); floor (auto's plans, every image already in KV), floor_split, floor_joint; mixed,
+    mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue), mixed_standard,
+    mixed_pooled (the same pages scaled to the standard tier, and pooled 2x2); NAME@128 (vllm_llamaindex,
+    vllm_images_first, mmrag_split_warm, mmrag_joint_warm, mmrag_auto_warm, floor again at 128 answer tokens, on
+    the workload's first questions: bench/runner.py LONG_ANSWER_QUESTIONS). floor_split, floor_joint, the mixed
+    and @128 ones are not in --quick unless named with --configs.
 
     Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
     synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
@@ -274,8 +278,8 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
                concurrency: int,
                max_tokens: int | None, zipf: float, seed: int, json_out: Path | None,
                plot_out: Path | None = None) -> None:
-    """`mmrag bench --e2e`: mmrag serve, the floor and two llama-index pipelines on one vllm serve replica, at
-    each answer length (``max_tokens``: only that one)."""
+    """`mmrag bench --e2e`: mmrag serve (its strategies), the floor and two llama-index pipelines on one vllm
+    serve replica, at each answer length (``max_tokens``: only that one), and the answer cache's repeats run."""
     from dataclasses import replace
 
     from adapters.hardware import emulated_isa
@@ -518,21 +522,41 @@ def _write_json(path: Path | None, data: dict) -> None:
 E2E_COLUMNS = ("questions_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
                "engine_requests_per_question", "prompt_tokens_per_question", "generation_tokens_per_question",
                "prefix_cache_hit_rate", "asked_pages_cited")
+E2E_CLASS_COLUMNS = ("questions", "questions_per_s", "questions_per_s_over_llamaindex", "latency_p50_s",
+                     "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "ttft_p50_over_llamaindex", "asked_pages_cited")
+E2E_REPEATS_COLUMNS = ("asks", "distinct_questions", "questions_per_s", "answer_cache_hit_rate", "hit_latency_p50_s",
+                       "miss_latency_p50_s", "hit_server_p50_s", "engine_requests_per_ask")
+
+
+def _markdown(columns: tuple[str, ...], rows: list[tuple[str, dict]], first: str) -> list[str]:
+    head = [f"| {first} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    return head + [f"| {name} | " + " | ".join("–" if r.get(c) is None else str(r[c]) for c in columns) + " |"
+                   for name, r in rows]
 
 
 def _e2e_table(e2e: dict) -> str:
-    """One table per answer length (side x figures), mmrag's stages, then the targets."""
+    """Per answer length: a table of the sides, one of each side's classes (questions/s estimated per class:
+    bench/e2e.py), mmrag's stages and what `auto` chose; then the repeats run, decomposition and the targets."""
     rows = []
     for length, sides in e2e["by_length"].items():
-        rows += [f"\n### {length} answer tokens\n", "| side | " + " | ".join(E2E_COLUMNS) + " |",
-                 "|---" * (len(E2E_COLUMNS) + 1) + "|"]
-        rows += [f"| {side} | " + " | ".join("–" if r.get(c) is None else str(r[c]) for c in E2E_COLUMNS) + " |"
-                 for side, r in sides.items()]
+        rows += [f"\n### {length} answer tokens\n", *_markdown(E2E_COLUMNS, list(sides.items()), "side")]
+        classes = e2e["by_class"][length]
+        rows += [f"\nper class at {length} tokens (questions/s = questions / (sum of latencies / concurrency))\n",
+                 *_markdown(E2E_CLASS_COLUMNS, [(f"{side} {kind}", r) for side, per in classes.items()
+                                                for kind, r in per.items()], "side, class")]
         for side, r in sides.items():
             if "stage_s" in r:
                 stages = ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in r["stage_s"].items() if v)
                 modes = ", ".join(f"{mode} {n}" for mode, n in r["answer_modes"].items())
                 rows.append(f"\n{side} seconds per question: {stages} (answer modes: {modes})")
+        for side, choices in e2e["auto_choices"].get(length, {}).items():
+            per_class = "; ".join(f"{kind}: " + ", ".join(f"{m} {n}" for m, n in c["modes"].items())
+                                  for kind, c in choices["by_class"].items())
+            rows.append(f"auto chose on {side}: {per_class}")
+            rows += [f"  {n} x {reason}" for reason, n in choices["overall"]["reasons"].items()]
+    rep = e2e["repeats"]
+    rows += [f"\n### repeated questions, answer cache on ({rep['length']} tokens; a hit's p50 for the target at the "
+             f"{rep['hit_p50_measured_at']})\n", *_markdown(E2E_REPEATS_COLUMNS, [("mmrag", rep)], "side")]
     d = e2e["decomposition"]
     rows.append(f"\nmodel decomposition (stand-in {d['stand_in']['fixed_tokens']} tokens) at {d['length']} tokens "
                 f"adds per question: {d['model']['decompose_requests_per_question']} requests, "

@@ -20,13 +20,15 @@ from rich.markup import escape
 
 from mmrag.bench_cmd import bench
 from mmrag.engine_cmd import engine_app
+from mmrag.eval_cmd import eval_app
 from mmrag.errors import describe, is_user_error
 from mmrag.reencode_cmd import reencode
 from mmrag.retrieval_cmd import retrieval_app
 from mmrag.tenant_cmd import TenantOption, tenant_app
 from mmrag.vision_cmd import vision_app
 
-ANSWER_MODES = ("auto", "one_prompt", "per_image", "per_sub_question")  # MMRAG_ANSWER_MODE's values (core/settings.py)
+# MMRAG_ANSWER_MODE (core/settings.py): the strategies, then the names deprecated for one release
+ANSWER_MODES = ("auto", "split", "joint", "one_prompt", "per_image", "per_sub_question")
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -57,6 +59,7 @@ app.add_typer(index_app, name="index")
 app.add_typer(store_app, name="store")
 app.add_typer(engine_app, name="engine")
 app.add_typer(retrieval_app, name="retrieval")
+app.add_typer(eval_app, name="eval")
 app.add_typer(vision_app, name="vision")
 app.add_typer(tenant_app, name="tenant")
 app.command("bench")(bench)
@@ -175,10 +178,10 @@ def ask(
     tenant: TenantOption = "default",
     answer_mode: Annotated[str | None, typer.Option(
         "--answer-mode", callback=_one_of(ANSWER_MODES),
-        help="one_prompt: one prompt over every retrieved page, one decode; per_image: each page (or figure "
-             "crop) leads a prompt of its own, the answer's length shared, the parts joined; per_sub_question: "
-             "a prompt per sub-question, then a synthesis; auto: one prompt when the pages fit one "
-             "(default: MMRAG_ANSWER_MODE, auto).")] = None,
+        help="split: each page (or figure crop) leads a prompt of its own with the parts of the question that "
+             "found it, the parts one answer; joint: one prompt over the pages, seen together; auto: joint when "
+             "the question compares or relates pages, else split (default: MMRAG_ANSWER_MODE, auto). "
+             "Deprecated: one_prompt (joint), per_image (split), per_sub_question (joint).")] = None,
 ) -> None:
     """Ask a question: split it into sub-questions, retrieve pages for each, answer with page citations.
 

@@ -172,12 +172,12 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
 async def cited_pages(settings: Settings, searcher: PageSearcher, questions: list[str]) -> list[list[tuple[str, int]]]:
     """Per question, the pages its answer cites, best first, chosen by rag/plans.py's own functions as
     rag/pipeline.py calls them: the rule decomposer's sub-questions, MMRAG_TOP_K fused pages each, cut to one
-    prompt's room and, unless answers go per sub-question, to one prompt's page budget (MMRAG_ONE_PROMPT_PAGES;
-    every prompt taken to fit the engine's context). A real model's decomposer (MMRAG_DECOMPOSER=model) may
-    split a question otherwise."""
+    prompt's room and to the answer's page budget (MMRAG_ONE_PROMPT_PAGES), shown as MMRAG_ANSWER_MODE chooses
+    (split or joint show the same pages; every prompt taken to fit the engine's context, and a split at most
+    MMRAG_ANSWER_MAX_TOKENS parts). A real model's decomposer (MMRAG_DECOMPOSER=model) may split a question
+    otherwise."""
     from core.engine import Layout
     from rag.decompose import RuleDecomposer
-    from rag.order import PagePopularity
     from rag.plans import AnswerMode, choose_answer, cite, fit_pages, shown_as_figures
 
     rules = RuleDecomposer(max_n=settings.max_sub_questions)
@@ -187,10 +187,10 @@ async def cited_pages(settings: Settings, searcher: PageSearcher, questions: lis
         hits = await searcher.search_many(subs, top_k=settings.top_k, context=question if len(subs) > 1 else None)
         if settings.figure_crops:  # a figure's crop is an image of its own: one key wherever it recurs
             hits = shown_as_figures(hits, subs, whole=question)
-        shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout(settings.layout))
+        shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout.CANONICAL)
         choice = choose_answer(AnswerMode(settings.answer_mode), shown, misfit=lambda pages: None,
-                               popularity=PagePopularity(), layout=Layout(settings.layout),
-                               max_pages=settings.one_prompt_pages)
+                               question=question, max_pages=settings.one_prompt_pages,
+                               max_parts=settings.answer_max_tokens)
         dropped = {p.image_key for p in choice.left_out}
         out.append([(c.doc, c.page) for c in cite([[h for h in hs if h.image_key not in dropped] for hs in shown])])
     return out

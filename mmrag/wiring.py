@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from core.keys import ResolutionPolicy
     from core.scope import TenantScope
     from ingestion.pipeline import Ingestor
+    from rag.answer_cache import AnswerCache
     from rag.decompose import Decomposer
     from rag.pipeline import Pipeline, PipelineConfig
     from retrieval.search import PageSearcher
@@ -338,11 +340,10 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
 
 
 def pipeline_config(settings: Settings) -> PipelineConfig:
-    from core.engine import Layout
     from rag.pipeline import PipelineConfig
     from rag.plans import AnswerMode
 
-    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens, layout=Layout(settings.layout),
+    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens,
                           max_images_per_prompt=settings.max_images_per_prompt,
                           answer_mode=AnswerMode(settings.answer_mode),
                           sub_answer_max_tokens=settings.sub_answer_max_tokens,
@@ -352,19 +353,21 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
 
 def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None) -> Decomposer:
     """MMRAG_DECOMPOSER: ``auto`` asks the model unless its weights are random. Its requests carry the
-    scope's cache salt."""
+    scope's cache salt. With the answer cache on, it remembers the model's last decompositions (as many as the
+    cache keeps answers a tenant), so a repeated question sends no engine request at all."""
     from rag.decompose import Decomposer
 
     ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
     return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
                       max_question_chars=settings.max_question_chars, max_tokens=settings.decompose_max_tokens,
                       fixed_tokens=settings.decompose_fixed_tokens,
-                      cache_salt=(scope or tenant_scope(settings)).cache_salt)
+                      cache_salt=(scope or tenant_scope(settings)).cache_salt,
+                      remember=settings.answer_cache_max_per_tenant if settings.answer_cache else 0)
 
 
 def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = None, client=None,
-             encoder: EncoderScope | None = None, store: FeatureStore | None = None, tower: Tower | None = None
-             ) -> tuple[Pipeline, Scheduler]:
+             encoder: EncoderScope | None = None, store: FeatureStore | None = None, tower: Tower | None = None,
+             answers: AnswerCache | None = None) -> tuple[Pipeline, Scheduler]:
     """The pipeline of ``scope`` (default: the default tenant's), its plans going through one prefix-aware
     scheduler. It retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens
     are fed.
@@ -372,7 +375,8 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     The caller owns the engine and closes ``pipeline.searcher.client``. ``store``: the one the engine reads, where
     pages asked for in a tier they lack are stored once encoded (default: the configured one). ``tower``: the
     process's vision tower (vision_tower), which those tier encodes run on (default: one of the pipeline's own).
-    Other tenants' pipelines share the scheduler and tiers (``scoped_pipeline``).
+    ``answers``: the answer cache (answer_cache; default: none). Other tenants' pipelines share the scheduler,
+    tiers and answer cache (``scoped_pipeline``).
     """
     from rag.tiers import PageTiers
     from serving.scheduler import Scheduler
@@ -386,8 +390,43 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     tiers = PageTiers(settings, store, tier_encoder(settings, tower or vision_tower(settings, model)))
     pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
                            search=searcher(settings.scoped(scope), client=client, encoder=encoder),
-                           lease=answer_lease(store))
+                           lease=answer_lease(store), answers=answers)
     return pipe, scheduler
+
+
+def answer_cache(settings: Settings, metrics: Metrics | None = None) -> AnswerCache | None:
+    """MMRAG_ANSWER_CACHE: one cache for the process (the tenant is in every key), in Redis when MMRAG_REDIS_URL
+    is set, else under data_dir/answers; its lookups counted in ``metrics``. None when it is off."""
+    if not settings.answer_cache:
+        return None
+    from adapters.answer_store import open_answer_store
+    from rag.answer_cache import AnswerCache
+
+    store = open_answer_store(redis_url=settings.redis_url, folder=settings.data_dir / "answers")
+    return AnswerCache(store, max_per_tenant=settings.answer_cache_max_per_tenant,
+                       on_lookup=metrics.record_answer_cache if metrics is not None else None)
+
+
+def answer_prompt_version(settings: Settings) -> str:
+    """What shapes an answer besides its question, pages and model, hashed for the answer cache's keys: every
+    system prompt, the prompt templates (rag/plans.py's source: any change of wording there is a new version) and
+    the settings that change prompts or decoding."""
+    import inspect
+
+    from rag import plans
+    from rag.answer_cache import prompt_version
+    from serving.engine.prompt import SYSTEM_PROMPTS
+
+    templates = hashlib.sha256(inspect.getsource(plans).encode()).hexdigest()
+    return prompt_version(*(f"{name}={text}" for name, text in sorted(SYSTEM_PROMPTS.items())),
+                          f"templates={templates}", f"decomposer={settings.decomposer}",
+                          f"max_sub_questions={settings.max_sub_questions}",
+                          f"sub_answer_max_tokens={settings.sub_answer_max_tokens}",
+                          f"one_prompt_pages={settings.one_prompt_pages}", f"top_k={settings.top_k}",
+                          f"figure_crops={settings.figure_crops}",
+                          f"answer_fixed_length={settings.answer_fixed_length}",
+                          f"decompose_fixed_tokens={settings.decompose_fixed_tokens}",
+                          f"image_input={settings.image_input}")
 
 
 def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:
@@ -399,14 +438,17 @@ def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:
 
 
 def scoped_pipeline(settings: Settings, scope: TenantScope, engine: Engine, *, submit, counts: ImageTokenCounts,
-                    tiers, search: PageSearcher, lease: Callable[[], KeyLease] = NoLease) -> Pipeline:
+                    tiers, search: PageSearcher, lease: Callable[[], KeyLease] = NoLease,
+                    answers: AnswerCache | None = None) -> Pipeline:
     """One tenant's pipeline over process-wide parts (engine, the scheduler's ``submit``, token counts, tiers):
     ``search`` reads the scope's collection, and the scope's salt goes on every plan and decomposition request.
     A new pipeline per tenant, so a field added to Pipeline is never shared between tenants by accident."""
     from rag.pipeline import Pipeline
 
     return Pipeline(decomposer(settings, engine, scope), search, engine, config=pipeline_config(settings),
-                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt, lease=lease)
+                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt, lease=lease,
+                    answers=answers, tenant=scope.tenant,
+                    prompt_version=answer_prompt_version(settings) if answers is not None else "")
 
 
 def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScope:
@@ -475,7 +517,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         return scopes[tenant] if tenant in scopes else tenant_scope(settings, tenant)
 
     pipe, scheduler = pipeline(settings, metered, scope=scopes[DEFAULT_TENANT], encoder=encoder, store=store,
-                               tower=tower)
+                               tower=tower, answers=answer_cache(settings, metrics))
     metrics.register_store(store)
     metrics.set_tiers(settings.tier_table)
     if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
@@ -536,7 +578,7 @@ def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversati
     search = searcher(root.settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
                       text=base.searcher.text_embedder, image=base.searcher.image_embedder)
     pipe = scoped_pipeline(root.settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
-                           tiers=base.tiers, search=search, lease=base.lease)
+                           tiers=base.tiers, search=search, lease=base.lease, answers=base.answers)
     return dataclasses.replace(root, scope=scope, pipeline=pipe,
                                pages=AsyncPageReader(base.searcher.client, scope.collection),
                                jobs=jobs.for_tenant(scope.tenant),

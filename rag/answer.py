@@ -41,6 +41,9 @@ class Answer:
     random_weights: bool
     sub_question_source: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
+    # The answer cache (rag/answer_cache.py): "hit" (served from it, no engine request), "miss" (computed, and
+    # kept), or "off" (no cache, or a sampled answer, which is never looked up).
+    answer_cache: str = "off"
 
     def to_json(self) -> dict[str, Any]:
         u = self.usage
@@ -59,6 +62,7 @@ class Answer:
                 "ttft_s": round(u.ttft_s, 4),
                 "latency_s": round(u.latency_s, 4),
                 "image_input": u.image_input,
+                "answer_cache": self.answer_cache,
             },
             "model": {
                 "name": self.model,

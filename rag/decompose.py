@@ -18,6 +18,7 @@ import enum
 import json
 import re
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +41,9 @@ class Decomposition:
     sub_questions: list[str]
     source: Source
     rejected_reason: str | None  # why the model's reply was rejected; None when it was used or not asked
+    # Why the parts need their pages seen together (the model said so: ``"together": true``); None when it did
+    # not say so or was not asked. rag/plans.choose_answer reads it beside the question's own words.
+    relates: str | None = None
 
 
 class BadQuestionError(ValueError):
@@ -129,7 +133,9 @@ def sub_question_schema(max_n: int, max_len: int) -> dict[str, Any]:
                 "items": {"type": "string", "minLength": 3, "maxLength": max_len},
                 "minItems": 1,
                 "maxItems": max_n,
-            }
+            },
+            # true when the parts must be answered over their pages seen together (a comparison): one prompt
+            "together": {"type": "boolean"},
         },
         "required": ["sub_questions"],
         "additionalProperties": False,
@@ -151,8 +157,10 @@ def validate_sub_questions(raw: str, question: str, *, max_n: int, max_len: int)
         data = json.loads(raw, strict=False)
     except json.JSONDecodeError as exc:
         raise RejectedDecomposition(Rejection.MALFORMED, f"not JSON ({exc.msg}): {_excerpt(raw)!r}") from None
-    if not isinstance(data, dict) or set(data) != {"sub_questions"}:
+    if not isinstance(data, dict) or "sub_questions" not in data or not set(data) <= {"sub_questions", "together"}:
         raise RejectedDecomposition(Rejection.SCHEMA, f"expected {{\"sub_questions\": [...]}}, got {_excerpt(raw)!r}")
+    if not isinstance(data.get("together", False), bool):
+        raise RejectedDecomposition(Rejection.SCHEMA, f"'together' is not true or false: {_excerpt(raw)!r}")
     items = data["sub_questions"]
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise RejectedDecomposition(Rejection.SCHEMA, f"'sub_questions' is not a list of strings: {_excerpt(raw)!r}")
@@ -468,13 +476,19 @@ class ModelDecomposer:
     async def sub_questions(self, question: str) -> list[str]:
         """Validated sub-questions, or RejectedDecomposition. Engine errors propagate: they are not a verdict
         on the model's reply, and hiding them behind the rules would hide an outage."""
+        return (await self.decomposition(question))[0]
+
+    async def decomposition(self, question: str) -> tuple[list[str], bool]:
+        """:meth:`sub_questions`, and whether the model said the parts need their pages together
+        (``"together": true`` in its reply)."""
         completion = await self.propose(question)
         if completion.finish_reason == "length":
             raise RejectedDecomposition(
                 Rejection.TRUNCATED,
                 f"the reply stopped at max_tokens={self.sampling.max_tokens}: {_excerpt(completion.text)!r}",
             )
-        return validate_sub_questions(completion.text, question, max_n=self.max_n, max_len=self.max_len)
+        subs = validate_sub_questions(completion.text, question, max_n=self.max_n, max_len=self.max_len)
+        return subs, json.loads(completion.text, strict=False).get("together") is True
 
 
 class Decomposer:
@@ -495,23 +509,38 @@ class Decomposer:
         max_tokens: int = 160,
         fixed_tokens: int = 0,
         cache_salt: str = "",
+        remember: int = 0,
     ) -> None:
         self.model = (ModelDecomposer(engine, max_n=max_n, max_len=max_len, max_tokens=max_tokens,
                                       fixed_tokens=fixed_tokens, cache_salt=cache_salt)
                       if engine is not None else None)
         self.rules = RuleDecomposer(max_n=max_n)
         self.max_question_chars = max_question_chars
+        # The model's decompositions of the last ``remember`` questions (greedy, so the same question gets the
+        # same reply): a repeated question, answered from the answer cache, sends no engine request at all.
+        self.remember = remember
+        self._remembered: OrderedDict[str, Decomposition] = OrderedDict()
 
     async def decompose(self, question: str) -> Decomposition:
         text = check_question(question, limit=self.max_question_chars)
         ruled = self.rules.split(text)
         if self.model is None or len(ruled) == 1:
             return Decomposition(ruled, "rules", None)
+        if (known := self._remembered.get(text)) is not None:
+            self._remembered.move_to_end(text)
+            return known
         try:
-            subs = await self.model.sub_questions(text)
+            subs, together = await self.model.decomposition(text)
         except RejectedDecomposition as exc:
-            return Decomposition(ruled, "rules", str(exc))
-        return Decomposition(subs, "model", None)
+            decomposition = Decomposition(ruled, "rules", str(exc))
+        else:
+            decomposition = Decomposition(subs, "model", None, "the decomposer says its parts need their pages "
+                                          "together" if together else None)
+        if self.remember:
+            self._remembered[text] = decomposition
+            while len(self._remembered) > self.remember:
+                self._remembered.popitem(last=False)
+        return decomposition
 
 
 # --- llama-index -------------------------------------------------------------------------------------------

@@ -1,19 +1,21 @@
 """The RAG pipeline: question → sub-questions → pages → prompt plans (rag/plans.py) → cited answer.
 
-The answer mode (``PipelineConfig.answer_mode``, MMRAG_ANSWER_MODE; per question ``answer_mode``) decides
-whether one prompt answers over the union of the sub-questions' pages, each of those pages leads a prompt of
-its own and the parts are joined (per image), or each sub-question gets a prompt and a synthesis combines them
-(rag/plans.py says what each costs and shows). The layout shapes the
-per-sub-question plans. Every step is async; nothing here blocks the event loop.
+The strategy (``PipelineConfig.answer_mode``, MMRAG_ANSWER_MODE; per question ``answer_mode``): ``auto`` chooses
+per question between **split** (every shown page leads a prompt of its own, with the parts of the question that
+found it; the parts are one answer) and **joint** (one prompt over the pages, for a question that relates them;
+when it does not fit one prompt, a prompt per sub-question and a synthesis). rag/plans.py says which rule
+chooses what, and what each costs and shows; the answer's ``answer_mode_reason`` says which rule chose. Every
+step is async; nothing here blocks the event loop.
 
 Streaming (``Pipeline.ask_events``, what `POST /v1/ask` with `"stream": true` sends as server-sent events): the
 same ``ask``, telling each step as it happens, as JSON-ready dicts —
 ``{"event": "sub_questions", "sub_questions", "sub_question_source"}``, ``{"event": "citations", "citations",
-"answer_mode"}``, per sub-question only ``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as each
-plan finishes, ``{"event": "token", "text"}`` per piece of the final answer as it is generated (the one prompt's
-answer, the synthesis, or the one plan's answer when there is one; per image, the first part's tokens, then
-each later part whole), and last ``{"event": "done", "answer":
-<Answer.to_json()>}``; the tokens concatenate to its ``answer``.
+"answer_mode"}``, in joint's overflow only ``{"event": "sub_answer", "sub_question", "answer", "page"?}`` as
+each plan finishes, ``{"event": "token", "text"}`` per piece of the answer as it is generated (the joint prompt's
+answer or the synthesis; a split answer's parts in their final order, each part's heading first, the first part
+live from its first token and each later part from where it has got to once the parts before it are done: they
+decode side by side), and last ``{"event": "done", "answer": <Answer.to_json()>}``; the tokens concatenate to
+its ``answer``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from dataclasses import dataclass
 
 from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
 from core.keys import ImageKey, KeyLease, NoLease
+from core.settings import DEFAULT_TENANT
 from rag.answer import Answer, Citation
+from rag.answer_cache import AnswerCache, CachedAnswer, answer_key
 from rag.decompose import Decomposer
 from rag.order import PagePopularity
-from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, one_prompt_plan,
-                       image_label, part_heading, per_image_plans,
-                       one_prompt_text, page_label, plan_prompts, shown_as_figures, synthesis_plan)
+from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, image_label,
+                       joint_plan, joint_text, page_label, part_heading, plan_prompts, shown_as_figures,
+                       split_plans, synthesis_plan)
 from rag.tiers import TieredHits, TierSource
 from retrieval.search import Hit, PageSearcher
 
@@ -47,13 +51,12 @@ Emit = Callable[[dict], None]
 @dataclass(slots=True, frozen=True)
 class PipelineConfig:
     top_k: int = 3  # pages per sub-question
-    max_tokens: int = 128  # the answer's (one prompt's, synthesis', or a lone plan's); a question may ask fewer
-    layout: Layout = Layout.CANONICAL
+    max_tokens: int = 128  # the answer's (all its parts together); a question may ask fewer
     max_images_per_prompt: int = 12  # the engine's limit: a question's own images and its pages together
     answer_mode: AnswerMode = AnswerMode.AUTO
-    sub_answer_max_tokens: int = 64  # each sub-answer's, per sub-question: notes the synthesis reads
+    sub_answer_max_tokens: int = 64  # joint's overflow: each sub-answer's, the notes the synthesis reads
     max_model_len: int = 4096  # the engine's context: one prompt and its answer must fit in it
-    one_prompt_pages: int = 4  # most pages one prompt shows, each sub-question's best first (0: every page)
+    one_prompt_pages: int = 4  # most pages an answer shows, each sub-question's best first (0: every page)
     figure_crops: bool = False  # a hit on a figure shows the figure's crop, not its page (MMRAG_FIGURE_CROPS)
     # Benchmarks only: every answer plan decodes exactly its max_tokens. A random-weight model stops at an end of
     # sequence wherever it happens to draw one, so answers of one length would differ by side and by mode.
@@ -66,10 +69,15 @@ class Pipeline:
 
     The wiring builds one pipeline per tenant scope (core/scope.py): ``searcher`` reads the tenant's collection,
     ``cache_salt`` goes on every plan it submits. Each holds its tenant's :class:`PagePopularity` and observes
-    every sub-question's retrieved pages before planning: one prompt orders its pages by it, and so does the
-    global layout.
+    every sub-question's retrieved pages before planning: the engine-level benchmark's global layout reads it
+    (a joint prompt's order is stable by key: rag/plans.stable_order).
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
+
+    ``answers``: the answer cache (rag/answer_cache.py; None: off), keyed with ``tenant`` and ``prompt_version``
+    (what the wiring hashes of the system prompts, the prompt templates and the settings that shape prompts): a
+    greedy answer whose key was answered before is served from it, streamed as it was, with no engine request;
+    ``usage.answer_cache`` says ``hit``, ``miss`` or ``off``.
 
     ``lease``: a new lease per answer (core/keys.py KeyLease), on the pages it shows from retrieval to its last
     token, so a document deleted meanwhile (or ``mmrag store gc``) takes its pages' tokens away only after the
@@ -80,7 +88,8 @@ class Pipeline:
     def __init__(self, decomposer: Decomposer, searcher: PageSearcher, engine: Engine, *,
                  config: PipelineConfig = PipelineConfig(), submit: Submit | None = None,
                  token_counts: ImageTokenCounts | None = None, tiers: TierSource | None = None,
-                 cache_salt: str = "", lease: Callable[[], KeyLease] = NoLease) -> None:
+                 cache_salt: str = "", lease: Callable[[], KeyLease] = NoLease, answers: AnswerCache | None = None,
+                 tenant: str = DEFAULT_TENANT, prompt_version: str = "") -> None:
         self.decomposer = decomposer
         self.searcher = searcher
         self.engine = engine
@@ -91,24 +100,29 @@ class Pipeline:
         self.cache_salt = cache_salt  # the tenant's (core/scope.py): on every plan this pipeline submits
         self.popularity: PagePopularity = PagePopularity()
         self.lease = lease
+        self.answers = answers
+        self.tenant = tenant
+        self.prompt_version = prompt_version
 
     def ask_events(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
                    tier: str | None = None, answer_mode: AnswerMode | str | None = None,
-                   max_tokens: int | None = None) -> AsyncIterator[dict]:
+                   max_tokens: int | None = None, temperature: float = 0.0) -> AsyncIterator[dict]:
         """:meth:`ask`'s steps as events, then its answer (module docstring); closing the iterator early (its
         client left) cancels the question, its plans and their engine requests with it."""
         return stream_events(lambda emit: self.ask(question, docs=docs, images=images, tier=tier, on_event=emit,
-                                                   answer_mode=answer_mode, max_tokens=max_tokens))
+                                                   answer_mode=answer_mode, max_tokens=max_tokens,
+                                                   temperature=temperature))
 
     async def ask(self, question: str, *, docs: list[str] | None = None, images: Sequence[ImageKey] = (),
                   tier: str | None = None, on_event: Emit | None = None, answer_mode: AnswerMode | str | None = None,
-                  max_tokens: int | None = None) -> Answer:
+                  max_tokens: int | None = None, temperature: float = 0.0) -> Answer:
         """``images``: the question's own images, already in the feature store, their token counts recorded
         in ``token_counts``; retrieval still runs on the text alone. ``tier``: show the pages in that
         resolution tier (None: as indexed, the standard tier); the question's images stay as they are.
         ``answer_mode``: this question's (None: the configured one). ``max_tokens``: the answer's length, at
-        most the configured one (None: that). ``on_event`` is told each step as it happens, all but the final
-        ``done`` (:meth:`ask_events`)."""
+        most the configured one (None: that). ``temperature``: the answer plans' (0: greedy, the default; above
+        0 the answer is sampled, and never served from or kept in the answer cache). ``on_event`` is told each
+        step as it happens, all but the final ``done`` (:meth:`ask_events`)."""
         requested = AnswerMode(answer_mode) if answer_mode is not None else self.config.answer_mode
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
@@ -117,7 +131,9 @@ class Pipeline:
             if self.tiers is None:
                 raise ValueError("this pipeline was built without resolution tiers: build it with tiers=")
             self.tiers.check(tier)  # before any work: an unknown tier fails at once
-        run = _Run(question, on_event, _Stages())
+        if temperature < 0:
+            raise ValueError(f"temperature must be at least 0, got {temperature}")
+        run = _Run(question, on_event, _Stages(), temperature=temperature, docs=docs, tier=tier)
         decomposition = await self.decomposer.decompose(question)
         run.clock.lap("decompose_s")
         subs = decomposition.sub_questions
@@ -157,30 +173,65 @@ class Pipeline:
 
     async def _answer_over(self, run: _Run, question: str, decomposition, hits: list[list[Hit]], cut: list[Hit],
                            images: Sequence[ImageKey], requested: AnswerMode, limit: int, usage: Usage) -> Answer:
-        """The answer over ``hits`` (each sub-question's pages) and ``images``, in the mode chosen for them."""
+        """The answer over ``hits`` (each sub-question's pages) and ``images``, by the strategy chosen for them."""
         subs = decomposition.sub_questions
-        choice = choose_answer(requested, hits, popularity=self.popularity, layout=self.config.layout,
-                               images=images, max_pages=self.config.one_prompt_pages,
+        choice = choose_answer(requested, hits, question=question, relates=decomposition.relates, images=images,
+                               max_pages=self.config.one_prompt_pages, max_parts=limit,
                                misfit=lambda pages: self._misfit(question, subs, pages, hits, images, limit))
-        if choice.left_out:  # one prompt had no room for them: neither shown nor cited
+        if choice.left_out:  # not shown (no room, or past the page budget): neither shown nor cited
             dropped = {p.image_key for p in choice.left_out}
             cut += [h for hs in hits for h in hs if h.image_key in dropped]
             hits = [[h for h in hs if h.image_key not in dropped] for hs in hits]
         citations = cite(hits)
         run.emit({"event": "citations", "answer_mode": choice.mode.value,
                   "citations": self._answer("", decomposition, citations, usage).to_json()["citations"]})
-        extra: dict = {"answer_mode": choice.mode.value, **({"answer_mode_reason": choice.why} if choice.why else {})}
-        if choice.mode is AnswerMode.ONE_PROMPT:
-            text = await self._one_prompt(run, subs, choice, hits, images, limit, usage)
-        elif choice.mode is AnswerMode.PER_IMAGE:
-            text, extra["image_answers"] = await self._per_image(run, subs, choice, hits, images, limit, usage)
-        else:
+        key = self._answer_key(run, decomposition, choice, hits, citations, images, limit)
+        if key is not None and (cached := await self.answers.get(self.tenant, key)) is not None:
+            return self._replay(run, cached, decomposition, citations)
+        extra: dict = {"answer_mode": choice.mode.value, "answer_mode_reason": choice.why}
+        if choice.mode is AnswerMode.SPLIT:
+            text, extra["image_answers"] = await self._split(run, subs, choice, hits, images, limit, usage)
+        elif choice.overflow:
             text, extra["sub_answers"] = await self._per_sub_question(run, subs, hits, images, limit, usage)
+        else:
+            text = await self._joint(run, subs, choice, hits, images, limit, usage)
         answer = self._answer(text, decomposition, citations, usage)
         answer.extra.update(extra)
         shown = {(c.doc, c.page) for c in citations}
         if left_out := [c for c in cite([cut]) if (c.doc, c.page) not in shown]:
             answer.extra["pages_left_out"] = [page_label(c) for c in left_out]
+        if key is not None:
+            answer.answer_cache = "miss"
+            await self.answers.put(self.tenant, key, CachedAnswer(run.pieces if run.streamed else [text],
+                                                                  answer.to_json()))
+        return answer
+
+    def _answer_key(self, run: _Run, decomposition, choice: AnswerChoice, hits: list[list[Hit]],
+                    citations: list[Citation], images: Sequence[ImageKey], limit: int) -> str | None:
+        """The answer cache's key of this answer (rag/answer_cache.answer_key), or None when it is not looked up:
+        no cache, or a sampled answer. The pages in prompt order: the joint prompt's, a split's parts', or (joint's
+        overflow) each sub-question's."""
+        if self.answers is None or run.temperature > 0:
+            return None
+        pages = ([p.image_key for p in choice.pages] if not choice.overflow else
+                 [h.image_key for hs in hits for h in hs])
+        return answer_key(tenant=self.tenant, question=run.question, images=images,
+                          sub_questions=decomposition.sub_questions, pages=pages,
+                          page_ids=[c.page_id for c in citations], model=self.engine.model_name,
+                          prompt_version=self.prompt_version, strategy=choice.mode.value, max_tokens=limit,
+                          docs=run.docs, tier=run.tier)
+
+    def _replay(self, run: _Run, cached: CachedAnswer, decomposition, citations: list[Citation]) -> Answer:
+        """The answer kept under this question's key, streamed as it was: its text pieces, its strategy and its
+        parts; its citations are this question's (the key holds their ids); its usage is this request's: no
+        engine work."""
+        for piece in cached.deltas:
+            run.text(piece)
+        run.clock.lap("answer_s")
+        kept = cached.answer
+        answer = self._answer(str(kept.get("answer", "")), decomposition, citations, Usage())
+        answer.answer_cache = "hit"
+        answer.extra.update({k: kept[k] for k in _REPLAYED if k in kept})
         return answer
 
     async def _pages(self, retrieved: list[list[Hit]], question: str, subs: Sequence[str],
@@ -192,7 +243,7 @@ class Pipeline:
         if self.config.figure_crops:
             retrieved = shown_as_figures(retrieved, subs, whole=question)
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
-                              layout=self.config.layout)
+                              layout=Layout.CANONICAL)
         tiered = await self.tiers(hits, tier) if tier is not None and self.tiers is not None else None
         if tiered is not None:
             hits = tiered.hits
@@ -205,70 +256,69 @@ class Pipeline:
 
     def _misfit(self, question: str, subs: Sequence[str], pages: Sequence[Hit], hits: list[list[Hit]],
                 images: Sequence[ImageKey], max_tokens: int) -> str | None:
-        """Why one prompt over ``pages`` would not fit the engine (None when it does): too many images, or its
-        tokens with the answer's over the context. Text is counted as its UTF-8 bytes, which no byte-level
-        BPE token count exceeds."""
+        """Why one prompt over ``pages`` (a joint prompt, or a split part's one page) would not fit the engine
+        (None when it does): too many images, or its tokens with the answer's over the context. Text is counted
+        as its UTF-8 bytes, which no byte-level BPE token count exceeds."""
         n = len(images) + len(pages)
         if n > self.config.max_images_per_prompt:
             return f"{n} images, over MMRAG_MAX_IMAGES_PER_PROMPT={self.config.max_images_per_prompt}"
         image_tokens = sum(p.image_tokens for p in pages) + self.token_counts.of_plan(PromptPlan(tuple(images), ""))
-        text = len(one_prompt_text(question, subs, pages, len(images), hits).encode())
+        text = len(joint_text(question, subs, pages, len(images), hits).encode())
         need = image_tokens + text + PROMPT_FRAME_TOKENS + max_tokens
         if need > self.config.max_model_len:
             return (f"{image_tokens} image tokens, up to {text + PROMPT_FRAME_TOKENS} of text and {max_tokens} of "
                     f"answer: over MMRAG_MAX_MODEL_LEN={self.config.max_model_len}")
         return None
 
-    async def _one_prompt(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
-                          images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> str:
-        plan = one_prompt_plan(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
-        completion = await self._submit(plan, run)
+    async def _joint(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
+                     images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> str:
+        plan = joint_plan(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+        completion = await self._submit(plan, run, streamed=True)
         usage.add(completion.usage)
         run.clock.lap("answer_s")
         return completion.text
 
-    async def _per_image(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
-                         images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
-        """Each shown image's prompt at once, its share of the answer's length each; the answer is their parts
-        in ``choice.pages`` order, each under its heading. Streamed: the first part as it is generated, then
-        each later part whole once it and those before it are done (they decode side by side)."""
-        planned = per_image_plans(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+    async def _split(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
+                     images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
+        """Each shown page's prompt at once, the answer's length shared among them (rag/plans.part_lengths); the
+        answer is their parts in ``choice.pages`` order, each under its heading. Streamed in that order: the
+        first part live from its first token, each later part from where it has got to once the parts before
+        it are done, then live (they decode side by side); the answer's TTFT is the first part's."""
+        planned = split_plans(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
         headings = [part_heading(p.page, i == 0) for i, p in enumerate(planned)]
-        if run.streamed:
-            run.text(headings[0])
+        parts = [_Part(heading) for heading in headings]
+        relay = _Relay(run, parts)
 
         async def part(i: int, p: PlannedPrompt) -> str:
-            c = await self._submit(p.plan, run if i == 0 else None)
+            c = await self._submit(p.plan, run, on_text=relay.listener(i) if run.streamed else None)
             usage.add(c.usage)
             return c.text
 
         tasks = [asyncio.ensure_future(part(i, p)) for i, p in enumerate(planned)]
         try:
-            parts = []
+            texts = []
             for i, task in enumerate(tasks):
-                parts.append(await task)
-                if i and run.streamed:
-                    run.text(headings[i] + parts[i])
-        finally:
-            for task in tasks:
-                task.cancel()
+                texts.append(await task)
+                relay.finish(i, texts[i])
+        finally:  # a part failed, or the question was cancelled: the others go too, before the answer ends
+            await _cancelled(tasks)
         run.clock.lap("answer_s")
         rows = [{"page": image_label(p.page, in_prompt=False), "image": str(p.page.image_key), "answer": text}
-                for p, text in zip(planned, parts)]
-        return "".join(h + t for h, t in zip(headings, parts)), rows
+                for p, text in zip(planned, texts)]
+        return "".join(h + t for h, t in zip(headings, texts)), rows
 
     async def _per_sub_question(self, run: _Run, subs: Sequence[str], hits: list[list[Hit]],
                                 images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
-        """Each sub-question's plans answered at once (each within the sub-answer length), then one synthesis
-        over their answers; a lone plan's answer is the answer, at the answer's length."""
+        """Joint's overflow: each sub-question's plan answered at once (each within the sub-answer length),
+        then one synthesis over their answers; a lone plan's answer is the answer, at the answer's length."""
         planned = plan_prompts(subs, hits, max_tokens=min(self.config.sub_answer_max_tokens, max_tokens),
-                               layout=self.config.layout, popularity=self.popularity, images=images)
+                               images=images)
         only = len(planned) == 1
         if only:
             planned = [dataclasses.replace(planned[0], plan=_with_max_tokens(planned[0].plan, max_tokens))]
 
         async def sub_answer(p: PlannedPrompt) -> dict:
-            c = await self._submit(p.plan, run if only else None)
+            c = await self._submit(p.plan, run, streamed=only)
             usage.add(c.usage)
             row = {"sub_question": p.question, "answer": c.text,
                    **({"page": page_label(p.page)} if p.page is not None else {})}
@@ -285,15 +335,22 @@ class Pipeline:
         run.clock.lap("synthesis_s")
         return final.text, sub_answers
 
-    def _submit(self, plan: PromptPlan, streamed_to: _Run | None) -> Awaitable[Completion]:
-        """The plan submitted; its text streamed as the answer's tokens when it is the answer and the question
-        is streamed (a submit that never streams, such as a test's recorder, need not take ``on_text``)."""
+    def _submit(self, plan: PromptPlan, run: _Run, *, streamed: bool = False, on_text: _Listener | None = None
+                ) -> Awaitable[Completion]:
+        """The plan submitted under the tenant's salt, at the question's temperature; its text streamed as the
+        answer's tokens when ``streamed`` (it is the answer, or the synthesis) and the question is streamed, or
+        a split part's to ``on_text`` (a submit that never streams, such as a test's recorder, need not take
+        ``on_text``)."""
         plan = dataclasses.replace(plan, cache_salt=self.cache_salt)
+        if run.temperature > 0:
+            plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, temperature=run.temperature))
         if self.config.fixed_length:
             plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling,
                                                                           min_tokens=plan.sampling.max_tokens))
-        if streamed_to is not None and streamed_to.streamed:
-            return self.submit(plan, on_text=streamed_to.text)
+        if on_text is not None:
+            return self.submit(plan, on_text=on_text)
+        if streamed and run.streamed:
+            return self.submit(plan, on_text=run.text)
         return self.submit(plan)
 
     def _answer(self, text: str, decomposition, citations: list[Citation], usage: Usage) -> Answer:
@@ -308,24 +365,79 @@ class Pipeline:
         )
 
 
+# What a cached answer brings back besides its text: how it was made (its citations and usage are the request's).
+_REPLAYED = ("answer_mode", "answer_mode_reason", "image_answers", "sub_answers", "pages_left_out")
+
+
 def _with_max_tokens(plan: PromptPlan, max_tokens: int) -> PromptPlan:
     return dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, max_tokens=max_tokens))
 
 
 class _Run:
-    """One question being answered: its text, who hears its events, and its stage clock."""
+    """One question being answered: its text, how it is asked (temperature, filters, tier), who hears its
+    events, the answer's text pieces as they went out (what the answer cache keeps), and its stage clock."""
 
-    def __init__(self, question: str, on_event: Emit | None, clock: _Stages) -> None:
+    def __init__(self, question: str, on_event: Emit | None, clock: _Stages, *, temperature: float = 0.0,
+                 docs: list[str] | None = None, tier: str | None = None) -> None:
         self.question = question
         self.streamed = on_event is not None
         self._on_event = on_event or (lambda event: None)
         self.clock = clock
+        self.temperature = temperature
+        self.docs = docs
+        self.tier = tier
+        self.pieces: list[str] = []
 
     def emit(self, event: dict) -> None:
         self._on_event(event)
 
     def text(self, delta: str) -> None:
+        self.pieces.append(delta)
         self._on_event({"event": "token", "text": delta})
+
+
+_Listener = Callable[[str], None]  # a split part's text pieces as the engine streams them
+
+
+@dataclass(slots=True)
+class _Part:
+    """One split part as it streams: its heading and what it has generated so far."""
+
+    heading: str
+    pieces: list[str] = dataclasses.field(default_factory=list)
+
+
+class _Relay:
+    """A split answer's parts streamed as one answer, in their final order: the current part's pieces go out as
+    they come; a later part's wait in its buffer until every part before it is done, then go out at once, and
+    its next ones live. The heading of a part goes out before its first piece (the first part's at once)."""
+
+    def __init__(self, run: _Run, parts: list[_Part]) -> None:
+        self.run = run
+        self.parts = parts
+        self.current = 0  # the part being streamed live
+        if run.streamed and parts:
+            run.text(parts[0].heading)
+
+    def listener(self, i: int) -> _Listener:
+        def on_text(piece: str) -> None:
+            self.parts[i].pieces.append(piece)
+            if i == self.current:
+                self.run.text(piece)
+        return on_text
+
+    def finish(self, i: int, text: str) -> None:
+        """Part ``i`` is done with ``text`` (every part before it is done too): what it generated beyond what
+        was streamed goes out, then the next part catches up to where it has got."""
+        if not self.run.streamed:
+            return
+        streamed = "".join(self.parts[i].pieces)
+        if text.startswith(streamed) and len(text) > len(streamed):
+            self.run.text(text[len(streamed):])  # a submit that gave the text only at the end
+        self.current = i + 1
+        if self.current < len(self.parts):
+            nxt = self.parts[self.current]
+            self.run.text(nxt.heading + "".join(nxt.pieces))
 
 
 class _Stages:
@@ -370,6 +482,26 @@ async def _all(awaitables) -> list:
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
+        await _cancelled(tasks)
         raise
+
+
+async def _cancelled(tasks: Sequence[asyncio.Future]) -> None:
+    """``tasks`` cancelled (those not done) and finished before this returns, even if the caller is cancelled
+    meanwhile (then that is raised after): an answer that ends leaves no plan of its own in the scheduler or
+    the engine, which a client that left, or one failed part, would otherwise leave behind for a while."""
+    for task in tasks:
+        task.cancel()
+    pending = [t for t in tasks if not t.done()]
+    interrupted = False
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            interrupted = True
+        pending = [t for t in pending if not t.done()]
+    for task in tasks:  # retrieved, so that none is logged as never retrieved
+        if not task.cancelled():
+            task.exception()
+    if interrupted:
+        raise asyncio.CancelledError

@@ -1,40 +1,43 @@
 """How a question's retrieved pages become prompt plans: pure functions over hits, testable without an engine.
 
-Two answer modes (:class:`AnswerMode`, MMRAG_ANSWER_MODE), both exact (the model sees whole pages, nothing is
-approximated) and both citing every page they show:
+Two answer strategies (:class:`AnswerMode`, MMRAG_ANSWER_MODE; per question ``answer_mode``), both exact (the
+model sees whole pages or figures, nothing is approximated) and both citing every page they show:
 
-- **one prompt** (:func:`choose_answer`, :func:`one_prompt_plan`): decomposition drives retrieval only. ONE
-  prompt shows the union of the sub-questions' pages, each once, the pages asked most across questions first
-  (rag/order.PagePopularity), then lists the pages by label, the sub-questions and the question. A figure two
-  sub-questions share is prefilled once inside the prompt, with no cache lookup at all, and the answer is one
-  decode: what a question costs is one request, as in a one-shot RAG, with its leading pages' KV from the
-  prefix cache.
-- **per sub-question** (:func:`plan_prompts`, :func:`synthesis_plan`): one plan per sub-question (or per page
-  with the per_page layout), each sub-answer decoded, then a text-only synthesis decoded after all of them.
-  Three sequential-ish decodes per question where one prompt has one; kept for what it gives a real model:
-  a focused view of a few pages per sub-question.
+- **split** (:func:`split_plans`): every shown image leads a prompt of its own, with the sub-questions that
+  retrieved it; the parts, each under a heading that names its page (and figure), are one answer whose length
+  is the answer's. Every recurrence of a page hits the KV of its prefix, wherever it recurs and whatever else
+  the question asked: the image-token reuse mmrag exists for. What it gives up: no prompt sees two images.
+- **joint** (:func:`joint_plan`): ONE prompt over the union of the sub-questions' pages, in one stable order
+  (:func:`stable_order`), for questions that need pages seen together. When the pages and the answer do not fit
+  one prompt, it overflows into a prompt per sub-question and a text synthesis over their answers
+  (:func:`plan_prompts`, :func:`synthesis_plan`): an internal path, never a strategy a user picks.
 
-``auto`` answers in one prompt when the union fits one (MMRAG_MAX_IMAGES_PER_PROMPT images, MMRAG_MAX_MODEL_LEN
-tokens with the answer), and per sub-question when it does not.
+``auto`` (the default) chooses per question, and the answer's ``answer_mode_reason`` says which rule chose
+(:func:`choose_answer`):
 
-The layouts (``Layout``) shape the per-sub-question plans: which prompt prefixes recur.
+1. joint when the question relates items across pages (:func:`relates_across`: the decomposer's comparison
+   forms, "difference between", "relationship", "trend across", "both", "versus", ...; a model decomposer can
+   say the same of its sub-questions);
+2. split when its parts found different pages: each page leads its own prompt with the parts that found it;
+3. a one-part question over several pages: split too, each page answering the question for itself (a real model
+   says of a page that cannot answer it that it does not; every page is cited, and each part's prefix is warm).
+   Showing only the page that stands out (its margin over the candidates twice the next page's or more) was
+   measured and dropped: on bench/realdocs it left out a needed page of a multi-page question at every
+   threshold tried (every page cited for 0.733 of them instead of 0.767);
+4. one page in all: a one-page prompt (split and joint are the same prompt then).
 
-- canonical: one plan per sub-question (its pages + the sub-question), pages in the canonical order of the
-  batch, so sub-questions that retrieve the same figure share its KV prefix;
-- global: the same plans, pages in the process-wide popularity order (rag/order.PagePopularity), so a pair
-  of pages renders the same way across requests and the second page hits wherever the pair recurs;
-- per_page: one plan per (sub-question, page), each starting with its page, so every page leads a prompt
-  and every reuse of a page can hit;
-- naive (the benchmark's baseline): pages in retrieval-score order, the question before them.
+Images sent with the question (already encoded and stored by the caller) lead every prompt of that question,
+before its pages; pages make room for them, lowest score first.
 
-Images sent with the question (already encoded and stored by the caller) lead every prompt of that question
-in every mode and layout, before its pages; pages make room for them, lowest score first.
+Old strategy names keep working one release, with a deprecation line in the log: ``one_prompt`` is joint,
+``per_image`` is split, ``per_sub_question`` is joint (its per-sub-question path is joint's overflow now).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,19 +51,28 @@ from rag.answer import Citation
 from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit
 
+logger = logging.getLogger(__name__)
+
+# Old MMRAG_ANSWER_MODE values (one release): what each is now.
+DEPRECATED_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
+
 
 class AnswerMode(str, enum.Enum):
     """How the retrieved pages become the answer (MMRAG_ANSWER_MODE; per question: ``answer_mode``)."""
 
-    # One prompt when the union of the sub-questions' pages fits one, else per sub-question.
-    AUTO = "auto"
-    # One prompt over the union of the pages; pages that do not fit it are left out (lowest ranks first).
-    ONE_PROMPT = "one_prompt"
-    # One prompt per image one prompt would show, each image leading its own prompt, the answer's length shared
-    # among them and their answers joined in order (no synthesis): every recurrence of an image hits its prefix.
-    PER_IMAGE = "per_image"
-    # One prompt per sub-question (or per page), then a synthesis over the sub-answers.
-    PER_SUB_QUESTION = "per_sub_question"
+    AUTO = "auto"  # per question: joint when it relates pages, else split (module docstring)
+    SPLIT = "split"  # every shown image leads a prompt of its own; the parts are one answer
+    JOINT = "joint"  # one prompt over the pages (overflowing into per sub-question + synthesis)
+
+    @classmethod
+    def _missing_(cls, value: object) -> AnswerMode | None:
+        """An old name (:data:`DEPRECATED_MODES`) is its successor, said once in the log each time it is read."""
+        if isinstance(value, str) and value in DEPRECATED_MODES:
+            new = DEPRECATED_MODES[value]
+            logger.warning("answer mode %r is deprecated and will be removed in the next release: it is %r now; "
+                           "ask for %r (or leave it unset: auto chooses per question)", value, new, new)
+            return cls(new)
+        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,7 +81,7 @@ class PlannedPrompt:
 
     plan: PromptPlan
     sub_question: int  # index into the sub-questions
-    page: Hit | None = None  # per-page layout: the page the plan is about
+    page: Hit | None = None  # a split part's page, or a per-page plan's
     asked: str | None = None  # the sub-question, where the plan's text also says what its images are
 
     @property
@@ -78,21 +90,40 @@ class PlannedPrompt:
         return self.plan.text if self.asked is None else self.asked
 
 
-# --- one prompt --------------------------------------------------------------------------------------------
+# --- choosing -----------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True, frozen=True)
 class AnswerChoice:
-    """The mode that answers a question and, for one prompt, what it shows."""
+    """The strategy that answers a question, what it shows, and why."""
 
-    mode: AnswerMode  # ONE_PROMPT or PER_SUB_QUESTION, never AUTO
-    pages: tuple[Hit, ...] = ()  # one prompt: its pages, in prompt order
-    left_out: tuple[Hit, ...] = ()  # one prompt: retrieved pages it had no room for
-    why: str = ""  # auto that answers per sub-question: why one prompt did not fit
+    mode: AnswerMode  # SPLIT or JOINT, never AUTO
+    pages: tuple[Hit, ...] = ()  # split: one prompt each, in the answer's order; joint: the prompt's, in order
+    left_out: tuple[Hit, ...] = ()  # retrieved pages it does not show (no room, or another page stood out)
+    why: str = ""  # which rule chose (the answer's answer_mode_reason)
+    overflow: bool = False  # joint that does not fit one prompt: per sub-question, then a synthesis
 
 
 # A candidate set of pages -> None when one prompt over them fits, else why not (for the answer to say).
 Misfit = Callable[[Sequence[Hit]], str | None]
+
+# Words by which a question relates items across pages: joint. Whole words; "both" and "versus" included, since
+# "what do both charts show" asks for the two together. The rule decomposer's comparison forms are among them.
+_RELATES = re.compile(
+    r"(?<![\w-])(?:compar(?:e|es|ed|ing|ison|isons)|contrast(?:s|ed|ing)?|versus|vs\.?|"
+    r"differ(?:s|ed|ence|ences)?|relationship|relation|correlat\w*|similar(?:ly|ity|ities)?|in common|both|"
+    r"trends? across|across (?:the |these |those |all )?(?:figures|pages|charts|tables|plots|slides|documents)|"
+    r"which (?:of (?:the|these) )?(?:is|was|are|has|had) (?:higher|lower|larger|smaller|bigger|greater|more|"
+    r"less|faster|slower|better|worse))(?![\w-])",
+    re.IGNORECASE)
+
+
+def relates_across(question: str) -> str | None:
+    """Why ``question`` needs its pages seen together (the words that say so), or None. A rule over words that
+    errs towards joint: a compound question that says "both" costs one prompt's hit rate, never an answer."""
+    if m := _RELATES.search(question):
+        return f"it relates items across pages ({' '.join(m.group(0).split()[:4])!r})"
+    return None
 
 
 def union_pages(hits: Sequence[Sequence[Hit]], *, besides: Sequence[ImageKey] = ()) -> list[Hit]:
@@ -116,70 +147,98 @@ def union_pages(hits: Sequence[Sequence[Hit]], *, besides: Sequence[ImageKey] = 
     return out
 
 
-def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfit: Misfit,
-                  popularity: PagePopularity, layout: Layout = Layout.CANONICAL,
-                  images: Sequence[ImageKey] = (), max_pages: int = 0) -> AnswerChoice:
-    """The mode for this question's pages. ``auto``: one prompt when the union fits (``misfit`` says), else per
-    sub-question, as with the per_page layout, whose point is one page per prompt. One prompt shows at most
-    ``max_pages`` pages (0: all), the best-ranked of :func:`union_pages` (each sub-question's best first); a
-    forced one prompt that does not fit drops the lowest-ranked pages until it does. One prompt's pages go in
-    the popularity order, so the pages most asked across questions lead it and its prefix recurs."""
-    if requested is AnswerMode.PER_SUB_QUESTION:
-        return AnswerChoice(AnswerMode.PER_SUB_QUESTION)
-    if requested is AnswerMode.PER_IMAGE:
-        return _per_image_choice(hits, misfit, images, max_pages)
-    if requested is AnswerMode.AUTO and layout is Layout.PER_PAGE:
-        return AnswerChoice(AnswerMode.PER_SUB_QUESTION, why="MMRAG_LAYOUT=per_page shows one page per prompt")
-    pages = union_pages(hits, besides=images)
-    kept = min(len(pages), max_pages) if max_pages else len(pages)
-    why = misfit(pages[:kept])
-    if why is not None and requested is AnswerMode.AUTO:
-        return AnswerChoice(AnswerMode.PER_SUB_QUESTION, why=why)
-    while kept and misfit(pages[:kept]) is not None:
-        kept -= 1
-    by_key = {p.image_key: p for p in pages[:kept]}
-    ordered = tuple(by_key[k] for k in popularity.order(by_key))
-    return AnswerChoice(AnswerMode.ONE_PROMPT, ordered, tuple(pages[kept:]))
+def stable_order(pages: Sequence[Hit]) -> tuple[Hit, ...]:
+    """A joint prompt's pages in one order that never moves: by image key. The same page set renders the same
+    tokens in every question and every process, so a recurring set hits its whole prefix, not only its first
+    page. (An order learned from popularity moves while it learns, and each move renders a recurring set anew;
+    every page's lone prefix is warm either way, since warm-up prefills pages one by one.)"""
+    return tuple(sorted(pages, key=lambda p: str(p.image_key)))
 
 
-def _per_image_choice(hits: Sequence[Sequence[Hit]], misfit: Misfit, images: Sequence[ImageKey], max_pages: int
-                      ) -> AnswerChoice:
-    """Per image: the pages one prompt would keep (:func:`union_pages`, at most ``max_pages``), each in its own
-    prompt, in that ranking (each sub-question's best first: the order the joined answer reads in); a page whose
-    own prompt does not fit is left out. One page or none is the one prompt itself."""
+def choose_answer(requested: AnswerMode, hits: Sequence[Sequence[Hit]], *, misfit: Misfit, question: str = "",
+                  relates: str | None = None, images: Sequence[ImageKey] = (), max_pages: int = 0,
+                  max_parts: int = 0) -> AnswerChoice:
+    """The strategy for this question's pages (``hits``: each sub-question's, best first), by the rules of the
+    module docstring for ``auto``. ``relates``: why the decomposer says the parts need their pages together
+    (None: it does not); the question's own words are read too (:func:`relates_across`). At most ``max_pages``
+    pages are shown (0: all), the best of :func:`union_pages`; a split leaves out a page whose own prompt does
+    not fit, a joint one that does not fit one prompt overflows (:class:`AnswerChoice`)."""
+    split_pages = min(max_pages or max_parts, max_parts) if max_parts else max_pages
+    if requested is AnswerMode.SPLIT:
+        return _split(hits, misfit, images, split_pages, "split was asked for")
+    if requested is AnswerMode.JOINT:
+        return _joint(hits, misfit, images, max_pages, "joint was asked for")
+    if why := relates or relates_across(question):
+        return _joint(hits, misfit, images, max_pages, why)
+    asked = [hs for hs in hits if hs]
+    why = (f"its {len(asked)} parts found different pages: each page leads its own prompt" if len(asked) > 1 else
+           "one part over several pages: each page leads its own prompt")
+    return _split(hits, misfit, images, split_pages, why)
+
+
+def _split(hits: Sequence[Sequence[Hit]], misfit: Misfit, images: Sequence[ImageKey], max_pages: int, why: str
+           ) -> AnswerChoice:
+    """Split: the pages a joint prompt would keep (:func:`union_pages`, at most ``max_pages``), each in its own
+    prompt, in that ranking (each sub-question's best first: the order the answer reads in); a page whose own
+    prompt does not fit is left out. One page or none is one prompt, which is the joint one."""
     pages = union_pages(hits, besides=images)
     kept = pages[:max_pages] if max_pages else pages
     shown = tuple(p for p in kept if misfit([p]) is None)
     left = tuple(p for p in pages if p not in shown)
-    return AnswerChoice(AnswerMode.PER_IMAGE if len(shown) > 1 else AnswerMode.ONE_PROMPT, shown, left)
+    if len(shown) > 1:
+        return AnswerChoice(AnswerMode.SPLIT, shown, left, why)
+    return AnswerChoice(AnswerMode.JOINT, shown, left, f"{why}; one page to show: one prompt")
 
 
-def per_image_plans(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
-                    images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> list[PlannedPrompt]:
-    """A prompt per page of ``pages`` (the per-image answer, :class:`AnswerMode`): the question's own images,
-    then that page alone, then :func:`one_prompt_text` over it with the sub-questions that retrieved it (all of
-    them when none did). Each decodes ``ceil(max_tokens / len(pages))`` tokens, so the joined answer is one
-    answer's length and decode, as the one prompt's.
+def _joint(hits: Sequence[Sequence[Hit]], misfit: Misfit, images: Sequence[ImageKey], max_pages: int, why: str
+           ) -> AnswerChoice:
+    """Joint: the best ``max_pages`` of :func:`union_pages` in :func:`stable_order`; when they do not fit one
+    prompt, the overflow (a prompt per sub-question, then a synthesis), the reason saying why.
+
+    Each part's best page alone would halve a comparison's prompt (and its uncached half), but was measured and
+    not taken: on bench/realdocs every needed page was then cited for 0.700 of the multi-page questions, against
+    0.767 with the budget."""
+    pages = union_pages(hits, besides=images)
+    kept = pages[:max_pages] if max_pages else pages
+    if (misfit_why := misfit(kept)) is not None:
+        return AnswerChoice(AnswerMode.JOINT, (), (), f"{why}; one prompt does not fit ({misfit_why}): a prompt "
+                            "per sub-question, then a synthesis", overflow=True)
+    return AnswerChoice(AnswerMode.JOINT, stable_order(kept), tuple(pages[len(kept):]), why)
+
+
+def split_plans(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
+                images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> list[PlannedPrompt]:
+    """A prompt per page of ``pages`` (the split answer): the question's own images, then that page alone, then
+    :func:`joint_text` over it with the sub-questions that retrieved it (all of them when none did). The parts'
+    lengths add up to ``max_tokens`` (:func:`part_lengths`), so the answer decodes one answer's length.
 
     Why: one prompt over two pages reuses the second page's KV only behind the same first page; a page that
     leads its own prompt hits wherever it recurs, after any other page (the position oracle's reuse, exactly:
     each prompt is the same tokens a lone page's prompt is, warm-up's included). What it gives up: no prompt
     sees two images together, so a comparison across them is the reader's, from the joined parts."""
-    share = -(-max_tokens // max(1, len(pages)))
     planned = []
-    for page in pages:
+    for page, share in zip(pages, part_lengths(max_tokens, len(pages)), strict=True):
         asked = [i for i, hs in enumerate(hits) if any(h.image_key == page.image_key for h in hs)]
         subs = [sub_questions[i] for i in asked] or list(sub_questions)
         keys = tuple(dict.fromkeys((*images, page.image_key)))
-        plan = PromptPlan(keys, one_prompt_text(question, subs, [page], len(images), hits),
+        plan = PromptPlan(keys, joint_text(question, subs, [page], len(images), hits),
                           sampling=SamplingSpec(max_tokens=share))
         planned.append(PlannedPrompt(plan, asked[0] if asked else 0, page))
     return planned
 
 
+def part_lengths(max_tokens: int, parts: int) -> list[int]:
+    """Each part's share of an answer of ``max_tokens``: equal shares adding up to it exactly (the first parts
+    one token longer where it does not divide), at least one token each (more parts than tokens: one each)."""
+    if parts < 1:
+        return []
+    base, extra = divmod(max_tokens, parts)
+    return [max(1, base + (i < extra)) for i in range(parts)]
+
+
 def part_heading(page: Hit, first: bool) -> str:
-    """What leads one image's part of a per-image answer: its label (with a figure's caption when the image is
-    a figure's crop) and a colon, parts a blank line apart. The answer is each heading and its part's text."""
+    """What leads one image's part of a split answer: its label (with a figure's caption when the image is a
+    figure's crop) and a colon, parts a blank line apart. The answer is each heading and its part's text."""
     return f"{'' if first else chr(10) * 2}{image_label(page, in_prompt=False)}: "
 
 
@@ -211,7 +270,7 @@ def shown_as_figures(hits: Sequence[Sequence[Hit]], questions: Sequence[str], wh
     place kept for the citation, unless its sub-question (``questions[i]`` found ``hits[i]``; ``whole``: the
     question they were split from) needs more than the figure (:func:`needs_page`): then it stays its page, the
     figure still named in its citation. What the model loses with the crop alone is the page around the figure:
-    its body text, its other figures, and the caption's look (the caption is given as text: one_prompt_text,
+    its body text, its other figures, and the caption's look (the caption is given as text: joint_text,
     plan_prompts). A hit on no figure stays its page."""
     return [[dataclasses.replace(h, image_key=h.figure.image_key, image_tokens=h.figure.image_tokens)
              if h.figure is not None and needs_page(q, h.figure, whole=whole) is None else h for h in hs]
@@ -227,7 +286,7 @@ def image_label(hit: Hit, *, in_prompt: bool = True) -> str:
     return page_label(hit)
 
 
-def one_prompt_text(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], n_images: int,
+def joint_text(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], n_images: int,
                     hits: Sequence[Sequence[Hit]] = ()) -> str:
     """The text after the images: what each image is (the question's own, then pages by label, the form the
     answer cites them in, a figure's crop with its caption; an image in several documents by each of its
@@ -246,24 +305,25 @@ def one_prompt_text(question: str, sub_questions: Sequence[str], pages: Sequence
     return "\n".join(lines)
 
 
-def one_prompt_plan(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
+def joint_plan(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
                     images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> PromptPlan:
-    """The one prompt: the question's images, then ``pages`` in the order given, then :func:`one_prompt_text`.
-    The default system prompt and layout, as warm-up's single-page prompts: its first page hits their KV."""
+    """The joint prompt: the question's images, then ``pages`` in the order given, then :func:`joint_text`.
+    The default system prompt and layout, as warm-up's single-page prompts: its first page hits their KV, and a
+    one-page joint prompt is the same tokens as that page's split part."""
     keys = tuple(dict.fromkeys((*images, *(p.image_key for p in pages))))
-    return PromptPlan(keys, one_prompt_text(question, sub_questions, pages, len(images), hits),
+    return PromptPlan(keys, joint_text(question, sub_questions, pages, len(images), hits),
                       sampling=SamplingSpec(max_tokens=max_tokens))
 
 
-# --- per sub-question --------------------------------------------------------------------------------------
+# --- joint's overflow: per sub-question, then a synthesis ----------------------------------------------------
 
 
 def plan_prompts(sub_questions: Sequence[str], hits: Sequence[Sequence[Hit]], *, max_tokens: int,
                  layout: Layout = Layout.CANONICAL, popularity: PagePopularity | None = None,
                  images: Sequence[ImageKey] = ()) -> list[PlannedPrompt]:
-    """The per-sub-question plans of one question, in sub-question order; a sub-question without pages gets
-    none, unless the question brought ``images``: those lead every plan (a page that is one of them is not shown
-    twice).
+    """The per-sub-question plans of one question, in sub-question order (joint's overflow uses the canonical
+    layout; the engine-level benchmark replays the others): a sub-question without pages gets none, unless the
+    question brought ``images``: those lead every plan (a page that is one of them is not shown twice).
 
     Per-page layout: one plan per (sub-question, distinct page), pages in retrieval-score order. It changes
     what the model sees: no prompt shows two pages together, so a comparison across pages happens only in

@@ -26,6 +26,8 @@ import itertools
 import logging
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,6 +60,7 @@ from core.text import caption_label, figure_refs, normalise, starts_with_referen
 log = logging.getLogger(__name__)
 
 SNIPPET_CHARS = 200
+QUERY_MEMO = 4096  # query texts whose dense vectors a searcher remembers (1.5 KiB each at 384 floats)
 KNOWN_DOCS_SHOWN = 10
 T = TypeVar("T")
 # How much a sub-question's ranking leans on the whole question's (PageSearcher.search_many ``context``).
@@ -273,6 +276,8 @@ class PageSearcher:
         self.client = client
         self.collection = collection
         self.text_embedder = text_embedder
+        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()  # _dense's remembered query vectors
+        self._memo_lock = threading.Lock()
         self.image_embedder = image_embedder
         self.lexical = lexical or LexicalEncoder()
         self.late = late
@@ -430,20 +435,43 @@ class PageSearcher:
 
         out = QueryVectors()
         if asked(Channel.TEXT):
-            out.text = self.text_embedder.embed(texts)
+            out.text = self._dense(texts)
         if asked(Channel.LEXICAL):
             out.lexical = [self.lexical.query(t) for t in texts]
         if channels is Channel.HYBRID and self.fusion.weight(Channel.CAPTION) > 0:
             out.caption = [figure_query(t) for t in texts]
         if channels is Channel.HYBRID and self.fusion.weight(Channel.FIGURE) > 0:
-            out.figure = out.text if out.text is not None else self.text_embedder.embed(texts)
+            out.figure = out.text if out.text is not None else self._dense(texts)
         if asked(Channel.IMAGE) and self.image_embedder is not None:
             out.image = self.image_embedder.embed_text(texts)
         if asked(Channel.IMAGE) and self.late is not None:
             out.late = self.late.embed_queries(texts)
         if not out.channels():  # HYBRID with every channel weighted 0: still answer, by dense text
-            out.text = self.text_embedder.embed(texts)
+            out.text = self._dense(texts)
         return out
+
+    def _dense(self, texts: list[str]) -> np.ndarray:
+        """The dense vectors of ``texts``, those of the last QUERY_MEMO texts remembered: a repeated question
+        (a FAQ, a polling dashboard, the answer cache's hits) is searched without a text-encoder forward, and with
+        the very vectors it had, so it finds the very pages again (a text embedded in another batch can differ in
+        its last float bits). Thread-safe: embed_queries runs in worker threads."""
+        with self._memo_lock:
+            known = {t: self._memo[t] for t in dict.fromkeys(texts) if t in self._memo}
+            for t in known:
+                self._memo.move_to_end(t)
+        missing = [t for t in dict.fromkeys(texts) if t not in known]
+        if missing:
+            fresh = dict(zip(missing, self.text_embedder.embed(missing)))
+            with self._memo_lock:
+                for t, v in fresh.items():
+                    self._memo[t] = v
+                    self._memo.move_to_end(t)
+                while len(self._memo) > QUERY_MEMO:
+                    self._memo.popitem(last=False)
+            known.update(fresh)
+        if not texts:
+            return self.text_embedder.embed([])
+        return np.stack([known[t] for t in texts])
 
     def _request(self, channel: Channel, vectors: QueryVectors, i: int, flt: models.Filter, limit: int
                  ) -> models.QueryRequest | None:

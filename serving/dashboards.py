@@ -73,6 +73,15 @@ PANELS: tuple[PanelSpec, ...] = (
         (Query(_ratio(m.STORE_HITS, m.STORE_LOOKUPS), "feature-store hits"),),
         max=1,
     ),
+    PanelSpec(
+        "Answer cache hit rate",
+        "Share of answer-cache lookups served from the cache (a repeated question: no engine request at all); "
+        "sampled answers (temperature > 0) are not looked up.",
+        "percentunit",
+        (Query(f'sum(rate({m.ANSWER_CACHE}_total{{outcome="hit"}}[{WINDOW}])) / {_rate(m.ANSWER_CACHE)}',
+               "answer-cache hits"),),
+        max=1,
+    ),
     PanelSpec("Time to first token", "Per engine request.", "s", _quantiles(m.TTFT)),
     PanelSpec(
         "Throughput",

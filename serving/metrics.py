@@ -66,6 +66,9 @@ ANSWERS = "mmrag_answers"
 ANSWER_OUTCOMES = ("ok", "error", "refused", "cancelled")
 REQUEST_LATENCY = "mmrag_request_latency_seconds"
 ADMISSION_WAIT = "mmrag_admission_wait_seconds"
+# Issue 40: answer-cache lookups (rag/answer_cache.py), by outcome; sampled answers are not looked up.
+ANSWER_CACHE = "mmrag_answer_cache"
+ANSWER_CACHE_OUTCOMES = ("hit", "miss")
 
 QUEUE_WAIT = "mmrag_queue_wait_seconds"
 GROUP_SIZE = "mmrag_scheduler_group_size"
@@ -185,6 +188,11 @@ class Metrics:
         self._admission_wait = Histogram(ADMISSION_WAIT, "Time an admitted question waited for its place among "
                                          "MMRAG_MAX_QUESTIONS_IN_FLIGHT (0 when one was free).",
                                          buckets=(0, *_LATENCY_BUCKETS), registry=r)
+        self._answer_cache = Counter(ANSWER_CACHE, "Answer-cache lookups, by outcome: hit (the answer served from "
+                                     "the cache, no engine request) | miss (a corrupt entry or a failed store "
+                                     "read included).", ["outcome"], registry=r)
+        for outcome in ANSWER_CACHE_OUTCOMES:
+            self._answer_cache.labels(outcome)
 
         self._queue_wait = Histogram(QUEUE_WAIT, "Time a plan waited in the scheduler queue.",
                                      buckets=_QUEUE_WAIT_BUCKETS, registry=r)
@@ -238,6 +246,12 @@ class Metrics:
 
     def record_admission_wait(self, waited_s: float) -> None:
         self._admission_wait.observe(waited_s)
+
+    def record_answer_cache(self, outcome: str) -> None:
+        """One answer-cache lookup (rag/answer_cache.AnswerCache's ``on_lookup``): hit or miss."""
+        if outcome not in ANSWER_CACHE_OUTCOMES:
+            raise ValueError(f"answer-cache outcome {outcome!r}: one of {ANSWER_CACHE_OUTCOMES}")
+        self._answer_cache.labels(outcome).inc()
 
     # -- scheduler --
 

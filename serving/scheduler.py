@@ -107,7 +107,7 @@ class _Node:
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     policy: Policy = Policy.DFS_WEIGHT
-    max_concurrency: int = 4
+    max_concurrency: int = 64  # plans in flight: as many as the engine batches (its max_num_seqs)
     max_image_tokens_in_flight: int = 32_768
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128

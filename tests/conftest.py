@@ -93,6 +93,11 @@ ENGINE_ENV = dict(
     MMRAG_ENGINE_DTYPE="float32",  # exactness is compared in fp32
     MMRAG_MAX_MODEL_LEN="4096",  # one prompt over a two-part question's six pages fits, with its answer
     MMRAG_OCR="false",
+    # Tests measure the engine and compare cold answers with cached ones: a repeated question must reach it.
+    # The answer cache's own tests turn it on (tests/test_answer_cache.py, tests/test_answer_cache_serving.py).
+    MMRAG_ANSWER_CACHE="false",
+    # The scheduler tests through the app (cancellation, admission) fill its slots with a few questions' plans.
+    MMRAG_MAX_CONCURRENCY="4",
 )
 
 

@@ -55,7 +55,7 @@ def image_prefix_bound(services, key: ImageKey, tokens: int) -> int:
     return (start + n) // block * block - start
 
 
-@pytest.mark.parametrize("mode", ["one_prompt", "per_sub_question"])
+@pytest.mark.parametrize("mode", ["joint", "split"])
 async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_vision_forward(http, api_server,
                                                                                               mode):
     services = api_server["app"].state.services
@@ -69,12 +69,12 @@ async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_
     assert tokens == 100  # 280 x 280 px: 20 x 20 patches of 14, merged 2 x 2
     bound = image_prefix_bound(services, key, tokens)
     assert bound >= 64
-    if mode == "per_sub_question":
-        # Every prompt of the question starts with its image: the sub-questions' second prompt hits the first's KV.
-        assert len(one["sub_answers"]) == 2 and one["usage"]["cached_image_tokens"] >= bound
+    if mode == "split":
+        # Every part's prompt starts with the question's image: the later parts hit the first one's KV.
+        assert len(one["image_answers"]) >= 2 and one["usage"]["cached_image_tokens"] >= bound
     else:  # one prompt shows it once: computed once, nothing to look up
-        assert "sub_answers" not in one and one["usage"]["cached_image_tokens"] == 0
-    prompts = len(one.get("sub_answers", [None]))
+        assert "image_answers" not in one and one["usage"]["cached_image_tokens"] == 0
+    prompts = len(one.get("image_answers", [None]))
 
     follow = await http.post("/v1/ask", json={"question": "What is the input of its third module?",
                                               "conversation_id": one["conversation_id"], "answer_mode": mode})
@@ -82,7 +82,7 @@ async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_
     two = follow.json()
     assert two["usage"]["vision_encodes"] == 0
     assert two["conversation_id"] == one["conversation_id"] and two["question_images"] == one["question_images"]
-    assert two["usage"]["cached_image_tokens"] >= len(two.get("sub_answers", [None])) * bound
+    assert two["usage"]["cached_image_tokens"] >= len(two.get("image_answers", [None])) * bound
     print(f"\n{mode}: question image: {tokens} tokens, {bound} in full KV blocks after the system prompt; cold "
           f"question: {one['usage']['cached_image_tokens']}/{one['usage']['image_tokens']} image tokens cached over "
           f"{prompts} prompt(s), {one['usage']['vision_encodes']} forward; follow-up: "
@@ -106,7 +106,7 @@ async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http
     room = 2
     images = [b64(new_figure((196 + 28 * i, 196))) for i in range(limit - room)]
     r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?",
-                                         "images": images})
+                                         "images": images, "answer_mode": "joint"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["citations"]) == room and body["pages_left_out"]  # top_k = 3 pages, room for 2
@@ -116,7 +116,8 @@ async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http
 
 
 async def test_a_question_without_images_has_no_conversation(http):
-    body = (await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"})).json()
+    body = (await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?",
+                                             "answer_mode": "joint"})).json()  # every retrieved page shown
     assert not {"conversation_id", "question_images", "pages_left_out"} & body.keys()
 
 

@@ -29,7 +29,7 @@ async def decodes_alone(url: str) -> float:
     before = generated_tokens()
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         r = await client.post("/v1/ask", headers=AUTH, json={"question": ONE_PART, "max_tokens": 2,
-                                                             "answer_mode": "one_prompt"})
+                                                             "answer_mode": "joint"})
     assert r.status_code == 200, r.text
     own = r.json()["usage"]["completion_tokens"]
     # vLLM counts an engine step's tokens as it hands them out; a hang guard, not a timing assertion.
@@ -96,10 +96,9 @@ def test_a_resent_request_tells_only_the_text_beyond_what_the_failed_attempt_tol
 # --- POST /v1/ask with "stream": true ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("question, mode, synthesis", [
-    (TWO_PART, "one_prompt", False), (TWO_PART, "per_sub_question", True), (ONE_PART, "per_sub_question", False)],
-    ids=["one-prompt", "synthesis", "one-plan"])
-async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_server, question, mode, synthesis):
+@pytest.mark.parametrize("question, mode", [(TWO_PART, "joint"), (TWO_PART, "split"), (ONE_PART, "auto")],
+                         ids=["joint", "split", "auto-one-part"])
+async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_server, question, mode):
     async with httpx.AsyncClient(base_url=api_server["url"], timeout=300) as client:
         events = await ask_streamed(client, {"question": question, "answer_mode": mode})
         r = await client.post("/v1/ask", headers=AUTH, json={"question": question, "answer_mode": mode})
@@ -109,17 +108,20 @@ async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_serv
     assert names[:2] == ["sub_questions", "citations"] and names[-1] == "done", names
     assert names.count("done") == 1 and "error" not in names
     done = events[-1][1]["answer"]
-    assert events[1][1]["answer_mode"] == done["answer_mode"] == mode
+    assert events[1][1]["answer_mode"] == done["answer_mode"] == (mode if mode != "auto" else done["answer_mode"])
+    assert done["answer_mode"] in ("joint", "split") and done["answer_mode_reason"]
     # The first token comes before the answer is complete (the answer streams; no time is asserted).
     assert "token" in names and names.index("token") < names.index("done")
     assert "".join(d["text"] for n, d in events if n == "token") == done["answer"]
     sub_answers = [{k: v for k, v in d.items() if k != "event"} for n, d in events if n == "sub_answer"]
     assert sorted(map(json.dumps, sub_answers)) == sorted(map(json.dumps, done.get("sub_answers", [])))
-    assert (len(sub_answers) > 1) == synthesis, sub_answers
-    if synthesis:  # its tokens stream once every sub-answer is in; one plan's stream as it is generated
-        assert max(i for i, n in enumerate(names) if n == "sub_answer") < names.index("token")
-    if mode == "one_prompt":  # one prompt: its tokens are the answer's, with no sub-answer before them
-        assert not sub_answers and "sub_answers" not in done and "answer_s" in done["timings"]
+    # Joint and split alike: the answer's tokens, no sub-answer before them (those are joint's overflow's).
+    assert not sub_answers and "sub_answers" not in done and "answer_s" in done["timings"]
+    if done["answer_mode"] == "split":  # its parts in order, each under its page's heading, the first one first
+        parts = done["image_answers"]
+        assert len(parts) > 1 and events[names.index("token")][1]["text"] == f"{parts[0]['page']}: "
+        assert done["answer"] == "".join(f"{'' if i == 0 else chr(10) * 2}{a['page']}: {a['answer']}"
+                                         for i, a in enumerate(parts))
     assert events[0][1]["sub_questions"] == done["sub_questions"]
     assert events[1][1]["citations"] == done["citations"]
     # The same answer as without streaming: greedy decoding, fp32.

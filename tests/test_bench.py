@@ -20,15 +20,20 @@ from bench.runner import llamaindex_messages, page_caption
 from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {"no_cache", "vision_cache", "apc_naive", "vllm_llamaindex", "vllm_images_first", "mmrag", "mmrag_warm",
-           "mmrag_budget", "mmrag_global", "mmrag_per_page", "floor", "mmrag_one_prompt", "floor_one_prompt"}
-ONE_PROMPT = {"mmrag_one_prompt", "floor_one_prompt"}
+PER_SUB_QUESTION = {"no_cache", "vision_cache", "apc_naive", "vllm_llamaindex", "vllm_images_first"}
+STRATEGIES = {"mmrag_split": "split", "mmrag_joint": "joint", "mmrag_auto": "auto", "mmrag_split_warm": "split",
+              "mmrag_joint_warm": "joint", "mmrag_auto_warm": "auto", "mmrag_auto_budget": "auto", "floor": "auto",
+              "floor_split": "split", "floor_joint": "joint"}
+FLOORS = {"floor", "floor_split", "floor_joint"}
+CONFIGS = PER_SUB_QUESTION | set(STRATEGIES)
 PIXELS_HASHED = {"vllm_llamaindex", "vllm_images_first"}  # pixels without uuids: vLLM's content hash
 CONFIG_FIELDS = {
     "throughput_qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "image_hit_rate", "position_oracle_hit_rate",
     "position_oracle_ratio", "prefix_bound_hit_rate", "vit_forwards_per_question", "image_prefill_share",
-    "peak_kv_usage", "wall_s", "peak_kv_image_share", "kv_estimate_bias", "kv_estimate_abs_error",
+    "peak_kv_usage", "wall_s", "peak_kv_image_share", "kv_estimate_bias", "kv_estimate_abs_error", "answer_mode",
+    "answer_modes",
 }
+ANSWER_PAGES = 4  # MMRAG_ONE_PROMPT_PAGES: the most pages an answer shows
 
 
 MIXED = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
@@ -36,8 +41,8 @@ MIXED = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One `mmrag bench --quick --tiny` run with the mixed-resolution configurations named too (--configs brings in
-    what --quick leaves out): one process and one engine start for both tests below."""
+    """One `mmrag bench --quick --tiny` run with the full run's floors and the mixed-resolution configurations
+    named too (--configs brings in what --quick leaves out): one process and one engine start for the tests below."""
     tmp_path = tmp_path_factory.mktemp("bench")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     # Its own short TMPDIR (socket paths stay under 108 bytes): what the two engine starts leave there is seen.
@@ -52,52 +57,84 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"data": json.loads(out.read_text()), "png": png, "stdout": proc.stdout, "left_in_tmp": left}
 
 
+def served_answers(workload: dict) -> list[tuple[str, int]]:
+    """Each question's strategy under auto and the pages it shows, from the workload alone (rag/plans.py's rules,
+    restated): a question with a "Compare ..." part relates its pages (joint), the others are split; at most
+    ANSWER_PAGES of its distinct pages are shown, and a split over one page is that page's one prompt."""
+    spec = WorkloadSpec(**{k: workload[k] for k in ("questions", "pages", "zipf_s", "seed", "max_tokens")},
+                        sub_questions=tuple(workload["sub_questions"]), pages_per_sub=tuple(workload["pages_per_sub"]))
+    out = []
+    for q in make_workload(spec).questions:
+        shown = min(ANSWER_PAGES, len({p for s in q.subs for p in s.pages}))
+        out.append(("joint" if "Compare" in q.text or shown == 1 else "split", shown))
+    return out
+
+
 def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_run):
     data, png, proc_stdout = bench_run["data"], bench_run["png"], bench_run["stdout"]
     assert set(data["configs"]) == CONFIGS | MIXED
-    wl = data["workload"]
-    for name, c in {n: c for n, c in data["configs"].items() if n in CONFIGS}.items():
+    wl, cfg = data["workload"], data["configs"]
+    answers = served_answers(wl)
+    (full,), (budget,) = data["model"]["image_tokens_per_page"], data["model"]["budget_image_tokens_per_page"]
+    for name, c in {n: c for n, c in cfg.items() if n in CONFIGS}.items():
         assert CONFIG_FIELDS <= set(c), (name, CONFIG_FIELDS - set(c))
-        # One engine request per sub-question; per_page: one per (sub-question, distinct page); one prompt: one
-        # per question. Every request decodes exactly the answer length.
-        expected = wl["questions" if name in ONE_PROMPT else "page_uses" if name == "mmrag_per_page"
-                      else "sub_questions_total"]
-        assert c["throughput_qps"] > 0 and c["requests"] == expected, name
-        assert c["requests_per_question"] == round(expected / wl["questions"], 3), name
-        assert c["completion_tokens"] == expected * wl["max_tokens"] == c["answer_tokens"] * expected, name
-    cfg = data["configs"]
-    # One prompt shows each of a question's pages once: its image tokens are its distinct pages', not its uses.
-    (per_page,) = data["model"]["image_tokens_per_page"]
-    for name in ONE_PROMPT:
-        assert cfg[name]["image_tokens"] == wl["question_page_uses"] * per_page < wl["page_uses"] * per_page
+        assert c["throughput_qps"] > 0 and c["questions"] == wl["questions"], name
+        if name in PER_SUB_QUESTION:  # a request per sub-question over all its pages, each its answer's length
+            assert c["answer_mode"] is None and c["answer_modes"] == {}, name
+            assert c["requests"] == wl["sub_questions_total"], name
+            assert c["completion_tokens"] == wl["sub_questions_total"] * wl["max_tokens"], name
+            assert c["image_tokens"] == wl["page_uses"] * full, name
+            continue
+        # A strategy: joint one request per question, split one per page shown (auto: as it chose); the parts of a
+        # split share the answer's length, so every question decodes exactly one answer's length; each page of
+        # the question shown once, at most ANSWER_PAGES.
+        mode = STRATEGIES[name]
+        modes = [m if mode == "auto" else "joint" if n == 1 else mode for m, n in answers]
+        assert c["answer_mode"] == mode and c["answer_modes"] == {m: modes.count(m) for m in sorted(set(modes))}
+        assert c["requests"] == sum(1 if m == "joint" else n for m, (_, n) in zip(modes, answers)), name
+        assert c["completion_tokens"] == wl["questions"] * wl["max_tokens"] == c["answer_tokens"] * wl["questions"]
+        per_page = budget if name == "mmrag_auto_budget" else full  # a quarter of the tokens
+        assert c["image_tokens"] == sum(n for _, n in answers) * per_page < wl["page_uses"] * per_page, name
+        if mode == "split":  # one image per prompt: nothing behind a first image
+            assert c["later_image_token_share"] == 0, name
+    # The workload has both kinds of question, and a question with more pages than an answer shows.
+    assert {m for m, _ in answers} == {"split", "joint"} and max(n for _, n in answers) == ANSWER_PAGES
+    assert cfg["mmrag_joint"]["requests"] == wl["questions"] < cfg["mmrag_auto"]["requests"] \
+        < cfg["mmrag_split"]["requests"]
+    assert cfg["mmrag_joint_warm"]["later_image_token_share"] > 0
     # The vision encoder runs only where pixels are sent; no cache can serve the baselines.
     assert all(cfg[n]["vit_forwards_per_question"] > 0 for n in {"no_cache"} | PIXELS_HASHED)
     assert all(cfg[n]["vit_forwards_per_question"] == 0 for n in CONFIGS - {"no_cache"} - PIXELS_HASHED)
     assert cfg["no_cache"]["image_hit_rate"] == cfg["vision_cache"]["image_hit_rate"] == 0
-    assert cfg["mmrag_warm"]["image_hit_rate"] > 0
+    assert all(cfg[n]["image_hit_rate"] > 0 for n in ("mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"))
+    # Warm-up warms each page's lone prefix, which every split prompt starts with: split hits more than cold.
+    assert cfg["mmrag_split_warm"]["image_hit_rate"] > cfg["mmrag_split"]["image_hit_rate"]
     # Without uuids vLLM's own content hash keys its prefix cache: a page leading a prompt again hits, in both
     # layouts (llama-index's preamble before the first image is fixed text).
     assert all(cfg[n]["image_hit_rate"] > 0 and cfg[n]["prefix_bound_hit_rate"] > 0 for n in PIXELS_HASHED)
-    # The floor prefilled every image prefix: it hits all that block granularity allows, its prefix bound, which
+    # A floor prefilled every image prefix: it hits all that block granularity allows, its prefix bound, which
     # is at least the all-warm position oracle (that one stops at the block holding the last image's end).
-    for floor in (cfg["floor"], cfg["floor_one_prompt"]):
+    for name in FLOORS:
+        floor = cfg[name]
         assert floor["image_hit_rate"] == floor["prefix_bound_hit_rate"] >= floor["position_oracle_hit_rate"] > 0.5
         assert floor["warm_up"]["prefixes_prefilled"] > 0
-    # 8 targets with a threshold, 3 reported for one prompt; no 128-token config in --quick, so no second column.
-    assert len(data["targets"]) == 11 and all("met" in t for t in data["targets"].values())
+    # 8 targets with a threshold, 2 reported against the floors of split and joint; no 128-token config in
+    # --quick, so no second column.
+    assert len(data["targets"]) == 10 and all("met" in t for t in data["targets"].values())
     assert [n for n, t in data["targets"].items() if t["met"] is None] == [
-        "throughput mmrag_one_prompt / vllm_llamaindex", "throughput mmrag_one_prompt / vllm_images_first",
-        "TTFT p50 mmrag_one_prompt / floor_one_prompt"]
-    # The exact layouts' costs next to the canonical one: per_page sends one prompt per page, so more requests.
-    layouts = data["layouts"]
-    assert layouts["best"] in {"mmrag_warm", "mmrag_global", "mmrag_per_page"}
-    assert layouts["mmrag_per_page"]["requests"] > layouts["mmrag_warm"]["requests"] == cfg["mmrag_warm"]["requests"]
-    assert cfg["mmrag_global"]["requests"] == cfg["mmrag_warm"]["requests"]
+        "TTFT p50 mmrag_split_warm / floor_split", "TTFT p50 mmrag_joint_warm / floor_joint"]
+    assert data["targets"]["hit rate best strategy / position oracle"]["config"] in {
+        "mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
+    # The strategies' costs next to the default's: split pays a request per page shown.
+    strategies = data["strategies"]
+    assert strategies["best"] in {"mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
+    assert strategies["mmrag_split_warm"]["requests"] > strategies["mmrag_auto_warm"]["requests"] \
+        > strategies["mmrag_joint_warm"]["requests"] == wl["questions"]
+    assert strategies["mmrag_auto_warm"]["requests_ratio"] == 1.0
     users_and_floor = ("vllm_llamaindex", "vllm_images_first", "floor")
-    assert {f"{a} / {b}" for a in ("mmrag", "mmrag_warm") for b in users_and_floor} | {
-        f"mmrag_one_prompt / {b}" for b in (*users_and_floor, "floor_one_prompt", "mmrag_warm")
-    } == set(data["comparisons"])
-    assert data["layouts"]["mmrag_one_prompt"]["requests"] < layouts["mmrag_warm"]["requests"]
+    assert {f"{a} / {b}" for a in ("mmrag_auto", "mmrag_auto_warm") for b in users_and_floor} | {
+        f"{a} / {b}" for a in ("mmrag_split_warm", "mmrag_joint_warm") for b in ("vllm_llamaindex", "mmrag_auto_warm")
+    } | {"mmrag_split_warm / floor_split", "mmrag_joint_warm / floor_joint"} == set(data["comparisons"])
     machine = data["machine"]
     assert machine["cpu_model"] != "unknown" and machine["dtype"] == data["model"]["dtype"]
     assert set(machine["cpu_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
@@ -106,7 +143,10 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
     assert {"cold_prefill_share", "params_total_m", "dtype"} <= set(data["model"])
     assert {"questions", "pages", "zipf_s", "arrivals"} <= set(data["workload"])
     assert png.stat().st_size > 0
-    assert "| mmrag_warm |" in proc_stdout and "| mmrag_one_prompt |" in proc_stdout  # the table goes to stdout
+    # The table goes to stdout, with what each strategy answered.
+    assert "| mmrag_auto_warm |" in proc_stdout and "| mmrag_split |" in proc_stdout
+    auto = cfg["mmrag_auto"]["answer_modes"]
+    assert f"mmrag_auto {auto['split']} / {auto['joint']}" in proc_stdout
 
 
 def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_report_short_and_long_ttft(bench_run):
@@ -119,7 +159,9 @@ def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_rep
     cfg = {n: c for n, c in data["configs"].items() if n in MIXED}
     base, tiered = cfg["mixed"], cfg["mixed_tiered"]
     for c in cfg.values():
+        # Per-sub-question plans on purpose (bench/runner.py): a request per sub-question.
         assert c["short_requests"] + c["long_requests"] == c["requests"] == data["workload"]["sub_questions_total"]
+        assert c["answer_mode"] is None
         assert 0 < c["peak_kv_image_share"] <= 1
         # At dispatch the KV estimate predicts the engine's own cached image tokens closely: nothing is evicted
         # at this size, so what is left is the block the last cached image shares with the text.
@@ -170,42 +212,115 @@ def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_disti
     assert uses[0] > uses[19]  # Zipf: the first page is the most popular
 
 
-def test_one_prompt_shows_a_questions_pages_once_most_asked_first_then_names_them_the_subs_and_the_question():
+def _bench_corpus(n: int):
+    """``n`` pages, each in a document of its own, with made-up keys of 256 tokens (no images are read)."""
+    from bench.corpus import BenchCorpus, BenchPage, CorpusSpec
+    from bench.runner import Keys
+    from core.keys import ImageKey, ResolutionPolicy
+
+    # Keys sort the other way round from the pages: a stable order by key is not the retrieval order by chance.
+    by_page = {i: ImageKey(f"{n - i:064x}", "0" * 8, ResolutionPolicy(3136, 200704)) for i in range(n)}
+    pages = [BenchPage(i, f"page {i}", f"p{i}.png", f"{n - i:064x}", (i,)) for i in range(n)]
+    return Keys(by_page, {k: 256 for k in by_page.values()}), BenchCorpus(Path("/no-images-needed"),
+                                                                         CorpusSpec(pages=n), pages, [])
+
+
+async def test_each_strategy_plans_every_question_as_the_pipeline_does():
+    """The bench's plans of mmrag_split, mmrag_joint and mmrag_auto are what rag/pipeline.Pipeline.ask submits for
+    the same sub-questions and hits: the real pipeline, its decomposition and retrieval replaced by the bench's
+    simulated ones (the only fakes: the bench has no index), its plans recorded at ``submit``."""
+    from types import SimpleNamespace
+
+    from bench.runner import CONFIGS as SPECS
+    from bench.runner import BenchInputs, default_engine_config, question_hits, question_plans
+    from core.engine import Completion, Usage
+    from rag.decompose import Decomposition
+    from rag.pipeline import Pipeline
+
+    keys, corpus = _bench_corpus(6)
+    workload = make_workload(WorkloadSpec(questions=6, pages=6, max_tokens=8))
+    inputs = BenchInputs(model=None, corpus=corpus, workload=workload, store=None, full=keys, budget=keys,
+                         engine_config=default_engine_config())
+    by_text = {q.text: q for q in workload.questions}
+
+    class Decomposer:
+        async def decompose(self, question: str) -> Decomposition:
+            return Decomposition([s.text for s in by_text[question].subs], "rules", None)
+
+    class Searcher:
+        async def search_many(self, subs: list[str], **_) -> list:
+            (q,) = [q for q in workload.questions if [s.text for s in q.subs] == subs]
+            return question_hits(q, keys, corpus)
+
+    submitted = []
+
+    async def submit(plan, **_) -> Completion:
+        submitted.append(plan)
+        return Completion("", [], Usage(), "bench")
+
+    spec = {c.name: c for c in SPECS}
+    chosen = set()
+    for name in ("mmrag_split", "mmrag_joint", "mmrag_auto"):
+        config = inputs.pipeline_config(spec[name])
+        pipeline = Pipeline(Decomposer(), Searcher(), SimpleNamespace(model_name="bench", random_weights=True),
+                            config=config, submit=submit)
+        for q in workload.questions:
+            submitted.clear()
+            answer = await pipeline.ask(q.text, answer_mode=spec[name].answer_mode)
+            assert question_plans(q, spec[name], keys, corpus, config) == submitted, (name, q.qid)
+            chosen.add((name, answer.extra["answer_mode"]))
+    # Every branch ran: split and joint answers, and auto choosing each.
+    assert {("mmrag_auto", "split"), ("mmrag_auto", "joint"), ("mmrag_split", "split")} <= chosen
+    assert ("mmrag_joint", "split") not in chosen
+
+
+def test_the_strategies_show_a_questions_pages_once_at_most_four_in_a_stable_order_or_each_leading_a_prompt():
     import pytest
 
-    from bench.corpus import BenchCorpus, BenchPage, CorpusSpec
     from bench.runner import CONFIGS as SPECS
-    from bench.runner import Keys, question_plans
+    from bench.runner import ConfigSpec, ImageInput, question_plans
     from bench.workload import Question, SubQuestion
-    from core.keys import ImageKey, ResolutionPolicy
-    from rag.order import PagePopularity
+    from core.engine import Layout
+    from rag.pipeline import PipelineConfig
+    from rag.plans import AnswerMode
+    from serving.scheduler import Policy
 
-    by_page = {i: ImageKey(f"{i + 1:064x}", "0" * 8, ResolutionPolicy(3136, 200704)) for i in range(3)}
-    keys = Keys(by_page, {k: 256 for k in by_page.values()})
-    pages = [BenchPage(i, f"page {i}", f"p{i}.png", f"{i + 1:064x}", (i,)) for i in range(3)]
-    corpus = BenchCorpus(Path("/no-images-needed"), CorpusSpec(pages=3), pages, [])
+    keys, corpus = _bench_corpus(6)
     spec = {c.name: c for c in SPECS}
-    first = Question(0, (SubQuestion("Q0.1: a?", (2,)), SubQuestion("Q0.2: b?", (1,))), 0.0)
-    second = Question(1, (SubQuestion("Q1.1: c?", (0, 2)), SubQuestion("Q1.2: d?", (2, 1)),
-                          SubQuestion("Q1.3: e?", (1,))), 0.0)
-    popularity = PagePopularity()  # one per configuration run, as one per process
-    question_plans(first, spec["mmrag_one_prompt"], keys, corpus, 128, popularity)
-    (plan,) = question_plans(second, spec["mmrag_one_prompt"], keys, corpus, 128, popularity)
-
-    # 5 page uses, 3 pages, each once. Pages 1 and 2 have been asked 3 times each, page 0 once: it goes last,
-    # though it is the first sub-question's best hit.
-    assert plan.images == (by_page[1], by_page[2], by_page[0])
+    config = PipelineConfig(max_tokens=128, max_images_per_prompt=8, fixed_length=True)
+    q = Question(0, (SubQuestion("Q0.1: a?", (2, 0)), SubQuestion("Q0.2: b?", (1, 2)),
+                     SubQuestion("Q0.3: c?", (5, 3))), 0.0)
+    # Joint: one prompt over 4 of the 5 pages (each sub-question's best first, then by rank), ordered by key.
+    (plan,) = question_plans(q, spec["mmrag_joint"], keys, corpus, config)
+    shown = [keys.by_page[p] for p in (2, 1, 5, 0)]
+    assert plan.images == tuple(sorted(shown, key=str)) == tuple(keys.by_page[p] for p in (5, 2, 1, 0))
     assert plan.text.splitlines() == [
         "Images, in the order shown:",
-        "Image 1: [doc-1.pdf, page 2]", "Image 2: [doc-2.pdf, page 3]", "Image 3: [doc-0.pdf, page 1]",
+        "Image 1: [doc-5.pdf, page 6]", "Image 2: [doc-2.pdf, page 3]", "Image 3: [doc-1.pdf, page 2]",
+        "Image 4: [doc-0.pdf, page 1]",
         "Answer each of these sub-questions from the images, citing pages by their labels:",
-        "1. Q1.1: c?", "2. Q1.2: d?", "3. Q1.3: e?",
-        "Question: Q1.1: c? Q1.2: d? Q1.3: e?"]
-    assert plan.sampling.max_tokens == plan.sampling.min_tokens == 128  # exactly the answer length
-    per_sub = question_plans(second, spec["mmrag_warm"], keys, corpus, 128)
-    assert [len(p.images) for p in per_sub] == [2, 2, 1]
-    with pytest.raises(ValueError, match="PagePopularity"):
-        question_plans(second, spec["floor_one_prompt"], keys, corpus, 128)
+        "1. Q0.1: a?", "2. Q0.2: b?", "3. Q0.3: c?",
+        "Question: Q0.1: a? Q0.2: b? Q0.3: c?"]
+    assert plan.sampling.max_tokens == plan.sampling.min_tokens == 128  # exactly the answer's length
+    # Split (and auto, for a question relating nothing): the same pages, each leading its own prompt with the
+    # sub-questions that found it, in the answer's order; the parts decode the answer's length between them.
+    for name in ("mmrag_split", "mmrag_auto", "floor_split", "floor"):
+        parts = question_plans(q, spec[name], keys, corpus, config)
+        assert [p.images for p in parts] == [(k,) for k in shown], name
+        assert [p.sampling.max_tokens for p in parts] == [p.sampling.min_tokens for p in parts] == [32] * 4
+        assert parts[0].text.splitlines()[-3:] == [  # page 2: the two sub-questions that found it
+            "1. Q0.1: a?", "2. Q0.2: b?", "Question: Q0.1: a? Q0.2: b? Q0.3: c?"]
+    # A question that relates its pages is joint under auto.
+    compare = Question(1, (SubQuestion("Q1.1: Compare the series of churn shown here?", (2,)),
+                           SubQuestion("Q1.2: What is the trend of margin shown here?", (4,))), 0.0)
+    assert [len(p.images) for p in question_plans(compare, spec["mmrag_auto"], keys, corpus, config)] == [2]
+    assert [len(p.images) for p in question_plans(compare, spec["mmrag_split"], keys, corpus, config)] == [1, 1]
+    # Per sub-question (the baselines): a plan per sub-question over all its pages, each the answer's length.
+    per_sub = question_plans(q, spec["apc_naive"], keys, corpus, config)
+    assert [len(p.images) for p in per_sub] == [2, 2, 2] and {p.sampling.max_tokens for p in per_sub} == {128}
+    with pytest.raises(ValueError, match="layout=CANONICAL"):
+        ConfigSpec("x", ImageInput.TOKENS, caching=True, policy=Policy.FCFS, layout=Layout.NAIVE,
+                   answer_mode=AnswerMode.SPLIT)
 
 
 def test_the_report_states_each_ratio_and_target_at_both_answer_lengths():
@@ -224,32 +339,41 @@ def test_the_report_states_each_ratio_and_target_at_both_answer_lengths():
         assert c.full_only and c.questions
         assert replace(c, name=name, max_tokens=None, questions=None, full_only=False) == base[name]
 
-    def summary(qps: float, ttft: float, tokens: int, questions: int) -> dict:
-        return defaultdict(float, throughput_qps=qps, ttft_p50_s=ttft, answer_tokens=tokens, questions=questions)
+    def summary(qps: float, ttft: float, tokens: int, questions: int, oracle: float = 0.5) -> dict:
+        return defaultdict(float, throughput_qps=qps, ttft_p50_s=ttft, answer_tokens=tokens, questions=questions,
+                           position_oracle_ratio=oracle)
 
-    short = {"mmrag": 2.0, "mmrag_warm": 3.0, "mmrag_one_prompt": 4.0, "vllm_llamaindex": 1.0,
-             "vllm_images_first": 1.0, "floor": 5.0, "floor_one_prompt": 8.0}
+    short = {"mmrag_auto": 2.0, "mmrag_auto_warm": 3.0, "mmrag_split_warm": 4.0, "mmrag_joint_warm": 2.5,
+             "vllm_llamaindex": 1.0, "vllm_images_first": 1.0, "floor": 5.0, "floor_split": 8.0}
     configs = {n: summary(q, 1 / q, 4, 80) for n, q in short.items()}
-    configs |= {long_answer_name(n): summary(q / 10, 2 / q, 128, 40) for n, q in short.items() if n != "mmrag"}
-    configs["mmrag_warm@128"]["throughput_qps"] = 0.15  # half its short ratio to vllm_llamaindex
+    configs |= {long_answer_name(n): summary(q / 10, 2 / q, 128, 40) for n, q in short.items() if n != "mmrag_auto"}
+    configs["mmrag_auto_warm@128"]["throughput_qps"] = 0.15  # half its short ratio to vllm_llamaindex
+    configs["mmrag_split_warm@128"]["position_oracle_ratio"] = 0.95
+    configs["mmrag_auto"]["answer_modes"] = {"joint": 3, "split": 77}
     data = {"configs": configs, "comparisons": comparisons(configs), "targets": targets(configs),
             "long_answer": long_answer(configs), "workload": {"max_tokens": 4},
             "machine": {"cpu_model": "cpu", "cpu_family_model_stepping": "6/1/1", "cpus": 2, "cpu_flags": {},
                         "dtype": "bfloat16"}}
-    assert data["comparisons"]["mmrag_warm / vllm_llamaindex"]["throughput"] == 3.0
-    assert data["comparisons"]["mmrag_warm@128 / vllm_llamaindex@128"]["throughput"] == 1.5
-    assert "mmrag@128 / floor@128" not in data["comparisons"]
+    assert data["comparisons"]["mmrag_auto_warm / vllm_llamaindex"]["throughput"] == 3.0
+    assert data["comparisons"]["mmrag_auto_warm@128 / vllm_llamaindex@128"]["throughput"] == 1.5
+    assert data["comparisons"]["mmrag_split_warm / mmrag_auto_warm"]["throughput"] == 1.333
+    assert "mmrag_auto@128 / floor@128" not in data["comparisons"]
+    assert "mmrag_joint_warm / floor_joint" not in data["comparisons"]  # no floor_joint in this run
     t = data["targets"]
-    assert t["throughput mmrag_warm / vllm_llamaindex @128"] == {
-        "measured": 1.5, "target": ">= 5.0", "met": False, "config": "mmrag_warm@128", "answer_tokens": 128}
-    assert t["TTFT p50 mmrag_one_prompt / floor_one_prompt @128"]["met"] is None  # reported, no threshold
-    assert "hit rate best exact layout / position oracle @128" not in t  # not all exact layouts ran at 128
+    assert t["throughput mmrag_auto_warm / vllm_llamaindex @128"] == {
+        "measured": 1.5, "target": ">= 5.0", "met": False, "config": "mmrag_auto_warm@128", "answer_tokens": 128}
+    assert t["TTFT p50 mmrag_split_warm / floor_split @128"]["met"] is None  # reported, no threshold
+    # Every strategy ran at 128 tokens: the best of them there, by its own oracle.
+    assert t["hit rate best strategy / position oracle @128"] == {
+        "measured": 0.95, "target": ">= 0.9", "met": True, "config": "mmrag_split_warm@128", "answer_tokens": 128}
     assert data["long_answer"]["questions"] == 40
     table = markdown_tables(data)
-    assert "| mmrag_warm / vllm_llamaindex | 3.00 | 1.50 | 0.33 | 0.33 |" in table
-    assert "| mmrag / floor | 0.40 | – | 2.50 | – |" in table
+    assert "| mmrag_auto_warm / vllm_llamaindex | 3.00 | 1.50 | 0.33 | 0.33 |" in table
+    assert "| mmrag_auto / floor | 0.40 | – | 2.50 | – |" in table
     assert "128 tokens: the workload's first 40 questions." in table
-    assert "| throughput mmrag_one_prompt / vllm_llamaindex @128 | 4.000 | report | – |" in table
+    assert "| TTFT p50 mmrag_split_warm / floor_split @128 | 2.000 | report | – |" in table
+    assert "Questions answered split / joint: mmrag_auto 77 / 3." in table
+    assert "| hit rate best strategy / position oracle @128 (mmrag_split_warm) | 0.950 | >= 0.9 | yes |" in table
 
 
 def _prompt(keys: tuple[str, ...], text: tuple[int, ...]) -> PromptImages:

@@ -1,9 +1,9 @@
 """`mmrag bench --figures --tiny`: page-level against figure-level keys on one engine (issue 26); timings mean nothing.
 
 One real run in a subprocess (vLLM allows one in-process engine per process; the bench starts it once for both
-levels): the figure corpus built with pdfium, ingested by the real Ingestor with figures on, the one prompt per
-question at both levels through the scheduler. The session's tiny model is the bench's --tiny model, linked where
-the bench looks for it, so it is not built again.
+levels): the figure corpus built with pdfium, ingested by the real Ingestor with figures on, each question answered
+joint (one prompt) and split (a prompt per image) at both levels through the scheduler. The session's tiny model
+is the bench's --tiny model, linked where the bench looks for it, so it is not built again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, PER_IMAGE, ROUNDS, FigureCorpusSpec,
+from bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, ROUNDS, SPLIT, FigureCorpusSpec,
                                build_figure_corpus, make_questions)
 from bench.model import TINY_SPEC
 
@@ -55,17 +55,17 @@ def test_both_levels_run_on_one_engine_and_report_every_figure_and_each_check(fi
     assert list(data["by_placements"]) == list(PLACEMENTS)
     for k in PLACEMENTS:
         assert list(data["by_placements"][k]["by_length"]) == [str(LENGTH)]  # --max-tokens: that length only
-        assert list(levels(figures_run, k)) == [PAGE_LEVEL, FIGURE_LEVEL, PAGE_LEVEL + PER_IMAGE,
-                                                FIGURE_LEVEL + PER_IMAGE]
+        assert list(levels(figures_run, k)) == [PAGE_LEVEL, FIGURE_LEVEL, PAGE_LEVEL + SPLIT,
+                                                FIGURE_LEVEL + SPLIT]
         for name, r in levels(figures_run, k).items():
             missing = [f for f in FIELDS if f not in r]
             assert not missing, f"{name} lacks {missing}"
-            if name.endswith(PER_IMAGE):  # a prompt per image: as many as the images the one prompt would show
+            if name.endswith(SPLIT):  # a prompt per image: as many as the images the joint prompt shows
                 assert r["questions"] == QUESTIONS and r["images_per_prompt"] == 1.0
                 one = levels(figures_run, k)[CONFIGS[name][0]]
                 assert r["prompts"] == round(one["images_per_prompt"] * QUESTIONS)
             else:
-                assert r["questions"] == r["prompts"] == QUESTIONS  # one prompt per question
+                assert r["questions"] == r["prompts"] == QUESTIONS  # joint: one prompt per question
             assert r["questions_per_s"] > 0 and r["ttft_p50_s"] > 0 and 0 < r["position_oracle_hit_rate"] <= 1
     assert data["machine"]["cpu"] and data["machine"]["dtype"] == data["engine"]["dtype"]
     assert [t["met"] in (True, False) for t in data["targets"]] == [True] * 5 * len(PLACEMENTS)
@@ -110,14 +110,14 @@ def test_the_rates_are_the_runs_own_counts(figures_run, k):
         # wall_s is rounded to 10 ms
         assert r["questions_per_s"] == pytest.approx(r["questions"] / r["wall_s"], rel=0.05)
     assert page["image_hit_rate"] != figure["image_hit_rate"]
-    per_image = levels(figures_run, k)[FIGURE_LEVEL + PER_IMAGE]
-    page_per_image = levels(figures_run, k)[PAGE_LEVEL + PER_IMAGE]
+    split = levels(figures_run, k)[FIGURE_LEVEL + SPLIT]
+    page_split = levels(figures_run, k)[PAGE_LEVEL + SPLIT]
     point = [t for t in figures_run["data"]["targets"] if t["name"].endswith(f", {k} pages a chart")]
-    oracle, one_oracle, over_page, over_page_per_image, tokens = (t["measured"] for t in point)
-    assert oracle == round(per_image["image_hit_rate"] / per_image["position_oracle_hit_rate"], 3)
-    assert one_oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
-    assert over_page == round(per_image["image_hit_rate"] / page["image_hit_rate"], 3)
-    assert over_page_per_image == round(per_image["image_hit_rate"] / page_per_image["image_hit_rate"], 3)
+    oracle, joint_oracle, over_page, over_page_split, tokens = (t["measured"] for t in point)
+    assert oracle == round(split["image_hit_rate"] / split["position_oracle_hit_rate"], 3)
+    assert joint_oracle == round(figure["image_hit_rate"] / figure["position_oracle_hit_rate"], 3)
+    assert over_page == round(split["image_hit_rate"] / page["image_hit_rate"], 3)
+    assert over_page_split == round(split["image_hit_rate"] / page_split["image_hit_rate"], 3)
     assert tokens == round(figure["image_tokens_per_prompt"] / page["image_tokens_per_prompt"], 3)
 
 
@@ -129,20 +129,20 @@ def test_the_sweep_asks_the_same_charts_through_more_pages(figures_run):
     assert len({(a["asks"], a["distinct_charts"]) for a in asked}) == 1
     for a in asked:
         assert a["distinct_charts"] <= a["distinct_pages"] <= a["asks"]
-    oracles = {levels(figures_run, k)[FIGURE_LEVEL + PER_IMAGE]["position_oracle_hit_rate"] for k in PLACEMENTS}
+    oracles = {levels(figures_run, k)[FIGURE_LEVEL + SPLIT]["position_oracle_hit_rate"] for k in PLACEMENTS}
     assert len(oracles) == 1
     for k, a in zip(PLACEMENTS, asked):  # per image every use after an image's first hits, all its tokens
-        page = levels(figures_run, k)[PAGE_LEVEL + PER_IMAGE]
+        page = levels(figures_run, k)[PAGE_LEVEL + SPLIT]
         assert page["position_oracle_hit_rate"] == pytest.approx(1 - a["distinct_pages"] / a["asks"], abs=1e-3)
 
 
-def test_per_image_prompts_reuse_every_image_that_recurs_not_only_the_first(figures_run):
-    """Each image leads its own prompt, so every recurrence of it can hit (the position oracle's reuse), where
-    one prompt's later images hit only behind the same first image."""
+def test_split_prompts_reuse_every_image_that_recurs_not_only_the_first(figures_run):
+    """Split: each image leads its own prompt, so every recurrence of it can hit (the position oracle's reuse),
+    where a joint prompt's later images hit only behind the same first image."""
     for name in (PAGE_LEVEL, FIGURE_LEVEL):
-        one, per = levels(figures_run)[name], levels(figures_run)[name + PER_IMAGE]
-        assert per["image_hit_rate"] >= one["image_hit_rate"]
-        assert per["image_hit_rate"] >= 0.8 * per["position_oracle_hit_rate"]
+        joint, split = levels(figures_run)[name], levels(figures_run)[name + SPLIT]
+        assert split["image_hit_rate"] >= joint["image_hit_rate"]
+        assert split["image_hit_rate"] >= 0.8 * split["position_oracle_hit_rate"]
 
 
 def test_the_corpus_is_seeded_and_puts_each_chart_into_its_placements_each_in_another_document(tmp_path):

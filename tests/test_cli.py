@@ -17,7 +17,7 @@ HEAVY = ("torch", "vllm", "transformers", "matplotlib", "llama_index", "qdrant_c
 SUBCOMMANDS = (
     "ingest", "ask", "warm", "serve", "bench", "corpus sample", "model tiny", "index stats", "index reset",
     "engine serve", "retrieval eval", "retrieval latency", "retrieval cost", "reencode", "index check", "store gc",
-    "vision serve",
+    "vision serve", "eval answers",
 )
 
 _HELP_PROBE = f"""

@@ -110,6 +110,7 @@ def test_a_grounded_reply_is_accepted():
         ("the retry limit", Rejection.MALFORMED, "not JSON"),
         ('{"questions": ["What is the timeout?"]}', Rejection.SCHEMA, "expected"),
         ('{"sub_questions": ["What is the timeout?"], "note": "x"}', Rejection.SCHEMA, "expected"),
+        ('{"sub_questions": ["What is the timeout?"], "together": "yes"}', Rejection.SCHEMA, "true or false"),
         ('{"sub_questions": "What is the timeout?"}', Rejection.SCHEMA, "not a list of strings"),
         ('{"sub_questions": ["   "]}', Rejection.LENGTH, "expected 1 to 200"),
         (json.dumps({"sub_questions": ["What is the timeout " + "x" * 300]}), Rejection.LENGTH, "expected 1 to 200"),
@@ -117,7 +118,7 @@ def test_a_grounded_reply_is_accepted():
         ('{"sub_questions": ["Who won\x07?"]}', Rejection.UNGROUNDED, "shares no content word"),
     ],
     ids=["ungrounded", "no-content-words", "too-many", "none", "duplicates", "truncated-json", "prose",
-         "wrong-key", "extra-key", "not-a-list", "blank", "too-long", "raw-control-char",
+         "wrong-key", "extra-key", "together-not-a-bool", "not-a-list", "blank", "too-long", "raw-control-char",
          "ungrounded-before-control-char"],
 )
 def test_a_reply_that_fails_a_check_is_rejected_with_the_reason(raw, kind, detail):
@@ -125,6 +126,53 @@ def test_a_reply_that_fails_a_check_is_rejected_with_the_reason(raw, kind, detai
         check(raw)
     assert info.value.kind is kind
     assert str(info.value).startswith(f"{kind.value}: ") and detail in str(info.value)
+
+
+@pytest.mark.parametrize("reply, relates", [
+    ({"sub_questions": ["What is the revenue of 2023?", "What is the revenue of 2024?"], "together": True}, True),
+    ({"sub_questions": ["What is the revenue of 2023?", "What is the revenue of 2024?"], "together": False}, False),
+    ({"sub_questions": ["What is the revenue of 2023?", "What is the revenue of 2024?"]}, False),
+])
+async def test_a_model_decomposer_can_say_its_parts_need_their_pages_together(reply, relates):
+    """The model's ``"together"`` flag reaches the decomposition (rag/plans.choose_answer reads it: joint)."""
+    from core.engine import Completion, Usage
+
+    class Replies:  # the model's reply, as a stand-in for an engine (the schema-guided one is tested above)
+        random_weights = False
+
+        async def generate(self, plan, **_):
+            return Completion(json.dumps(reply), [], Usage(), "stand-in", "stop")
+
+    question = "What was the revenue of 2023 and the revenue of 2024?"
+    decomposition = await Decomposer(Replies()).decompose(question)  # type: ignore[arg-type]
+    assert decomposition.source == "model" and len(decomposition.sub_questions) == 2
+    assert (decomposition.relates is not None) is relates
+
+
+async def test_a_decomposer_that_remembers_asks_the_model_once_per_question_within_its_bound():
+    from core.engine import Completion, Usage
+
+    asked: list[str] = []
+
+    class Replies:
+        random_weights = False
+
+        async def generate(self, plan, **_):
+            asked.append(plan.text)
+            subs = [f"What is the {w} of the service?" for w in plan.text.split()[2:4]]
+            return Completion(json.dumps({"sub_questions": subs}), [], Usage(), "stand-in", "stop")
+
+    one, two = "What is timeout and retries of the service?", "What is owner and budget of the service?"
+    remembering = Decomposer(Replies(), remember=1)  # type: ignore[arg-type]
+    first = await remembering.decompose(one)
+    assert await remembering.decompose(one) == first and asked == [one]  # the repeat sent nothing
+    await remembering.decompose(two)  # the bound: one question, so the first is forgotten
+    await remembering.decompose(one)
+    assert asked == [one, two, one]
+    forgetful = Decomposer(Replies())  # type: ignore[arg-type]
+    await forgetful.decompose(one)
+    await forgetful.decompose(one)
+    assert asked[3:] == [one, one]
 
 
 def test_grounding_compares_content_words_with_plurals_stripped():
@@ -222,7 +270,7 @@ def test_the_model_is_asked_greedily_without_images_under_the_sub_question_schem
         "properties": {"sub_questions": {
             "type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 200},
             "minItems": 1, "maxItems": 4,
-        }},
+        }, "together": {"type": "boolean"}},  # optional: the parts need their pages seen together
         "required": ["sub_questions"],
         "additionalProperties": False,
     }

@@ -85,7 +85,7 @@ def test_the_committed_dashboard_is_a_fresh_render_of_serving_dashboards():
 
 def test_every_panel_has_prometheus_queries_with_an_expression_and_a_ref_id():
     panels = committed_panels()
-    assert len(panels) == 12
+    assert len(panels) == 13
     for panel in panels:
         assert panel["targets"], panel["title"]
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -332,8 +332,8 @@ def _serve(app):
 
 def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
     """Steady traffic with known proportions: 75% of image tokens cached, image share of computed prefill
-    (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, TTFT 0.2 s, queue waits of 10 ms, a quarter
-    of the KV capacity held by image tokens."""
+    (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, 3 of 5 answer-cache lookups hit, TTFT 0.2 s,
+    queue waits of 10 ms, a quarter of the KV capacity held by image tokens."""
     stats = SchedulerStats()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -341,6 +341,8 @@ def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
                                         cached_image_tokens=384, completion_tokens=8, ttft_s=0.2,
                                         image_input="embeds"))
         metrics.record_answer("ok", 0.8)
+        for outcome in ("hit", "hit", "hit", "miss", "miss"):
+            metrics.record_answer_cache(outcome)
         stats.submitted += 1
         stats.dispatched += 1
         stats.queue_waits_s.append(0.01)
@@ -370,6 +372,7 @@ def test_every_dashboard_expression_evaluates_on_a_real_prometheus(prometheus):
 @pytest.mark.parametrize(("panel", "expected"), [
     ("Image-prefix hit rate", 0.75),
     ("Vision-token cache hit rate", 2 / 3),
+    ("Answer cache hit rate", 0.6),
     ("Image prefill share", 0.32),
     ("vLLM prefix-cache hit rate", 0.75),
     ("Image tokens in the KV cache", 0.25),

@@ -68,20 +68,22 @@ def test_every_page_entry_of_a_pixels_form_ingest_holds_its_pixels_and_its_token
     assert entries and all(e.pixels_png and e.has_tokens for e in entries)
 
 
-async def test_the_pixels_form_answers_as_the_embeds_form_and_says_so(two_forms, inprocess_engine):
+@pytest.mark.parametrize("mode", ["auto", "joint", "split"])
+async def test_the_pixels_form_answers_as_the_embeds_form_and_says_so(two_forms, inprocess_engine, mode):
     answers = []
-    for question in QUESTIONS:
+    for question in QUESTIONS:  # in either strategy, and as auto chooses
         await inprocess_engine.reset_prefix_cache()
-        px = await two_forms["pixels"].post("/v1/ask", json={"question": question})
-        em = await two_forms["embeds"].post("/v1/ask", json={"question": question})
+        px = await two_forms["pixels"].post("/v1/ask", json={"question": question, "answer_mode": mode})
+        em = await two_forms["embeds"].post("/v1/ask", json={"question": question, "answer_mode": mode})
         assert px.status_code == em.status_code == 200, (px.text, em.text)
         px, em = px.json(), em.json()
         assert px["answer"] == em["answer"] and px["citations"] == em["citations"]
+        assert px["answer_mode"] == em["answer_mode"] and px.get("image_answers") == em.get("image_answers")
         assert (px["usage"]["image_input"], em["usage"]["image_input"]) == ("pixels", "embeds")
         assert px["usage"]["image_tokens"] == em["usage"]["image_tokens"] > 0
         answers.append(px)
     # Asked again in the pixels form: its pages' KV is served from the prefix cache, the answer the same.
-    again = (await two_forms["pixels"].post("/v1/ask", json={"question": QUESTIONS[-1]})).json()
+    again = (await two_forms["pixels"].post("/v1/ask", json={"question": QUESTIONS[-1], "answer_mode": mode})).json()
     assert again["usage"]["cached_image_tokens"] > 0 and again["answer"] == answers[-1]["answer"]
     metrics = parse_samples((await two_forms["pixels"].get("/metrics")).text)
     name = "mmrag_engine_requests_by_image_input_total"

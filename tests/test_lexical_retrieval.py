@@ -171,3 +171,22 @@ async def test_each_hit_carries_its_margin_over_the_median_of_its_querys_candida
             if channel is Channel.HYBRID:
                 assert [h.margin for h in top] == pytest.approx([h.margin for h in hits[:len(top)]])
             assert hits[0].margin > 0 or len(hits) == 1  # a lone lexical match is its own median
+
+
+async def test_a_repeated_query_is_searched_with_the_vectors_it_had_and_no_encoder_forward(searcher, monkeypatch):
+    """The searcher remembers its last queries' dense vectors (retrieval/search.QUERY_MEMO): a repeated question
+    costs no text-encoder forward, and finds the same pages with the same scores, whatever batch it came in."""
+    from retrieval import search
+
+    embedded: list[list[str]] = []
+    embed = searcher.text_embedder.embed
+    monkeypatch.setattr(searcher.text_embedder, "embed", lambda texts: embedded.append(list(texts)) or embed(texts))
+    first = await searcher.search_many(["Which option rotates the x tic labels?", "What does a memo table hold?"])
+    again = await searcher.search_many(["What does a memo table hold?", "Which option rotates the x tic labels?"])
+    assert embedded == [["Which option rotates the x tic labels?", "What does a memo table hold?"]]
+    assert [[(h.page_id, h.score) for h in hs] for hs in again] == [[(h.page_id, h.score) for h in hs]
+                                                                    for hs in first[::-1]]
+    monkeypatch.setattr(search, "QUERY_MEMO", 1)  # the bound: only the last text is kept
+    await searcher.search_many(["What is a third question about axes?"])
+    await searcher.search_many(["Which option rotates the x tic labels?"])
+    assert embedded[1:] == [["What is a third question about axes?"], ["Which option rotates the x tic labels?"]]

@@ -109,10 +109,11 @@ def test_the_settings_reach_the_scheduler_config_and_a_bad_reservation_fails_wit
     from core.settings import Settings
     from mmrag.wiring import scheduler_config
 
-    config = scheduler_config(Settings(scheduler_short_image_tokens=512, scheduler_short_reserved=2))
+    settings = Settings(scheduler_short_image_tokens=512, scheduler_short_reserved=2, max_concurrency=4)
+    config = scheduler_config(settings)
     assert (config.short_image_tokens, config.short_reserved, config.max_concurrency) == (512, 2, 4)
     with pytest.raises(ValueError, match="MMRAG_SCHEDULER_SHORT_RESERVED"):
-        scheduler_config(Settings(scheduler_short_image_tokens=512, scheduler_short_reserved=4))
+        scheduler_config(Settings(scheduler_short_image_tokens=512, scheduler_short_reserved=4, max_concurrency=4))
 
 
 async def test_dispatched_plans_are_counted_by_resolution_policy():

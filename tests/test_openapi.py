@@ -58,10 +58,10 @@ async def test_openapi_documents_every_field_of_a_real_answer(api_server, spec):
     async with httpx.AsyncClient(base_url=api_server["url"], timeout=120) as client:
         bodies = [(await client.post("/v1/ask", headers=AUTH, json={
             "question": "What was the Q3 revenue of the Nordic division and what is the retry limit?",
-            "answer_mode": mode})) for mode in ("auto", "per_sub_question")]
+            "answer_mode": mode})) for mode in ("joint", "split")]
     assert all(r.status_code == 200 for r in bodies), bodies[-1].text
     one, per = (r.json() for r in bodies)
-    assert one["answer_mode"] == "one_prompt" and per["sub_answers"]  # the nested lists are walked too
+    assert one["answer_mode"] == "joint" and per["image_answers"]  # the nested lists are walked too
     ask = spec["paths"]["/v1/ask"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     for body in (one, per):
         assert _undocumented(spec, ask, body, "answer") == []

@@ -14,8 +14,9 @@ from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, needs_page, one_prompt_plan,
-                       one_prompt_text, per_image_plans, plan_prompts, shown_as_figures, synthesis_plan, union_pages)
+from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, joint_plan, joint_text, needs_page,
+                       part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
+                       synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
 
@@ -30,90 +31,130 @@ async def pipeline(engine_settings, ingested, inprocess_engine):
     await p.searcher.client.close()
 
 
-async def test_a_two_part_question_is_answered_in_one_prompt_over_its_sub_questions_pages(pipeline_with):
-    p = pipeline_with("canonical")
+async def test_a_two_part_question_is_split_each_page_leading_a_prompt_with_the_parts_that_found_it(pipeline_with):
+    p = pipeline_with()
     answer = await p.ask(TWO_PART)
     out = answer.to_json()
     assert out["sub_question_source"] == "rules"  # the random model's JSON is never grounded
-    assert len(out["sub_questions"]) == 2 and out["answer_mode"] == "one_prompt" and "sub_answers" not in out
+    assert len(out["sub_questions"]) == 2 and out["answer_mode"] == "split" and "sub_answers" not in out
+    assert out["answer_mode_reason"] == "its 2 parts found different pages: each page leads its own prompt"
     assert out["citations"] and all({"page_id", "doc", "page", "score", "figure"} == c.keys() for c in out["citations"])
     scores = [c["score"] for c in out["citations"]]
     assert scores == sorted(scores, reverse=True)
-    (plan,) = p.submitted  # one request: no sub-answers, no synthesis
-    # Every cited page is shown once, labelled as the answer cites it; both sub-questions are listed.
+    # One prompt per cited page, that page alone, labelled as the answer cites it, with the question last.
     keys = {ImageKey.parse(k) for k in {c.image_key for c in answer.citations}}
-    assert set(plan.images) == keys and len(plan.images) == len(keys)
-    assert all(f"[{c['doc']}, page {c['page']}]" in plan.text for c in out["citations"])
-    assert all(f"{i}. {q}" in plan.text for i, q in enumerate(answer.sub_questions, 1))
-    assert plan.text.endswith(f"Question: {TWO_PART}") and plan.system_prompt_id == "default"
+    assert [len(plan.images) for plan in p.submitted] == [1] * len(keys) and \
+        {plan.images[0] for plan in p.submitted} == keys
+    assert all(plan.text.endswith(f"Question: {TWO_PART}") and plan.system_prompt_id == "default"
+               for plan in p.submitted)
+    # The parts' lengths add up to the answer's: the whole answer decodes no more than one answer's length.
+    assert sum(plan.sampling.max_tokens for plan in p.submitted) == 8
     assert out["usage"]["image_tokens"] == 247 * len(keys) and out["model"]["random_weights"] is True
     assert 0 < out["usage"]["completion_tokens"] <= 8
+    # Each part is headed by the page it was answered from, in the order the parts were planned.
+    assert [a["page"] for a in out["image_answers"]] == [f"[{c.doc}, page {c.page}]" for c in
+                                                         (next(c for c in answer.citations if c.image_key == str(
+                                                             plan.images[0])) for plan in p.submitted)]
     # Where the time went, every stage that ran, in order.
     timings = out["timings"]
     assert list(timings) == ["decompose_s", "retrieve_s", "answer_s"]
     assert all(v >= 0 for v in timings.values()) and timings["answer_s"] > 0
 
 
-async def test_per_sub_question_answers_each_within_its_own_length_then_synthesises(pipeline_with):
-    p = pipeline_with("canonical", sub_answer_max_tokens=3)
-    answer = await p.ask(TWO_PART, answer_mode="per_sub_question")
+async def test_a_comparison_is_answered_in_one_joint_prompt_over_its_pages_in_a_stable_order(pipeline_with):
+    p = pipeline_with()
+    question = "Compare the retry limit of the ingest service and the gross margin"
+    answer = await p.ask(question)
     out = answer.to_json()
-    assert out["answer_mode"] == "per_sub_question" and len(out["sub_answers"]) == 2
+    assert out["answer_mode"] == "joint" and "relates items across pages ('Compare')" in out["answer_mode_reason"]
+    (plan,) = p.submitted  # one request: no sub-answers, no synthesis
+    keys = {ImageKey.parse(c.image_key) for c in answer.citations}
+    assert set(plan.images) == keys and list(plan.images) == sorted(plan.images, key=str)
+    assert all(f"[{c['doc']}, page {c['page']}]" in plan.text for c in out["citations"])
+    assert all(f"{i}. {q}" in plan.text for i, q in enumerate(answer.sub_questions, 1))
+    assert plan.text.endswith(f"Question: {question}") and plan.sampling.max_tokens == 8
+    # The same question again renders the same prompt: its whole prefix recurs.
+    await p.ask(question)
+    assert p.submitted[1] == plan
+
+
+async def test_joint_overflows_into_sub_answers_and_a_synthesis_when_its_pages_do_not_fit(pipeline_with):
+    p = pipeline_with(sub_answer_max_tokens=3, max_images_per_prompt=2, top_k=2)
+    answer = await p.ask(APART, answer_mode="joint")
+    out = answer.to_json()
+    assert out["answer_mode"] == "joint" and len(out["sub_answers"]) == 2
+    assert out["answer_mode_reason"].startswith("joint was asked for; one prompt does not fit (")
+    assert "images, over MMRAG_MAX_IMAGES_PER_PROMPT=2): a prompt per sub-question" in out["answer_mode_reason"]
     *plans, synthesis = p.submitted
     assert [x.sampling.max_tokens for x in plans] == [3, 3] and synthesis.sampling.max_tokens == 8
     assert synthesis.system_prompt_id == "synthesize"
     assert list(out["timings"]) == ["decompose_s", "retrieve_s", "sub_answers_s", "synthesis_s"]
     assert out["timings"]["sub_answers_s"] > 0 and out["timings"]["synthesis_s"] > 0
     # A question may ask for a shorter answer, never a longer one; sub-answers stay within both.
-    await p.ask(TWO_PART, answer_mode="per_sub_question", max_tokens=2)
+    await p.ask(APART, answer_mode="joint", max_tokens=2)
     assert [x.sampling.max_tokens for x in p.submitted[3:]] == [2, 2, 2]
-    await p.ask(TWO_PART, max_tokens=100)
-    assert p.submitted[-1].sampling.max_tokens == 8
+    # A context too small for every page with the answer overflows the same way.
+    q = pipeline_with(max_model_len=900)
+    assert "over MMRAG_MAX_MODEL_LEN=900" in (await q.ask(TWO_PART, answer_mode="joint")).extra["answer_mode_reason"]
+
+
+async def test_the_old_answer_mode_names_still_work_and_say_they_are_deprecated(pipeline_with, caplog):
+    p = pipeline_with()
+    with caplog.at_level("WARNING"):
+        split = await p.ask(TWO_PART, answer_mode="per_image")
+        joint = await p.ask(TWO_PART, answer_mode="one_prompt")
+    assert (split.extra["answer_mode"], joint.extra["answer_mode"]) == ("split", "joint")
+    assert "'per_image' is deprecated" in caplog.text and "'one_prompt' is deprecated" in caplog.text
+    with pytest.raises(ValueError):
+        await p.ask(TWO_PART, answer_mode="per_paragraph")
+
+
+def test_the_old_settings_say_they_are_deprecated_and_per_page_is_split(engine_settings, caplog):
+    with caplog.at_level("WARNING"):
+        old = engine_settings.model_validate({**engine_settings.model_dump(), "answer_mode": "per_sub_question"})
+        per_page = engine_settings.model_validate({**engine_settings.model_dump(), "layout": "per_page"})
+    assert old.answer_mode == "joint" and per_page.answer_mode == "split"
+    assert "MMRAG_ANSWER_MODE=per_sub_question is deprecated" in caplog.text and "MMRAG_LAYOUT is deprecated" in \
+        caplog.text
+    assert wiring.pipeline_config(per_page).answer_mode is AnswerMode.SPLIT
 
 
 @pytest.mark.parametrize("figure_crops", [False, True], ids=["pages", "figure_crops"])
-async def test_a_cached_one_prompt_answers_as_the_cold_one(pipeline_with, figure_crops):
+@pytest.mark.parametrize("mode", ["joint", "split"])
+async def test_a_cached_answer_is_the_cold_one_in_either_strategy(pipeline_with, figure_crops, mode):
     # fp32, greedy: the answer from the prefix cache is the answer computed cold, token for token; with
     # MMRAG_FIGURE_CROPS too, where a question about Figure 4 is shown its crop beside the other part's pages.
-    p = pipeline_with("canonical", figure_crops=figure_crops)
+    p = pipeline_with(figure_crops=figure_crops)
     question = "What does Figure 4 show, and what is the retry limit?" if figure_crops else TWO_PART
     await p.engine.reset_prefix_cache()
-    cold = await p.ask(question)
-    warm = await p.ask(question)
+    cold = await p.ask(question, answer_mode=mode)
+    shown = {k for plan in p.submitted for k in plan.images}
+    warm = await p.ask(question, answer_mode=mode)
     crops = [c.figure.image_key for c in cold.citations
              if c.figure is not None and c.image_key == str(c.figure.image_key)]
-    assert len(crops) == figure_crops and all(k in p.submitted[0].images for k in crops)
-    assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64
+    assert len(crops) == figure_crops and all(k in shown for k in crops)
+    assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64 * (
+        len(shown) if mode == "split" else 1)
     assert warm.answer == cold.answer and warm.usage.completion_tokens == cold.usage.completion_tokens
 
 
-async def test_auto_answers_per_sub_question_when_the_pages_do_not_fit_one_prompt_and_says_why(pipeline_with):
-    # Parts answered in different documents: their pages together are more than one prompt holds.
-    p = pipeline_with("canonical", max_images_per_prompt=2, top_k=2)
-    answer = (await p.ask(APART)).to_json()
-    assert answer["answer_mode"] == "per_sub_question" and len(answer["sub_answers"]) == 2
-    assert "over MMRAG_MAX_IMAGES_PER_PROMPT=2" in answer["answer_mode_reason"]
-    # Forced, one prompt drops the lowest-ranked pages it has no room for, and says which.
-    forced = await p.ask(APART, answer_mode="one_prompt")
-    assert len(p.submitted[-1].images) == 2 and forced.extra["answer_mode"] == "one_prompt"
-    assert forced.extra["pages_left_out"] and len(forced.citations) == 2
-    # A page budget: one prompt over the best two, the others left out, never cited.
-    budget = pipeline_with("canonical", one_prompt_pages=2)
-    two = await budget.ask(TWO_PART)
-    assert two.extra["answer_mode"] == "one_prompt" and len(budget.submitted[-1].images) == 2
-    assert {ImageKey.parse(c.image_key) for c in two.citations} == set(budget.submitted[-1].images)
-    assert two.extra["pages_left_out"]
-    # A context too small for every page with the answer: the same fallback.
-    q = pipeline_with("canonical", max_model_len=900)
-    assert "over MMRAG_MAX_MODEL_LEN=900" in (await q.ask(TWO_PART)).extra["answer_mode_reason"]
+async def test_a_page_budget_shows_the_best_pages_and_leaves_the_others_out_uncited(pipeline_with):
+    budget = pipeline_with(one_prompt_pages=2)
+    for mode in ("joint", "split"):
+        budget.submitted.clear()
+        two = await budget.ask(TWO_PART, answer_mode=mode)
+        shown = {k for plan in budget.submitted for k in plan.images}
+        assert two.extra["answer_mode"] == mode and len(shown) == 2
+        assert {ImageKey.parse(c.image_key) for c in two.citations} == shown and two.extra["pages_left_out"]
 
 
-async def test_sub_questions_sharing_a_page_share_its_prefix(pipeline_with):
+async def test_sub_questions_sharing_a_page_share_its_prefix_in_joints_overflow(pipeline_with):
     # Both sub-questions retrieve the design review's first page (and the architecture page): canonical order
     # puts the shared pages first in both plans, and the scheduler sends the second after the first's prefill.
-    p = pipeline_with("canonical")
+    p = pipeline_with(max_model_len=1100)  # not every page in one prompt, with the answer
     await p.engine.reset_prefix_cache()
-    answer = await p.ask(TWO_PART, answer_mode="per_sub_question")
+    answer = await p.ask(TWO_PART, answer_mode="joint")
+    assert "sub_answers" in answer.extra
     assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
 
 
@@ -247,11 +288,11 @@ async def test_every_layout_but_naive_renders_the_images_before_the_text(pipelin
 
 @pytest.fixture
 async def pipeline_with(engine_settings, pipeline):
-    """A pipeline wired for a layout (MMRAG_LAYOUT) and other settings on the session engine and index,
-    recording every plan it submits (to the real scheduler)."""
+    """A pipeline wired with these settings on the session engine and index, recording every plan it submits
+    (to the real scheduler)."""
 
-    def build(layout: str, **settings):
-        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, "layout": layout, **settings})
+    def build(**settings):
+        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, **settings})
         p, _ = wiring.pipeline(settings, pipeline.engine, client=pipeline.searcher.client)
         p.submitted = []
         scheduled = p.submit
@@ -266,39 +307,7 @@ async def pipeline_with(engine_settings, pipeline):
     return build
 
 
-async def test_the_global_layout_answers_with_pages_in_the_popularity_order(pipeline_with):
-    p = pipeline_with("global", answer_mode="per_sub_question")
-    await p.engine.reset_prefix_cache()
-    answer = await p.ask(TWO_PART)
-    *plans, synthesis = p.submitted
-    assert len(plans) == 2 and synthesis.system_prompt_id == "synthesize" and len(answer.extra["sub_answers"]) == 2
-    assert all(plan.layout is Layout.GLOBAL and list(plan.images) == p.popularity.order(plan.images)
-               for plan in plans)
-    uses = [k for plan in plans for k in plan.images]
-    assert {k: p.popularity.count(k) for k in uses} == {k: uses.count(k) for k in uses}
-    # The pages both sub-questions retrieved were asked twice: they lead both plans, which share their prefix.
-    assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
-    again = await p.ask(TWO_PART)
-    assert p.submitted[3:5] == plans and again.usage.cached_image_tokens > answer.usage.cached_image_tokens
-
-
-async def test_the_per_page_layout_answers_from_one_prompt_per_page_and_one_synthesis(pipeline_with):
-    p = pipeline_with("per_page")
-    await p.engine.reset_prefix_cache()
-    answer = await p.ask(TWO_PART)
-    *plans, synthesis = p.submitted
-    assert len(answer.sub_questions) == 2 and len(plans) == len(answer.extra["sub_answers"]) > 2
-    assert all(len(plan.images) == 1 and plan.layout is Layout.PER_PAGE for plan in plans)
-    assert {plan.text for plan in plans} == set(answer.sub_questions)
-    assert synthesis.text.count(" from [") == len(plans)
-    # Each sub-answer says which page it saw (the REST schema's SubAnswer.page).
-    assert all(sub["page"] in synthesis.text for sub in answer.extra["sub_answers"])
-    assert all(f"from [{c.doc}, page {c.page}]" in synthesis.text for c in answer.citations)
-    # A page both sub-questions retrieved leads two prompts: the second reuses the first one's KV.
-    assert answer.usage.cached_image_tokens >= 2 * (247 // 32 * 32) - 64
-
-
-# --- one prompt: which pages, in which order, and when it does not fit ----------------------------------------
+# --- choosing the strategy, which pages, in which order -------------------------------------------------------
 
 
 def test_the_union_keeps_each_sub_questions_best_pages_first_and_each_page_once():
@@ -311,93 +320,130 @@ def test_the_union_keeps_each_sub_questions_best_pages_first_and_each_page_once(
 
 def test_after_each_best_page_the_union_ranks_pages_by_how_far_they_stand_out_not_by_raw_score():
     """A vague sub-question's pages all score alike and high; a precise one's second page stands well clear of
-    its candidates. The one-prompt budget goes to the page that stands out (Hit.margin), whatever its score."""
+    its candidates. The page budget goes to the page that stands out (Hit.margin), whatever its score."""
     precise = [replace(page_hit("a.pdf", 10, 3.4), margin=2.9), replace(page_hit("a.pdf", 11, 2.6), margin=2.1)]
     vague = [replace(page_hit("b.pdf", n, 2.2 - n / 100), margin=0.1) for n in range(1, 4)]
     assert union_pages([precise, vague])[:3] == [precise[0], vague[0], precise[1]]
-    budget = choose_answer(AnswerMode.ONE_PROMPT, [precise, vague], misfit=lambda pages: None,
-                           popularity=PagePopularity(), max_pages=3)
+    budget = choose_answer(AnswerMode.JOINT, [precise, vague], misfit=lambda pages: None, max_pages=3)
     assert {p.page for p in budget.pages if p.doc == "a.pdf"} == {10, 11} and len(budget.left_out) == 2
 
 
-def test_auto_picks_one_prompt_when_it_fits_in_the_popularity_order_else_per_sub_question():
+@pytest.mark.parametrize("question", [
+    "Compare the revenue in Figure 3 and the headcount in Figure 7", "How does Figure 2 compare to Figure 5?",
+    "What is the difference between the cache hit rate and the miss rate?", "What do both charts show?",
+    "What is the relationship between latency and batch size?", "Is the trend across the figures the same?",
+    "Which is higher, the revenue or the cost?", "Redis vs Qdrant: which is faster?",
+    "How do the two plots differ?", "Are Figure 2 and Figure 3 similar?",
+])
+def test_a_question_that_relates_items_across_pages_is_told_apart(question):
+    assert relates_across(question) is not None
+
+
+@pytest.mark.parametrize("question", [
+    "What is the retry limit and the timeout of the ingest service?", "What was the revenue between 2019 and 2020?",
+    "What does Figure 4 show about the hit rate by workload?", "Which quarter peaks for revenue in Figure 3?",
+    "How large is the change in headcount in Figure 2, and what does Figure 5 show?", "Explain the comparator circuit",
+])
+def test_a_question_of_independent_parts_is_not(question):
+    assert relates_across(question) is None
+
+
+def test_auto_is_joint_for_a_relating_question_and_split_otherwise():
     a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.95)
-    pop = PagePopularity()
-    for _ in range(3):
-        pop.observe([a2.image_key])
-    hits = [[a1, a2], [b1, a1]]
+    hits, fits = [[a1, a2], [b1, a1]], lambda pages: None  # noqa: E731
+    joint = choose_answer(AnswerMode.AUTO, hits, misfit=fits, question="Compare a and b")
+    assert joint.mode is AnswerMode.JOINT and "'Compare'" in joint.why
+    assert joint.pages == stable_order([a1, b1, a2]) and joint.left_out == ()
+    said = choose_answer(AnswerMode.AUTO, hits, misfit=fits, question="a and b", relates="the decomposer says so")
+    assert said.mode is AnswerMode.JOINT and said.why == "the decomposer says so"  # a model decomposer's flag
+    split = choose_answer(AnswerMode.AUTO, hits, misfit=fits, question="What is a, and what is b?")
+    assert split.mode is AnswerMode.SPLIT and split.pages == (a1, b1, a2) and "2 parts" in split.why
+    # One part over several pages: split too, every page shown and cited.
+    one = choose_answer(AnswerMode.AUTO, [[a1, a2, b1]], misfit=fits, question="What is a?")
+    assert (one.mode, one.pages, one.left_out) == (AnswerMode.SPLIT, (a1, a2, b1), ())
+    assert one.why == "one part over several pages: each page leads its own prompt"
+    # One page in all is one prompt, whatever was asked.
+    single = choose_answer(AnswerMode.SPLIT, [[a1]], misfit=fits)
+    assert single.mode is AnswerMode.JOINT and single.pages == (a1,)
+
+
+def test_a_joint_prompts_order_never_moves_and_its_overflow_says_why():
+    a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.95)
     fits = lambda pages: None  # noqa: E731
-    choice = choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=pop)
-    assert choice.mode is AnswerMode.ONE_PROMPT and choice.pages[0] == a2 and set(choice.pages) == {a1, a2, b1}
-    assert [p.image_key for p in choice.pages] == pop.order([a1.image_key, a2.image_key, b1.image_key])
+    one = choose_answer(AnswerMode.JOINT, [[a1, a2], [b1]], misfit=fits)
+    other = choose_answer(AnswerMode.JOINT, [[b1], [a2, a1]], misfit=fits)
+    assert one.pages == other.pages == tuple(sorted((a1, a2, b1), key=lambda p: str(p.image_key)))
     two = lambda pages: None if len(pages) <= 2 else f"{len(pages)} images"  # noqa: E731
-    fallback = choose_answer(AnswerMode.AUTO, hits, misfit=two, popularity=pop)
-    assert (fallback.mode, fallback.why, fallback.pages) == (AnswerMode.PER_SUB_QUESTION, "3 images", ())
-    forced = choose_answer(AnswerMode.ONE_PROMPT, hits, misfit=two, popularity=pop)
-    assert set(forced.pages) == {a1, b1} and forced.left_out == (a2,)  # each sub-question's best page kept
-    assert choose_answer(AnswerMode.PER_SUB_QUESTION, hits, misfit=fits, popularity=pop).mode is \
-        AnswerMode.PER_SUB_QUESTION
-    per_page = choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=pop, layout=Layout.PER_PAGE)
-    assert per_page.mode is AnswerMode.PER_SUB_QUESTION and "per_page" in per_page.why
+    over = choose_answer(AnswerMode.JOINT, [[a1, a2], [b1]], misfit=two)
+    assert over.overflow and over.pages == () and "one prompt does not fit (3 images)" in over.why
 
 
-def test_the_one_prompt_labels_every_image_then_lists_the_sub_questions_and_asks_last():
+def test_the_joint_prompt_labels_every_image_then_lists_the_sub_questions_and_asks_last():
     a1, b3 = page_hit("a.pdf", 1), page_hit("b.pdf", 3)
     image = page_hit("question.png", 1).image_key
-    plan = one_prompt_plan("Q?", ["q1", "q2"], [b3, a1], max_tokens=9, images=(image,))
+    plan = joint_plan("Q?", ["q1", "q2"], [b3, a1], max_tokens=9, images=(image,))
     assert plan.images == (image, b3.image_key, a1.image_key) and plan.sampling.max_tokens == 9
     assert plan.text == ("Images, in the order shown:\nImage 1: sent with the question\nImage 2: [b.pdf, page 3]\n"
                          "Image 3: [a.pdf, page 1]\nAnswer each of these sub-questions from the images, citing "
                          "pages by their labels:\n1. q1\n2. q2\nQuestion: Q?")
-    assert one_prompt_text("Q?", ["Q?"], [a1], 0) == "Images, in the order shown:\nImage 1: [a.pdf, page 1]\nQuestion: Q?"
+    assert joint_text("Q?", ["Q?"], [a1], 0) == "Images, in the order shown:\nImage 1: [a.pdf, page 1]\nQuestion: Q?"
 
 
-def test_one_prompts_page_budget_keeps_each_sub_questions_best_pages_and_leaves_the_rest_out():
+def test_the_page_budget_keeps_each_sub_questions_best_pages_and_leaves_the_rest_out():
     a1, a2, a3 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("a.pdf", 3, 0.7)
     b1, b2 = page_hit("b.pdf", 1, 0.95), page_hit("b.pdf", 2, 0.6)
     hits, fits = [[a1, a2, a3], [b1, b2]], lambda pages: None  # noqa: E731
-    for mode in (AnswerMode.AUTO, AnswerMode.ONE_PROMPT):
-        choice = choose_answer(mode, hits, misfit=fits, popularity=PagePopularity(), max_pages=3)
-        assert choice.mode is AnswerMode.ONE_PROMPT and set(choice.pages) == {a1, b1, a2}
+    for mode in (AnswerMode.AUTO, AnswerMode.JOINT, AnswerMode.SPLIT):
+        choice = choose_answer(mode, hits, misfit=fits, max_pages=3)
+        assert set(choice.pages) == {a1, b1, a2}
         assert choice.left_out == (b2, a3)  # not shown, so not cited (the pipeline lists them in pages_left_out)
-    assert len(choose_answer(AnswerMode.AUTO, hits, misfit=fits, popularity=PagePopularity()).pages) == 5
+    assert len(choose_answer(AnswerMode.AUTO, hits, misfit=fits).pages) == 5
 
 
-def test_per_image_gives_each_kept_page_its_own_prompt_with_its_sub_questions_and_a_share_of_the_length():
+def test_a_split_gives_each_kept_page_its_own_prompt_with_its_sub_questions_and_a_share_of_the_length():
     a1, a2, b1 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("b.pdf", 1, 0.95)
     hits, fits = [[a1, a2], [b1, a1]], lambda pages: None  # noqa: E731
-    choice = choose_answer(AnswerMode.PER_IMAGE, hits, misfit=fits, popularity=PagePopularity(), max_pages=2)
-    assert choice.mode is AnswerMode.PER_IMAGE and choice.pages == (a1, b1) and choice.left_out == (a2,)
+    choice = choose_answer(AnswerMode.SPLIT, hits, misfit=fits, max_pages=2)
+    assert choice.mode is AnswerMode.SPLIT and choice.pages == (a1, b1) and choice.left_out == (a2,)
     image = page_hit("question.png", 1).image_key
-    planned = per_image_plans("Q?", ["q1", "q2"], choice.pages, max_tokens=9, images=(image,), hits=hits)
+    planned = split_plans("Q?", ["q1", "q2"], choice.pages, max_tokens=9, images=(image,), hits=hits)
     assert [p.plan.images for p in planned] == [(image, a1.image_key), (image, b1.image_key)]
-    assert [p.plan.sampling.max_tokens for p in planned] == [5, 5]  # ceil(9 / 2): one answer's length in all
+    assert [p.plan.sampling.max_tokens for p in planned] == [5, 4]  # 9 in all: one answer's length
     assert "1. q1\n2. q2" in planned[0].plan.text  # a1 was retrieved by both sub-questions
     assert planned[1].plan.text.endswith("Image 2: [b.pdf, page 1]\nQuestion: Q?") and "q1" not in planned[1].plan.text
-    # A page whose own prompt does not fit is left out; one page left is the one prompt itself.
+    # A page whose own prompt does not fit is left out; one page left is one prompt, the joint one.
     no_b = lambda pages: "too big" if pages[0] == b1 else None  # noqa: E731
-    one = choose_answer(AnswerMode.PER_IMAGE, hits, misfit=no_b, popularity=PagePopularity(), max_pages=2)
-    assert one.mode is AnswerMode.ONE_PROMPT and one.pages == (a1,) and set(one.left_out) == {a2, b1}
+    one = choose_answer(AnswerMode.SPLIT, hits, misfit=no_b, max_pages=2)
+    assert one.mode is AnswerMode.JOINT and one.pages == (a1,) and set(one.left_out) == {a2, b1}
 
 
-async def test_per_image_answers_from_one_prompt_per_page_joined_and_streamed_and_cached_as_cold(pipeline_with):
+@pytest.mark.parametrize("tokens, parts, shares", [(8, 3, [3, 3, 2]), (9, 2, [5, 4]), (128, 4, [32] * 4),
+                                                   (2, 3, [1, 1, 1]), (5, 1, [5])])
+def test_a_splits_parts_share_the_answers_length(tokens, parts, shares):
+    assert part_lengths(tokens, parts) == shares
+
+
+async def test_a_split_answer_streams_its_parts_in_order_as_one_answer_and_caches_as_cold(pipeline_with):
     """Each page leads its own prompt, so every one of them reuses its prefix when it recurs (not only the first
     of a prompt); fp32 greedy: the cached answer is the cold one, token for token."""
-    p = pipeline_with("canonical")
+    p = pipeline_with()
     await p.engine.reset_prefix_cache()
-    cold = await p.ask(TWO_PART, answer_mode="per_image")
+    cold = await p.ask(TWO_PART, answer_mode="split")
     out = cold.to_json()
-    assert out["answer_mode"] == "per_image" and len(out["image_answers"]) == len(p.submitted) > 1
+    assert out["answer_mode"] == "split" and len(out["image_answers"]) == len(p.submitted) > 1
     assert all(len(plan.images) == 1 for plan in p.submitted)
     assert {str(plan.images[0]) for plan in p.submitted} == {c.image_key for c in cold.citations} \
         == {a["image"] for a in out["image_answers"]}
-    assert all(plan.sampling.max_tokens == -(-8 // len(p.submitted)) for plan in p.submitted)
+    assert [plan.sampling.max_tokens for plan in p.submitted] == part_lengths(8, len(p.submitted))
     assert cold.answer == "".join(f"{'' if i == 0 else chr(10) * 2}{a['page']}: {a['answer']}"
                                   for i, a in enumerate(out["image_answers"]))
     assert cold.usage.cached_image_tokens == 0
-    events = [e async for e in p.ask_events(TWO_PART, answer_mode="per_image")]
+    events = [e async for e in p.ask_events(TWO_PART, answer_mode="split")]
     done = events[-1]["answer"]
-    assert "".join(e["text"] for e in events if e["event"] == "token") == done["answer"] == cold.answer
+    tokens = [e["text"] for e in events if e["event"] == "token"]
+    assert "".join(tokens) == done["answer"] == cold.answer
+    assert tokens[0] == f"{out['image_answers'][0]['page']}: "  # the first part's heading at once
+    assert len(tokens) > len(out["image_answers"]) + 1  # token by token, not part by part
     # Every image, wherever it sat, came from the prefix cache (all but its last partial block).
     assert done["usage"]["cached_image_tokens"] >= done["usage"]["image_tokens"] - 32 * len(p.submitted)
 
@@ -406,7 +452,7 @@ async def test_an_answer_leases_the_pages_it_shows_until_its_last_token(engine_s
     """While an answer runs, a deletion (a document's, `mmrag store gc`) keeps its pages' tokens: the store's
     delete finds them leased. The lease ends with the answer."""
     store = wiring.feature_store(engine_settings)
-    p = pipeline_with("canonical")
+    p = pipeline_with()
     seen: list[tuple[ImageKey, bool, int]] = []
     scheduled = p.submit
 
@@ -424,7 +470,7 @@ async def test_an_answer_leases_the_pages_it_shows_until_its_last_token(engine_s
 async def test_a_page_deleted_between_retrieval_and_the_answer_is_left_out_and_named(engine_settings,
                                                                                      pipeline_with):
     store = wiring.feature_store(engine_settings)
-    p = pipeline_with("canonical")
+    p = pipeline_with()
     retrieve = p.searcher.search_many
     gone: dict[ImageKey, object] = {}
 
@@ -452,21 +498,21 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     """Issue 26: the sample paper's page 4 holds "Figure 4: hit rate by workload". Its citation names the figure
     either way; MMRAG_FIGURE_CROPS shows the figure's crop (its own key, fewer tokens) instead of the page."""
     question = "What does Figure 4 show about the hit rate by workload?"
-    pages = pipeline_with("canonical")
-    answer = await pages.ask(question)
+    pages = pipeline_with()
+    answer = await pages.ask(question, answer_mode="joint")
     (cited,) = [c for c in answer.citations if c.figure is not None]
     assert (cited.doc, cited.page, cited.figure.region.number) == ("page_cache_paper.pdf", 4, 4)
     (plan,) = pages.submitted
     assert ImageKey.parse(cited.image_key) in plan.images and cited.figure.image_key not in plan.images
 
-    crops = pipeline_with("canonical", figure_crops=True)
-    shown = await crops.ask(question)
+    crops = pipeline_with(figure_crops=True)
+    shown = await crops.ask(question, answer_mode="joint")
     (crop,) = [c for c in shown.citations if c.figure is not None]
     (plan,) = crops.submitted
     assert crop.image_key == str(crop.figure.image_key) and crop.figure.image_key in plan.images
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text
-    # Per image, the crop leads a prompt of its own and its part of the answer is headed by the figure.
-    led = await crops.ask(question, answer_mode="per_image")
+    # Split, the crop leads a prompt of its own and its part of the answer is headed by the figure.
+    led = await crops.ask(question, answer_mode="split")
     alone = [plan for plan in crops.submitted[1:] if plan.images == (crop.figure.image_key,)]
     assert len(alone) == 1 and len(crops.submitted) - 1 == len(led.extra["image_answers"]) > 1
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload: " in led.answer
@@ -474,7 +520,7 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     # A question about what the page says around the figure is shown the page, the figure still cited.
     crops.submitted.clear()
     around = await crops.ask("According to the text, what does Figure 4 show about the hit rate by workload?",
-                             answer_mode="one_prompt")
+                             answer_mode="joint")
     (named,) = [c for c in around.citations if c.figure is not None]
     (plan,) = crops.submitted
     assert named.figure == cited.figure and named.image_key == cited.image_key
@@ -536,7 +582,7 @@ def test_a_crop_is_said_to_be_one_in_every_prompt_that_shows_it_in_any_tier():
     said = "[paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)"
     for shown in (crop, low):
         assert shown.shows_crop and image_label(shown) == said
-        assert said in one_prompt_text("Q?", ["What does Figure 4 show?"], [shown], 0)
+        assert said in joint_text("Q?", ["What does Figure 4 show?"], [shown], 0)
         (planned,) = plan_prompts(["What does Figure 4 show?"], [[shown]], max_tokens=8)
         assert planned.plan.text == f"{said}\nWhat does Figure 4 show?"
         assert planned.question == "What does Figure 4 show?"
@@ -556,7 +602,7 @@ async def test_a_question_in_a_tier_is_shown_the_crop_in_that_tier_and_told_it_i
                                                                                               pipeline_with):
     store = wiring.feature_store(engine_settings)
     before = set(store.keys())
-    crops = pipeline_with("canonical", figure_crops=True, top_k=1)
+    crops = pipeline_with(figure_crops=True, top_k=1)
     question = "What does Figure 4 show about the hit rate by workload?"
     try:
         answer = await crops.ask(question, tier="low")
@@ -580,7 +626,7 @@ async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_res
 
     # One page a sub-question: the canonical layout orders a prompt's images by key, so with other pages the crop
     # would lead only where its content hash sorts first.
-    crops = pipeline_with("canonical", figure_crops=True, top_k=1)
+    crops = pipeline_with(figure_crops=True, top_k=1)
     question = "What does Figure 4 show about the hit rate by workload?"
     (cited,) = [c for c in (await crops.ask(question)).citations if c.figure is not None]
     page = await AsyncPageReader(crops.searcher.client, crops.searcher.collection).get(cited.page_id)
@@ -596,3 +642,11 @@ async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_res
     assert plan.images[0] == cited.figure.image_key
     usage = shown.usage
     assert usage.cached_image_tokens >= cited.figure.image_tokens - 32 > 0, usage
+
+
+def test_a_split_has_no_more_parts_than_the_answer_has_tokens():
+    pages = [page_hit("a.pdf", n, 1 - n / 10) for n in range(1, 5)]
+    fits = lambda pages: None  # noqa: E731
+    assert len(choose_answer(AnswerMode.SPLIT, [pages], misfit=fits, max_parts=2).pages) == 2
+    assert len(choose_answer(AnswerMode.SPLIT, [pages], misfit=fits, max_pages=3, max_parts=8).pages) == 3
+    assert choose_answer(AnswerMode.SPLIT, [pages], misfit=fits, max_parts=1).mode is AnswerMode.JOINT

@@ -63,7 +63,16 @@ async def query(prom: str, expr: str) -> list:
     return [r for r in body["data"]["result"] if r["value"][1] not in ("NaN", "+Inf", "-Inf")]
 
 
-async def test_every_dashboard_expression_has_data_while_traffic_flows(api_server, prometheus):
+async def test_every_dashboard_expression_has_data_while_traffic_flows(api_server, prometheus, tmp_path,
+                                                                       monkeypatch):
+    from mmrag import wiring
+
+    # The answer cache's panel: the session's settings turn the cache off; here the questions recur, so it has
+    # hits and misses to show (tests/test_answer_cache_serving.py tests the cache itself).
+    services = api_server["app"].state.services
+    settings = api_server["settings"].model_copy(update={"answer_cache": True, "data_dir": tmp_path})
+    monkeypatch.setattr(services.pipeline, "answers", wiring.answer_cache(settings, services.metrics))
+    monkeypatch.setattr(services.pipeline, "prompt_version", wiring.answer_prompt_version(settings))
     questions = ["What is the retry limit and the timeout of the ingest service?",
                  "What was the Q3 revenue of the Nordic division?",
                  "Which components appear in the system architecture?"]
@@ -74,8 +83,9 @@ async def test_every_dashboard_expression_has_data_while_traffic_flows(api_serve
         i = 0
         while missing and time.monotonic() < deadline:
             # Traffic in waves: rates need two scrapes with a change between them.
-            await asyncio.gather(*(client.post("/v1/ask", json={"question": questions[(i + k) % 3]}, headers=headers)
-                                   for k in range(3)))
+            # Two new questions a wave (the engine works) and one asked before (an answer-cache hit).
+            asked = [f"{questions[(i + k) % 3]} (wave {i})" for k in range(2)] + [questions[i % 3]]
+            await asyncio.gather(*(client.post("/v1/ask", json={"question": q}, headers=headers) for q in asked))
             i += 1
             await asyncio.sleep(1.0)
             missing = [e for e in missing if not await query(prometheus, e)]

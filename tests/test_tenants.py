@@ -293,7 +293,7 @@ async def test_tenants_never_share_kv_prefixes_on_a_vllm_serve_replica(engine_se
         await engine.close()
 
 
-@pytest.mark.parametrize("mode", ["one_prompt", "per_sub_question"])
+@pytest.mark.parametrize("mode", ["joint", "split"])
 async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch, mode):
     """What reaches the engine from a tenant's question, in either answer mode: every plan with its salt."""
     services = tenant_server["app"].state.services
@@ -310,7 +310,9 @@ async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch,
         seen.clear()
         r = await tenant_server["http"][tenant].post("/v1/ask", json={
             "question": "What does the figure show and what is the trend?", "answer_mode": mode})
-        assert r.status_code == 200 and r.json()["answer_mode"] == mode, r.text
+        assert r.status_code == 200, r.text
+        # Split over one page is one prompt, the joint one: the tenant's corpus may hold one page for it.
+        assert r.json()["answer_mode"] == mode or (mode == "split" and len(r.json()["citations"]) == 1), r.text
         assert seen and {p.cache_salt for p in seen} == {f"tenant-{tenant}"}
 
 

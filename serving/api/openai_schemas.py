@@ -93,7 +93,7 @@ class ChatCompletionRequest(BaseModel):
                                                      "`tools`); " + UNSUPPORTED + "otherwise.")
     response_format: ResponseFormat | None = Field(default=None, description="`{\"type\": \"text\"}`, the one "
                                                    "served; " + UNSUPPORTED + "otherwise.")
-    # Not OpenAI's: the openai client sends them as `extra_body={"tier": "low", "answer_mode": "one_prompt"}`.
+    # Not OpenAI's: the openai client sends them as `extra_body={"tier": "low", "answer_mode": "joint"}`.
     tier: str | None = Field(default=None, description="mmrag's own: " + TIER_DESCRIPTION)
     answer_mode: AnswerModeName | None = Field(default=None, description="mmrag's own: " + ANSWER_MODE_DESCRIPTION)
 

@@ -95,15 +95,18 @@ TIER_DESCRIPTION = (
     "Absent: `standard`, as ingested. The question's own images stay in `standard`.")
 
 
-AnswerModeName = Literal["auto", "one_prompt", "per_image", "per_sub_question"]
+# The old names (one_prompt, per_image, per_sub_question) are accepted one more release, with a deprecation line
+# in the server's log: rag/plans.DEPRECATED_MODES says what each is now.
+AnswerModeName = Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"]
 ANSWER_MODE_DESCRIPTION = (
-    "How the retrieved pages become the answer: `one_prompt` (one prompt over the union of the sub-questions' "
-    "pages, each page once, one decode), `per_image` (each of those pages leads a prompt of its own, the "
-    "answer's length shared among them, their answers joined: every recurring page or figure reuses its "
-    "cached prefix), `per_sub_question` (a prompt per sub-question, each sub-answer "
-    "within MMRAG_SUB_ANSWER_MAX_TOKENS, then a synthesis), or `auto` (one prompt when the union fits "
-    "MMRAG_MAX_IMAGES_PER_PROMPT images and MMRAG_MAX_MODEL_LEN tokens, else per sub-question). Absent: "
-    "MMRAG_ANSWER_MODE. The answer's `answer_mode` says which one served.")
+    "How the retrieved pages become the answer: `split` (each shown page, or figure crop, leads a prompt of its "
+    "own with the parts of the question that found it; the parts, each under a heading naming its page, are one "
+    "answer of the answer's length: every recurring page reuses its cached prefix), `joint` (one prompt over the "
+    "pages, for questions that need them seen together; when they do not fit one prompt, a prompt per "
+    "sub-question and a synthesis), or `auto` (per question: joint when the question relates items across pages, "
+    "e.g. compare, difference, both; else split). Absent: MMRAG_ANSWER_MODE. "
+    "The answer's `answer_mode` and `answer_mode_reason` say which one served and why. Deprecated, one release: "
+    "`one_prompt` (joint), `per_image` (split), `per_sub_question` (joint).")
 MAX_TOKENS_DESCRIPTION = ("Most tokens the answer generates; at most MMRAG_ANSWER_MAX_TOKENS, which is the default "
                           "(a larger value is served at that).")
 
@@ -169,6 +172,10 @@ class Usage(_Response):
     image_input: str = Field(description="The form that sent the images to the engine (MMRAG_IMAGE_INPUT): "
                              "`embeds` (stored image tokens) or `pixels` (the engine's own encoder, under the "
                              "pages' image keys); `embeds` for a pooled tier in either; empty when no prompt ran.")
+    answer_cache: Literal["hit", "miss", "off"] = Field(
+        description="The answer cache (MMRAG_ANSWER_CACHE): `hit`, served from an earlier answer to the same "
+        "question over the same pages, model and prompts, with no engine request (the token counts are then 0); "
+        "`miss`, computed and kept; `off`, the cache is off or the answer was sampled (temperature > 0).")
 
 
 class ModelInfo(_Response):
@@ -198,9 +205,9 @@ class Timings(_Response):
 
     decompose_s: float = Field(description="Splitting the question (a model request, or the rules).")
     retrieve_s: float = Field(description="The batched Qdrant search of every sub-question.")
-    answer_s: float | None = Field(default=None, description="`one_prompt`: the one prompt over every page, "
-                                   "scheduler queueing, prefill and decode included.")
-    sub_answers_s: float | None = Field(default=None, description="Every sub-question's (or page's) prompt, "
+    answer_s: float | None = Field(default=None, description="The joint prompt, or a split answer's parts side by "
+                                   "side: scheduler queueing, prefill and decode included.")
+    sub_answers_s: float | None = Field(default=None, description="Joint's overflow: every sub-question's prompt, "
                                         "scheduler queueing, prefill and decode included, all at once.")
     synthesis_s: float | None = Field(default=None, description="The final prompt over the sub-answers.")
 
@@ -217,7 +224,8 @@ class TierInfo(_Response):
 
 
 class AskResponse(_Response):
-    answer: str = Field(description="The answer (synthesised from the sub-answers when there are several).")
+    answer: str = Field(description="The answer: a joint prompt's, a split answer's parts under their headings, or "
+                        "joint's overflow synthesised from the sub-answers.")
     sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
     sub_question_source: Literal["model", "rules", "none"] = Field(
         description="Who split the question: the model, the rule-based fallback, or `none`."
@@ -225,16 +233,17 @@ class AskResponse(_Response):
     citations: list[Citation] = Field(description="Every retrieved page once, best score first.")
     usage: Usage = Field(description="Token and cache accounting over every completion of this answer.")
     model: ModelInfo = Field(description="The model that answered.")
-    answer_mode: Literal["one_prompt", "per_image", "per_sub_question"] | None = Field(
-        default=None, description="The answer mode that served (see the request's `answer_mode`); absent when no "
+    answer_mode: Literal["split", "joint"] | None = Field(
+        default=None, description="The strategy that served (see the request's `answer_mode`); absent when no "
         "page was found.")
     answer_mode_reason: str | None = Field(
-        default=None, description="`auto` that answered per sub-question: why one prompt did not fit.")
+        default=None, description="Which rule chose the strategy (auto), or that it was asked for; a joint answer "
+        "that did not fit one prompt says so here.")
     image_answers: list[ImageAnswer] | None = Field(
-        default=None, description="`per_image`: each image's own part of the answer, in the answer's order.")
+        default=None, description="`split`: each image's own part of the answer, in the answer's order.")
     sub_answers: list[SubAnswer] | None = Field(
-        default=None, description="`per_sub_question`: each sub-question's own answer; absent in one prompt and "
-        "when no page was found."
+        default=None, description="`joint` that did not fit one prompt: each sub-question's own answer; absent "
+        "otherwise."
     )
     timings: Timings | None = Field(default=None, description="Seconds per stage of this answer.")
     conversation_id: str | None = Field(default=None, description="The conversation holding this question's images: "
@@ -246,8 +255,9 @@ class AskResponse(_Response):
         default=None, description="The question's images, as shown first in its prompts; absent when it had none.")
     pages_left_out: list[str] | None = Field(
         default=None, description="Retrieved pages no prompt showed, as `[document, page N]`, best first: the "
-        "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images), or a forced "
-        "`one_prompt` had no room for them. Not cited.")
+        "question's images took their places (a prompt holds MMRAG_MAX_IMAGES_PER_PROMPT images), the answer's "
+        "page budget (MMRAG_ONE_PROMPT_PAGES) had no room for them, or another page stood out for a one-part "
+        "question. Not cited.")
     pages_deleted: list[str] | None = Field(
         default=None, description="Retrieved pages whose document was deleted (their image tokens gone) before "
         "the answer could show them, as `[document, page N]`: left out as if not retrieved, not cited. Absent when "
@@ -360,16 +370,17 @@ class AskEvent(_Response):
 
     event: Literal["sub_questions", "citations", "sub_answer", "token", "done", "error"] = Field(
         description="`sub_questions` (after decomposition), `citations` (after retrieval), `sub_answer` "
-        "(`per_sub_question` only: one per prompt, as each finishes), `token` (a piece of the final answer, as generated; the pieces concatenate "
-        "to `done.answer.answer`), `done` (last: the whole answer), or `error` (last: the answer failed after "
+        "(joint's overflow only: one per prompt, as each finishes), `token` (a piece of the final answer, as "
+        "generated; a split answer's parts in order, each part's heading first; the pieces concatenate to "
+        "`done.answer.answer`), `done` (last: the whole answer), or `error` (last: the answer failed after "
         "the stream had started).")
     sub_questions: list[str] | None = Field(default=None, description="`sub_questions`: the sub-questions.")
     sub_question_source: str | None = Field(default=None, description="`sub_questions`: who split the question.")
     citations: list[Citation] | None = Field(default=None, description="`citations`: every page shown.")
-    answer_mode: str | None = Field(default=None, description="`citations`: the answer mode that will answer "
-                                    "(`one_prompt`, `per_image` or `per_sub_question`).")
+    answer_mode: str | None = Field(default=None, description="`citations`: the strategy that will answer "
+                                    "(`split` or `joint`).")
     sub_question: str | None = Field(default=None, description="`sub_answer`: the sub-question answered.")
-    page: str | None = Field(default=None, description="`sub_answer`, per-page layout: the page it is about.")
+    page: str | None = Field(default=None, description="`sub_answer`: the page it is about, where it is one page's.")
     text: str | None = Field(default=None, description="`token`: the next piece of the answer's text.")
     answer: AskResponse | str | None = Field(
         default=None, description="`done`: the whole answer, as `stream: false` returns it; `sub_answer`: the "

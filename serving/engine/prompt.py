@@ -31,7 +31,9 @@ SYSTEM_PROMPTS: dict[str, str] = {
     "decompose": (
         "You split a question about documents into short, self-contained sub-questions, each answerable from "
         "one page. Reuse the question's own words and add no topic it does not mention. If it asks one thing, "
-        'return it unchanged as the only sub-question. Reply with JSON only: {"sub_questions": ["..."]}.'
+        "return it unchanged as the only sub-question. Add \"together\": true when the parts must be answered "
+        "with their pages seen side by side (a comparison, a relationship, a trend across them). Reply with JSON "
+        'only: {"sub_questions": ["..."], "together": false}.'
     ),
 }
 
