@@ -157,6 +157,8 @@ class _Waiting:
     future: asyncio.Future = field(repr=False)
     task: asyncio.Task | None = field(default=None, repr=False)  # the engine request, once dispatched
     on_text: OnText | None = field(default=None, repr=False)  # the caller's, forwarded to the engine
+    prefilled: bool = False  # its prefill over (or its run ended): followers gated on its lead may start
+    ended: bool = False  # its capacity given back (Scheduler._end): once, whichever way its run ended
 
     @property
     def lead(self) -> Path | None:
@@ -406,17 +408,14 @@ class Scheduler:
         task = w.task = asyncio.get_running_loop().create_task(self._run(w))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # A run task cancelled before its first step (its caller left in the turn that dispatched it) never
+        # runs its body, nor the finally in it: this gives its slot back then (a no-op once _run has).
+        task.add_done_callback(lambda _: self._end(w))
 
     async def _run(self, w: _Waiting) -> None:
-        prefilled = False
-
         def on_first_token() -> None:
-            nonlocal prefilled
-            if not prefilled:
-                prefilled = True
-                self._observe(w.plan)  # its images' KV is in the cache from the end of prefill on
-                self.admission.end_prefill(w)
-                self._dispatch()
+            self._end_prefill(w)
+            self._dispatch()
 
         try:
             # on_text only when asked for: an engine that never streams text need not take it.
@@ -430,10 +429,23 @@ class Scheduler:
             self._observe(w.plan, u.prompt_tokens - u.image_tokens + u.completion_tokens)
             if not w.future.done():  # done: cancelled by a caller that left as the completion arrived
                 w.future.set_result(completion)
-        finally:
-            on_first_token()
-            self.admission.finish(w)
-            self._dispatch()
+        finally:  # here, not only in the done callback: a caller that got its completion sees the slot free
+            self._end(w)
+
+    def _end_prefill(self, w: _Waiting) -> None:
+        if not w.prefilled:
+            w.prefilled = True
+            self._observe(w.plan)  # its images' KV is in the cache from the end of prefill on
+            self.admission.end_prefill(w)
+
+    def _end(self, w: _Waiting) -> None:
+        """``w``'s capacity given back and the next plans dispatched, once however its run ended."""
+        if w.ended:
+            return
+        w.ended = True
+        self._end_prefill(w)
+        self.admission.finish(w)
+        self._dispatch()
 
     def _observe(self, plan: PromptPlan, other_tokens: int | None = None) -> None:
         if self.residency is not None:

@@ -193,6 +193,32 @@ async def test_a_cancelled_caller_takes_its_queued_plan_out_and_aborts_its_runni
     assert "p1" not in eng.started
 
 
+async def test_a_caller_that_leaves_as_its_plan_is_dispatched_frees_the_slot():
+    """The CI flake of test_cancel: a plan dispatched (its run task created, not yet started) as its caller
+    leaves in the same turn of the loop. The run task is cancelled before its first step, so its body, and a
+    ``finally`` in it, never runs: the slot must be freed all the same, or the scheduler stays full for ever."""
+    eng = RecordingEngine()
+    s = scheduler(eng, policy=Policy.FCFS, max_concurrency=1)
+    first = asyncio.create_task(s.submit(plan("p0", "A")))
+    await settle()
+    second = asyncio.create_task(s.submit(plan("p1", "B")))
+    await settle()
+    assert eng.started == ["p0"] and s.waiting == 1
+    # p0 completes and, in the same turn, p1's caller leaves: p0's end dispatches p1 (its run task created)
+    # before p1's caller hears of its cancellation and abandons it.
+    eng.prefill["p0"].set()
+    eng.done["p0"].set()
+    second.cancel()
+    await settle()
+    assert (await first).text == "p0" and second.cancelled()
+    assert s.in_flight == 0 and s.waiting == 0, (s.in_flight, s.waiting)
+    assert s.stats.cancelled_running + s.stats.cancelled_queued == 1
+    third = asyncio.create_task(s.submit(plan("p2", "C")))  # the slot is usable again
+    await settle()
+    await eng.finish("p2")
+    assert (await third).text == "p2" and s.in_flight == 0
+
+
 async def test_gating_never_holds_a_plan_behind_another_tenants_prefill():
     """Issue 23's probe 2: tenant B's plan shares tenant A's leading figure, but B's cache salt means it can
     never reuse A's KV, so holding it behind A's prefill is pure loss. Same salt: held, as before."""
