@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from adapters.files import write_atomically
-from adapters.store import pid_alive
+from adapters.store import pid_alive, redis_client
 from core.settings import check_tenant
 
 REDIS_PREFIX = "mmrag:answers:"
@@ -170,15 +170,9 @@ class RedisAnswerStore:
         """``timeout_s`` bounds every connect and read, so a hung Redis costs a question about that much before it
         is answered without the cache; a lost connection is retried once on a fresh one."""
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        )
+        self.client, self.where = redis_client(url, timeout_s)
         self.prefix = prefix
-        self.where = _public(self.client.connection_pool.connection_kwargs)
         self._failed = redis.RedisError
 
     def _lru(self, tenant: str) -> str:
@@ -224,11 +218,3 @@ def open_answer_store(*, redis_url: str, folder: Path) -> AnswerStore:
     """Redis at ``redis_url`` when set (the wiring passes MMRAG_REDIS_URL: the feature store's Redis, under its own
     prefix), else local disk under ``folder`` (``data_dir/answers``): the feature store's rule."""
     return RedisAnswerStore(redis_url) if redis_url else DiskAnswerStore(folder)
-
-
-def _public(parsed: dict[str, Any]) -> str:
-    """Where Redis is, from the client's parsed URL, without its password: what messages and logs may show."""
-    if "path" in parsed:
-        return f"unix://{parsed['path']}"
-    return f"redis://{parsed.get('host')}:{parsed.get('port')}/{parsed.get('db', 0)}"
-

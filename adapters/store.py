@@ -394,16 +394,10 @@ class RedisFeatureStore(_BlobStore):
         a request in about that time instead of holding it forever; a lost connection is retried once on a
         fresh one, so the first request after Redis comes back succeeds, while a hang is not retried."""
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        )
+        self.client, self.where = redis_client(url, timeout_s)
         self.prefix = prefix
         self.stats = StoreStats()
-        self.where = _without_password(url)
         self._unreachable = (redis.ConnectionError, redis.TimeoutError)
         self._failed = redis.RedisError
         self._call("PING", self.client.ping)
@@ -547,6 +541,18 @@ def _holder_name(holder: str) -> str:
 def new_holder(purpose: str) -> str:
     """A lease holder's name unique to this process and call: ``<purpose>-<host>-<pid>-<random>``."""
     return f"{purpose}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def redis_client(url: str, timeout_s: float) -> tuple[Any, str]:
+    """A Redis client for ``url`` whose every connect and read is bounded by ``timeout_s`` and whose lost
+    connection is retried once on a fresh one, and where it points without its password (for logs)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
+    return client, _without_password(url)
 
 
 def _without_password(url: str) -> str:

@@ -40,12 +40,14 @@ The sides:
   split, so sub-questions stay the same).
 - **floor**: every image already in KV. mmrag's own plans for the default strategy at that length (its pipeline,
   built in this process over mmrag's index by the caller's ``floor_pipeline``, with a recording ``submit`` that
-  keeps every plan an answer submits: a split answer's parts, joint's one prompt, or its overflow's sub-answers
-  and synthesis), then, in batches whose distinct prompts fit half the KV cache, each batch's plans prefilled
-  untimed and its questions run timed through the same remote engine, a closed loop of the same concurrency. One
+  keeps every plan an answer submits: an answer's parts (a split's, or a joint answer's), a one-prompt answer,
+  or joint's overflow's sub-answers and synthesis), then, in batches whose distinct prompts fit half the KV cache,
+  each batch's images prefilled untimed (each plan's system prompt and images, without its text: the text of a
+  question is never in KV before it is asked, so it is computed in the timed run, as mmrag's own run computes
+  it) and its questions run timed through the same remote engine, a closed loop of the same concurrency. One
   item of the loop is one question: its plans run at once as the pipeline runs them (an overflow's synthesis, the
   text-only plan, after the others), timed together; its TTFT is the first token of the plan the answer streams
-  first (a split's first part, the joint prompt, the synthesis).
+  first (the first part, the one prompt, the synthesis). Runs before 2026-12-05 prefilled each plan's text too.
 - **llamaindex** (one-shot), as its documentation builds multimodal RAG: ``ImageNode`` pages (the OCR text
   embedded for retrieval, the page image for the model) in a ``QdrantVectorStore`` behind ``VectorStoreIndex``,
   its retriever (top-k as mmrag's), and ``RetrieverQueryEngine.from_args(retriever, llm=OpenAILike(...),
@@ -643,14 +645,15 @@ async def ask_streamed(client: httpx.AsyncClient, url: str, body: dict) -> tuple
 
 
 def first_generated(tokens: Sequence[tuple[float, str]], answer: dict) -> float | None:
-    """The time of the first ``token`` event that carries generated text: past a split answer's first heading
-    (its first part's page label and a colon), which the pipeline streams before any part has generated
-    anything (rag/pipeline.py), so it is no token of the model's. None when no generated text came."""
+    """The time of the first ``token`` event that carries generated text: past an answer in parts' first heading
+    (a split's, or a joint answer's over several pages: its first part's page label and a colon), which the
+    pipeline streams before any part has generated anything (rag/pipeline.py), so it is no token of the
+    model's. None when no generated text came."""
     lead = ""
-    if answer.get("answer_mode") == "split" and answer.get("image_answers"):
+    if answer.get("image_answers"):
         lead = f"{answer['image_answers'][0]['page']}: "
         if not answer["answer"].startswith(lead):
-            raise E2EError(f"a split answer no longer starts with its first part's heading {lead!r} "
+            raise E2EError(f"an answer in parts no longer starts with its first part's heading {lead!r} "
                            f"({answer['answer'][:80]!r}): update bench/e2e.first_generated to the heading rag/plans."
                            "part_heading writes")
     seen = 0
@@ -662,13 +665,13 @@ def first_generated(tokens: Sequence[tuple[float, str]], answer: dict) -> float 
 
 
 def answer_completions(answer: dict) -> int:
-    """Engine requests an answer made (its usage covers them): a split answer's one per part, the joint
-    prompt's one, or joint's overflow's sub-answers and, when there are several, their synthesis; none when no
-    page was found or the answer came from the answer cache."""
+    """Engine requests an answer made (its usage covers them): one per part of an answer in parts (a split's, or
+    a joint answer's over several pages), a one-prompt answer's one, or joint's overflow's sub-answers and, when
+    there are several, their synthesis; none when no page was found or the answer came from the answer cache."""
     if not answer["citations"] or answer["usage"].get("answer_cache") == "hit":
         return 0
-    if answer.get("answer_mode") == "split":
-        return len(answer.get("image_answers") or [])
+    if answer.get("image_answers"):
+        return len(answer["image_answers"])
     subs = len(answer.get("sub_answers") or [])
     return subs + (subs > 1) if subs else 1
 
@@ -905,9 +908,10 @@ def floor_batches(costs: Sequence[Sequence[tuple[PromptPlan, int]]], budget: int
     return batches
 
 
-def _prefill_only(plan: PromptPlan) -> PromptPlan:
-    """The plan generating one token: its prompt's KV stays in the cache for the timed run of the same plan."""
-    return replace(plan, sampling=replace(plan.sampling, max_tokens=1, min_tokens=0))
+def _images_only(plan: PromptPlan) -> PromptPlan:
+    """The plan's system prompt and images without its text, generating one token: their KV stays in the cache
+    for the timed run of the plan, which computes its text (plans that differ only in text fill it once)."""
+    return replace(plan, text="", sampling=replace(plan.sampling, max_tokens=1, min_tokens=0))
 
 
 async def run_floor(inputs: E2EInputs, shared: Shared, length: int) -> tuple[dict, list[Outcome]]:
@@ -944,8 +948,8 @@ async def run_floor(inputs: E2EInputs, shared: Shared, length: int) -> tuple[dic
 
         for batch in batches:
             t = time.perf_counter()
-            distinct = list(dict.fromkeys(p for i in batch for p in recorded[i].all_plans))
-            await asyncio.gather(*(engine.generate(_prefill_only(p)) for p in distinct))
+            distinct = list(dict.fromkeys(_images_only(p) for i in batch for p in recorded[i].all_plans))
+            await asyncio.gather(*(engine.generate(p) for p in distinct))
             fill_s += time.perf_counter() - t
             before = await scrape(shared.client, shared.replica_url)
             done, batch_wall = await closed_loop(batch, inputs.spec.concurrency, ask)

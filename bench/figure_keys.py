@@ -374,8 +374,10 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
                 config: PipelineConfig, *, figures: bool, mode: AnswerMode = AnswerMode.JOINT
                 ) -> dict[int, list[PromptPlan]]:
     """Each question's prompts as Pipeline.ask builds them under ``config`` (bench/runner.answer_plans): its hits
-    (as figures: shown_as_figures), choose_answer's pages, then joint_plan over them in their stable order, or
-    split_plans (a prompt per image, the answer's length shared); each decoding exactly its length."""
+    (as figures: shown_as_figures), choose_answer's pages, then joint_plan over them in their stable order (one
+    prompt: what is measured here is how often each shown image recurs, which a joint answer's parts would count
+    once per part), or split_plans (a prompt per image, the answer's length shared); each decoding exactly its
+    length."""
     plans = {}
     for q in questions:
         hits = question_hits(q, titles, ingested)
@@ -383,7 +385,7 @@ def level_plans(questions: Sequence[FigureQuestion], titles: Sequence[str], inge
         question = " ".join(subs)
         if figures:
             hits = shown_as_figures(hits, subs, whole=question)
-        shown = answer_plans(question, subs, hits, mode, config)[1]
+        shown = answer_plans(question, subs, hits, mode, config, joint_in_parts=False)[1]
         plans[q.qid] = [replace(plan, sampling=fixed_length(plan.sampling.max_tokens)) for plan in shown]
     return plans
 

@@ -73,12 +73,12 @@ INGEST_KINDS = (("tokens", False, True), ("tokens_and_pixels", True, True), ("pi
 SERVING_STORE = "tokens_and_pixels"  # serves both forms
 FORMS = (ImageInput.EMBEDS, ImageInput.PIXELS)
 CHECK_PLANS = 3  # plans answered one at a time in both forms before the timed runs (the same-tokens check)
-# The plans: the joint strategy, one prompt per question over its sub-questions' pages (at most 4, in their stable
-# order), and mmrag's scheduler policy; built by the runner, as its mmrag_joint is. Joint rather than the default,
+# The plans: the joint strategy as one prompt per question over its sub-questions' pages (at most 4, in their stable
+# order; not decoded in parts), and mmrag's scheduler policy; built by the runner. Joint rather than the default,
 # auto, on purpose: one plan shape per question at the whole answer length, so the same-tokens check compares
 # whole answers, whatever auto would choose; the forms' costs are per image either way.
 PLAN_SPEC = ConfigSpec("image_input", BenchImages.TOKENS, caching=True, policy=Policy.DFS_WEIGHT,
-                       answer_mode=AnswerMode.JOINT)
+                       answer_mode=AnswerMode.JOINT, joint_in_parts=False)
 REPLICA_RESETS = ("reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache")
 
 

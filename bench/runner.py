@@ -24,7 +24,8 @@ MMRAG_ONE_PROMPT_PAGES, as served, and the workload's answer length for the whol
 
 - ``mmrag_split``: each page of the union of the sub-questions' pages leads a prompt of its own, with the
   sub-questions that found it (rag/plans.split_plans); the parts share the answer's length;
-- ``mmrag_joint``: one prompt over those pages in their stable order (choose_answer(JOINT), joint_plan);
+- ``mmrag_joint``: those pages seen together in their stable order, the answer decoded in a part per page
+  (choose_answer(JOINT), rag/plans.joint_parts: the same prompt over every page, a line more per part);
 - ``mmrag_auto`` (the default): choose_answer(AUTO) per question, then split or joint as it chose: joint for the
   workload's questions that relate their pages (a "Compare ..." part), split for the others;
 - ``mmrag_split_warm``, ``mmrag_joint_warm``, ``mmrag_auto_warm``: the same after the production warm-up
@@ -78,8 +79,8 @@ from adapters.hardware import cpu_flags, emulated_isa, native_cpu_dtype
 from adapters.store import FeatureStore
 from rag.order import PagePopularity
 from rag.pipeline import PROMPT_FRAME_TOKENS, PipelineConfig
-from rag.plans import (AnswerChoice, AnswerMode, build_plans, choose_answer, fit_pages, joint_plan, joint_text,
-                       split_plans)
+from rag.plans import (AnswerChoice, AnswerMode, build_plans, choice_plans, choose_answer, fit_pages, joint_plan,
+                       joint_text)
 from retrieval.search import Hit
 from core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
 from serving.engine.config import EngineConfig, resolve_dtype
@@ -143,6 +144,9 @@ class ConfigSpec:
     # (--max-tokens).
     max_tokens: int | None = None
     questions: int | None = None  # the workload's first N questions; None: all of them
+    # A joint answer as the product decodes it, in a part per page (True), or as its one prompt (a benchmark that
+    # compares one plan shape per question: bench/image_input.py).
+    joint_in_parts: bool = True
 
     def __post_init__(self) -> None:
         if self.prompt is not PromptStyle.MMRAG and self.images is ImageInput.TOKENS:
@@ -531,7 +535,7 @@ def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpu
     hits = question_hits(q, keys, corpus)
     subs = [s.text for s in q.subs]
     if spec.answer_mode is not None:
-        plans = answer_plans(q.text, subs, hits, spec.answer_mode, config)[1]
+        plans = answer_plans(q.text, subs, hits, spec.answer_mode, config, joint_in_parts=spec.joint_in_parts)[1]
     else:
         if popularity is not None:
             for hs in hits:
@@ -541,13 +545,16 @@ def question_plans(q: Question, spec: ConfigSpec, keys: Keys, corpus: BenchCorpu
 
 
 def answer_plans(question: str, subs: Sequence[str], hits: Sequence[Sequence[Hit]], mode: AnswerMode,
-                 config: PipelineConfig) -> tuple[AnswerChoice, list[PromptPlan]]:
+                 config: PipelineConfig, *, joint_in_parts: bool = True) -> tuple[AnswerChoice, list[PromptPlan]]:
     """What Pipeline.ask submits for a question with these sub-questions and hits (none of its own images, no
     tier, figures as the hits show them; rag/pipeline.py ``_pages`` and ``_answer_over``): each sub-question's
     pages cut to one prompt's room (fit_pages), choose_answer's strategy and pages under the engine's limits
-    (:func:`prompt_misfit`), then split_plans over them (the parts sharing ``config.max_tokens``) or joint_plan,
-    over the hits of the pages shown. Joint's overflow (a prompt per sub-question, then a synthesis over their
-    answers) cannot be planned before the answers exist: it raises, naming the limit to raise."""
+    (:func:`prompt_misfit`), then its parts over them (rag/plans.choice_plans: the split's or the joint's, the
+    parts sharing ``config.max_tokens``), over the hits of the pages shown. ``joint_in_parts`` False: a joint
+    answer as its one prompt (rag/plans.joint_plan), for a benchmark that counts how often each shown image
+    recurs (bench/figure_keys.py), where the parts would count every image of a question once per part. Joint's
+    overflow (a prompt per sub-question, then a synthesis over their answers) cannot be planned before the
+    answers exist: it raises, naming the limit to raise."""
     limit = config.max_tokens
     fitted, _ = fit_pages(hits, room=config.max_images_per_prompt, layout=Layout.CANONICAL)
     choice = choose_answer(mode, fitted, question=question, max_pages=config.one_prompt_pages, max_parts=limit,
@@ -557,9 +564,9 @@ def answer_plans(question: str, subs: Sequence[str], hits: Sequence[Sequence[Hit
                          "raise max_model_len or max_images_per_prompt in default_engine_config")
     dropped = {p.image_key for p in choice.left_out}
     shown = [[h for h in hs if h.image_key not in dropped] for hs in fitted]
-    if choice.mode is AnswerMode.SPLIT:
-        return choice, [p.plan for p in split_plans(question, subs, choice.pages, max_tokens=limit, hits=shown)]
-    return choice, [joint_plan(question, subs, choice.pages, max_tokens=limit, hits=shown)]
+    if choice.mode is AnswerMode.JOINT and not joint_in_parts:
+        return choice, [joint_plan(question, subs, choice.pages, max_tokens=limit, hits=shown)]
+    return choice, [p.plan for p in choice_plans(choice, question, subs, max_tokens=limit, hits=shown)]
 
 
 def prompt_misfit(question: str, subs: Sequence[str], pages: Sequence[Hit], hits: Sequence[Sequence[Hit]],

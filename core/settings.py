@@ -18,8 +18,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
 
 logger = logging.getLogger(__name__)
-# Old MMRAG_ANSWER_MODE values, kept one release (rag/plans.DEPRECATED_MODES says the same to a request's).
-_OLD_ANSWER_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
+# Old answer mode names (MMRAG_ANSWER_MODE, and a request's answer_mode: rag/plans.AnswerMode), kept one release:
+# what each is now.
+DEPRECATED_ANSWER_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
 
 
 if TYPE_CHECKING:
@@ -278,8 +279,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.answer_mode in _OLD_ANSWER_MODES:
-            new = _OLD_ANSWER_MODES[self.answer_mode]
+        if self.answer_mode in DEPRECATED_ANSWER_MODES:
+            new = DEPRECATED_ANSWER_MODES[self.answer_mode]
             logger.warning("MMRAG_ANSWER_MODE=%s is deprecated and will be removed in the next release: it is %s "
                            "now; set MMRAG_ANSWER_MODE=%s, or unset it (auto chooses per question)",
                            self.answer_mode, new, new)

@@ -34,6 +34,7 @@ from core.keys import content_hash_of
 from core.pages import FigureCrop
 from core.text import captions
 from core.text import figure_refs as _refs
+from ingestion.raster import fit_aspect, fitted_size
 
 log = logging.getLogger(__name__)
 
@@ -484,6 +485,13 @@ def crop_figures(page: pdfium.PdfPage, regions: list[FigureRegion], *, max_pixel
             image = _or_none(_objects_alone, page, index, region.bbox_pt, max_pixels)
         if image is None:
             image = _render_alone(page, region.bbox_pt)
+        fw, fh = fitted_size(*image.size)  # a figure as long as its page may be past the processor's ratio
+        if (fw, fh) != image.size and max_pixels and fw * fh > max_pixels:
+            log.warning("figure at %s skipped: %dx%d px, padded to the vision model's aspect ratio %dx%d, is over "
+                        "MMRAG_MAX_IMAGE_PIXELS=%d (its page is kept)", region.bbox_pt, *image.size, fw, fh,
+                        max_pixels)
+            continue
+        image = fit_aspect(image)
         crops.append(FigureCrop(region, image, content_hash_of(image.mode, image.size, image.tobytes())))
     return crops
 

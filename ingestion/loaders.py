@@ -34,6 +34,7 @@ from core.settings import Settings
 from core.text import normalise
 from ingestion import ocr
 from ingestion.figures import crop_figures, detect_figures
+from ingestion.raster import MAX_ASPECT, fit_aspect, fitted_size
 
 # Suffix -> the format its content must have (Pillow's format names; "PDF" for pdfium).
 SUPPORTED_FORMATS: dict[str, str] = {
@@ -400,6 +401,7 @@ def _check_page_pixels(size_pt: tuple[float, float], number: int, settings: Sett
             f"{settings.pdf_dpi} dpi, over the limit of {settings.max_image_pixels:,}: lower MMRAG_PDF_DPI, "
             "or raise MMRAG_MAX_IMAGE_PIXELS if the PDF is trusted"
         )
+    _check_fitted((width, height), f"page {number} at {settings.pdf_dpi} dpi", settings)
 
 
 def _pixels_at(points: float, dpi: int) -> int:
@@ -503,6 +505,11 @@ def _open_image(data: bytes, fmt: str, settings: Settings) -> _ImageSource:
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as im:
             frames = _frame_count(im, fmt)
+            if frames > settings.max_pdf_pages:  # each frame is a page: the same bound as a PDF's, before decoding
+                raise IngestError(
+                    f"the {fmt} image has {frames} frames, each a page, over the limit of {settings.max_pdf_pages} "
+                    "pages a document may have: split it (e.g. `tiffsplit in.tif part-`) or raise "
+                    "MMRAG_MAX_PDF_PAGES")
             for index in range(frames):
                 im.seek(index)
                 _check_image_pixels(im.size, settings)  # header only: nothing decoded yet
@@ -525,6 +532,19 @@ def _check_image_pixels(size: tuple[int, int], settings: Settings) -> None:
         raise ImageTooLargeError(
             f"the image is {width}x{height} px ({width * height:,} pixels), over the limit of "
             f"{settings.max_image_pixels:,}: downscale it, or raise MMRAG_MAX_IMAGE_PIXELS if the image is trusted"
+        )
+    _check_fitted(size, "the image", settings)
+
+
+def _check_fitted(size: tuple[int, int], what: str, settings: Settings) -> None:
+    """A raster whose aspect ratio the processor refuses is padded to one it takes (ingestion/raster.py): the
+    padded raster must be within MMRAG_MAX_IMAGE_PIXELS too, checked before any pixel is made."""
+    (width, height), (fw, fh) = size, fitted_size(*size)
+    if fw * fh > settings.max_image_pixels:
+        raise ImageTooLargeError(
+            f"{what} is {width}x{height} px, an aspect ratio over {MAX_ASPECT}:1, which the vision model takes only "
+            f"padded to {fw}x{fh} px ({fw * fh:,} pixels), over the limit of {settings.max_image_pixels:,}: cut it "
+            "into parts of at most 200:1 each, or raise MMRAG_MAX_IMAGE_PIXELS if the file is trusted"
         )
 
 
@@ -644,11 +664,12 @@ _WHITE = (255, 255, 255, 255)
 
 
 def normalise_image(img: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited over white, so one picture always has one content hash."""
+    """RGB, with any transparency composited over white, so one picture always has one content hash; an aspect
+    ratio the vision processor refuses fitted (ingestion/raster.py)."""
     if img.has_transparency_data:
         rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, _WHITE), rgba).convert("RGB")
-    return img if img.mode == "RGB" else img.convert("RGB")
+        img = Image.alpha_composite(Image.new("RGBA", rgba.size, _WHITE), rgba).convert("RGB")
+    return fit_aspect(img if img.mode == "RGB" else img.convert("RGB"))
 
 
 def normalise_text(text: str, *, known: Callable[[str], bool] | None = None) -> str:

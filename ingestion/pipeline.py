@@ -146,6 +146,10 @@ class Ingestor:
             except (IngestError, FeatureStoreError) as exc:  # a full disk fails this file, not the run
                 report.failed.append(FileFailure.of(path, str(exc)))
                 log.warning("failed %s: %s", path, exc)
+            except Exception as exc:  # noqa: BLE001  anything else one file raises fails that file, not the run
+                report.failed.append(FileFailure.of(path, unexpected(exc)))
+                log.warning("failed %s: %s", path, unexpected(exc))
+                log.debug("failed %s", path, exc_info=exc)
             notify(i + 1, total, report.pages)
         report.seconds = time.perf_counter() - started
         return report
@@ -411,3 +415,9 @@ def _merge(into: IngestReport, part: IngestReport) -> None:
     into.ocr_pages += part.ocr_pages
     for stage, secs in part.stage_seconds.items():
         into.stage_seconds[stage] += secs
+
+
+def unexpected(exc: Exception) -> str:
+    """A file's failure that mmrag did not foresee, as the report lists it: what was raised, and what to do."""
+    return (f"unexpected {type(exc).__name__} ({exc}): the file's other pages are not indexed; the other files "
+            "are. Run with MMRAG_LOG_LEVEL=DEBUG for the traceback and report it with the file")

@@ -85,12 +85,14 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def configure_logging() -> None:
-    """Log lines to stderr (stdout carries the results, e.g. ``--json``): INFO from our packages, WARNING from
+    """Log lines to stderr (stdout carries the results, e.g. ``--json``): MMRAG_LOG_LEVEL (INFO unless set; DEBUG
+    adds, for instance, the traceback of a file that failed in an unforeseen way) from our packages, WARNING from
     the rest. Once per process; vLLM, transformers and uvicorn keep their own handlers."""
     logging.basicConfig(level=logging.WARNING, handlers=[_StderrHandler()],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    level = os.environ.get("MMRAG_LOG_LEVEL", "INFO").upper()
     for name in OUR_PACKAGES:
-        logging.getLogger(name).setLevel(logging.INFO)
+        logging.getLogger(name).setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
 
 
 @model_app.command("tiny")
@@ -222,6 +224,17 @@ def warm(
                   f"(budget {report.budget_tokens} tokens)")
 
 
+def open_to_all(settings, host: str) -> str | None:
+    """Why serving on ``host`` with these settings lets anyone in (None when it does not): no API key, no tenants
+    file, and an address other machines reach."""
+    from mmrag.vision_cmd import loopback
+
+    if settings.api_key or settings.tenants_file is not None or loopback(host):
+        return None
+    return (f"mmrag serve listens on {host} without MMRAG_API_KEY (or MMRAG_TENANTS_FILE): anyone who reaches the "
+            "port can ask, upload and delete documents; set MMRAG_API_KEY, or listen on 127.0.0.1 (--host)")
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to listen on (MMRAG_HOST).")] = None,
@@ -243,8 +256,11 @@ def serve(
     settings = Settings()
     if ray and settings.engine_url_list:
         raise typer.BadParameter("--ray deploys its own engine replicas: unset MMRAG_ENGINE_URLS, or drop --ray")
+    host = host or settings.host
+    if warning := open_to_all(settings, host):
+        logging.getLogger(__name__).warning("%s", warning)
     app = ray_app(settings) if ray else create_app(settings)
-    uvicorn.run(app, host=host or settings.host, port=port or settings.port, log_level="info")
+    uvicorn.run(app, host=host, port=port or settings.port, log_level="info")
 
 
 @index_app.command("reset")

@@ -49,14 +49,15 @@ def serve(
     from mmrag.wiring import vision_app as build
 
     settings = Settings()
-    if not settings.vision_api_key and not _loopback(host):
+    if not settings.vision_api_key and not loopback(host):
         log.warning("the vision service listens on %s without MMRAG_VISION_API_KEY: anyone who reaches the port "
                     "can make it decode and encode images; set MMRAG_VISION_API_KEY (and the same on its clients)",
                     host)
     uvicorn.run(build(settings), host=host, port=port, log_level="info")
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """``host`` is this machine's loopback (127.0.0.1, ::1, localhost): only local processes reach a port on it."""
     if host == "localhost":
         return True
     try:

@@ -32,10 +32,9 @@ from core.settings import DEFAULT_TENANT
 from rag.answer import Answer, Citation
 from rag.answer_cache import AnswerCache, CachedAnswer, answer_key
 from rag.decompose import Decomposer
-from rag.order import PagePopularity
-from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choose_answer, cite, fit_pages, image_label,
-                       joint_plan, joint_text, page_label, part_heading, plan_prompts, shown_as_figures,
-                       split_plans, synthesis_plan)
+from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choice_plans, choose_answer, cite, fit_pages,
+                       image_label,
+                       joint_text, page_label, part_heading, plan_prompts, shown_as_figures, synthesis_plan)
 from rag.tiers import TieredHits, TierSource
 from retrieval.search import Hit, PageSearcher
 
@@ -68,9 +67,7 @@ class Pipeline:
     ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens.
 
     The wiring builds one pipeline per tenant scope (core/scope.py): ``searcher`` reads the tenant's collection,
-    ``cache_salt`` goes on every plan it submits. Each holds its tenant's :class:`PagePopularity` and observes
-    every sub-question's retrieved pages before planning: the engine-level benchmark's global layout reads it
-    (a joint prompt's order is stable by key: rag/plans.stable_order).
+    ``cache_salt`` goes on every plan it submits.
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
 
@@ -98,7 +95,6 @@ class Pipeline:
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.tiers = tiers
         self.cache_salt = cache_salt  # the tenant's (core/scope.py): on every plan this pipeline submits
-        self.popularity: PagePopularity = PagePopularity()
         self.lease = lease
         self.answers = answers
         self.tenant = tenant
@@ -189,12 +185,12 @@ class Pipeline:
         if key is not None and (cached := await self.answers.get(self.tenant, key)) is not None:
             return self._replay(run, cached, decomposition, citations)
         extra: dict = {"answer_mode": choice.mode.value, "answer_mode_reason": choice.why}
-        if choice.mode is AnswerMode.SPLIT:
-            text, extra["image_answers"] = await self._split(run, subs, choice, hits, images, limit, usage)
-        elif choice.overflow:
+        if choice.overflow:
             text, extra["sub_answers"] = await self._per_sub_question(run, subs, hits, images, limit, usage)
         else:
-            text = await self._joint(run, subs, choice, hits, images, limit, usage)
+            text, parts = await self._parts(run, subs, choice, hits, images, limit, usage)
+            if parts:
+                extra["image_answers"] = parts
         answer = self._answer(text, decomposition, citations, usage)
         answer.extra.update(extra)
         shown = {(c.doc, c.page) for c in citations}
@@ -239,7 +235,7 @@ class Pipeline:
                      ) -> tuple[list[list[Hit]], list[Hit], TieredHits | None]:
         """Each sub-question's pages that a prompt has room for beside the question's images (and those cut),
         in the asked tier (its on-demand encodes counted in ``usage``), their token counts recorded for the
-        scheduler and their use counted in the popularity order."""
+        scheduler."""
         if self.config.figure_crops:
             retrieved = shown_as_figures(retrieved, subs, whole=question)
         hits, cut = fit_pages(retrieved, room=self.config.max_images_per_prompt - len(images),
@@ -250,8 +246,6 @@ class Pipeline:
             usage.vision_encodes += tiered.vision_encodes
         for hit in (h for hs in hits for h in hs):
             self.token_counts.record(hit.image_key, hit.image_tokens)
-        for hs in hits:
-            self.popularity.observe(h.image_key for h in hs)
         return hits, cut, tiered
 
     def _misfit(self, question: str, subs: Sequence[str], pages: Sequence[Hit], hits: list[list[Hit]],
@@ -270,21 +264,19 @@ class Pipeline:
                     f"answer: over MMRAG_MAX_MODEL_LEN={self.config.max_model_len}")
         return None
 
-    async def _joint(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
-                     images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> str:
-        plan = joint_plan(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
-        completion = await self._submit(plan, run, streamed=True)
-        usage.add(completion.usage)
-        run.clock.lap("answer_s")
-        return completion.text
-
-    async def _split(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
+    async def _parts(self, run: _Run, subs: Sequence[str], choice: AnswerChoice, hits: list[list[Hit]],
                      images: Sequence[ImageKey], max_tokens: int, usage: Usage) -> tuple[str, list[dict]]:
-        """Each shown page's prompt at once, the answer's length shared among them (rag/plans.part_lengths); the
-        answer is their parts in ``choice.pages`` order, each under its heading. Streamed in that order: the
-        first part live from its first token, each later part from where it has got to once the parts before
-        it are done, then live (they decode side by side); the answer's TTFT is the first part's."""
-        planned = split_plans(run.question, subs, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+        """The choice's parts (rag/plans.choice_plans: a split's, or a joint answer's) at once, the answer's
+        length shared among them (rag/plans.part_lengths); the answer is their parts in ``choice.pages`` order,
+        each under its page's heading. Streamed in that order: the first part live from its first token, each
+        later part from where it has got to once the parts before it are done, then live (they decode side by
+        side); the answer's TTFT is the first part's. A lone plan is the answer, streamed as it comes."""
+        planned = choice_plans(choice, run.question, subs, max_tokens=max_tokens, images=images, hits=hits)
+        if len(planned) == 1:
+            completion = await self._submit(planned[0].plan, run, streamed=True)
+            usage.add(completion.usage)
+            run.clock.lap("answer_s")
+            return completion.text, []
         headings = [part_heading(p.page, i == 0) for i, p in enumerate(planned)]
         parts = [_Part(heading) for heading in headings]
         relay = _Relay(run, parts)

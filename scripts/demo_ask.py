@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import httpx
@@ -18,6 +19,9 @@ QUESTIONS = [
 # Asked through the OpenAI-compatible route with the `openai` client, streamed, as any OpenAI client would.
 CHAT_QUESTION = "How long are backups retained?"
 out = Console()
+# The server's key when one is set (MMRAG_API_KEY in the demo's environment, as `mmrag serve` reads it).
+KEY = os.environ.get("MMRAG_API_KEY", "")
+AUTH = {"Authorization": f"Bearer {KEY}"} if KEY else {}
 
 
 def totals(url: str) -> dict[str, float]:
@@ -31,7 +35,7 @@ def rate(num: float, den: float) -> str:
 
 def main(url: str) -> None:
     for q in QUESTIONS:
-        r = httpx.post(f"{url}/v1/ask", json={"question": q}, timeout=600)
+        r = httpx.post(f"{url}/v1/ask", json={"question": q}, headers=AUTH, timeout=600)
         r.raise_for_status()
         a = r.json()
         out.rule(escape(q))
@@ -61,7 +65,7 @@ def main(url: str) -> None:
 def chat(url: str) -> None:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="demo")  # any key: the demo server has none set
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY or "none")  # the openai client wants one: any without
     out.rule(escape(f"{CHAT_QUESTION}  (POST /v1/chat/completions, openai client, stream=True)"))
     text, usage = [], None
     for chunk in client.chat.completions.create(model="mmrag", stream=True, stream_options={"include_usage": True},

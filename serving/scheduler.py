@@ -173,7 +173,7 @@ class Block(str, enum.Enum):
     LONG_SLOT = "long_slot"  # the free slots are the short plans' reserved ones
     BUDGET = "budget"  # its image tokens would overrun the in-flight budget
     HELD = "held"  # an older overdue plan waits for the budget: nothing younger overtakes it
-    GATED = "gated"  # a plan of the same salt is prefilling its leading image: wait and hit that KV
+    GATED = "gated"  # a plan of the same salt is prefilling images it leads with: wait and hit that KV
 
 
 class Admission:
@@ -187,10 +187,11 @@ class Admission:
     - fairness: an overdue plan is never gated, and while an overdue plan waits for the budget no younger
       plan overtakes it, overdue or not (else a stream of smaller plans could keep it out for ever), except a
       short plan into a free reserved slot: that slot is not one the waiting plan may use unless it is short;
-    - gating: a plan waits while another plan of the same salt and system prompt prefills its leading image
-      for the first time, then hits that KV. Another salt's prefill is never waited for: it can never be reused
-      (its salt is in the first block's hash). A short plan with a reserved slot free is never gated: its
-      prefill is cheap, and the slot exists so that short plans do not wait.
+    - gating: a plan waits while another plan of the same salt and system prompt prefills a longer prefix of
+      its images than any plan has finished (its leading image for the first time, or the pages after a warm
+      first one: a joint answer's parts share every page), then hits that KV. Another salt's prefill is never
+      waited for: it can never be reused (its salt is in the first block's hash). A short plan with a reserved
+      slot free is never gated: its prefill is cheap, and the slot exists so that short plans do not wait.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -198,7 +199,7 @@ class Admission:
         self.in_flight = 0
         self.long_in_flight = 0
         self.tokens_in_flight = 0
-        self.prefilling: dict[Path, int] = {}  # lead → plans of it in flight and still in prefill
+        self.prefilling: dict[Path, int] = {}  # prefix → plans in flight with it, still in prefill
         self.prefilled: OrderedDict[Path, None] = OrderedDict()  # prefixes some plan finished prefilling
         self._reserved = config.short_reserved if config.short_image_tokens else 0
 
@@ -228,28 +229,34 @@ class Admission:
         return None
 
     def gated(self, w: _Waiting) -> bool:
-        """Another plan is prefilling ``w``'s lead (salt, system prompt, first image) and none has finished it.
-        FCFS, the no-cleverness baseline, never gates."""
+        """Another plan is prefilling a prefix of ``w``'s path (salt and system prompt, then images) longer than
+        the longest one some plan has finished: waiting for it, ``w`` hits those images' KV instead of
+        computing it beside it. FCFS, the no-cleverness baseline, never gates."""
         if self.config.policy is Policy.FCFS or w.lead is None:
             return False
-        return w.lead in self.prefilling and w.lead not in self.prefilled
+        computing = next((n for n in range(len(w.path), 1, -1) if w.path[:n] in self.prefilling), 0)
+        return computing > 0 and w.path[:computing] not in self.prefilled
 
     def start(self, w: _Waiting) -> None:
         self.in_flight += 1
         self.long_in_flight += not w.short
         self.tokens_in_flight += w.image_tokens
-        if w.lead is not None:
-            self.prefilling[w.lead] = self.prefilling.get(w.lead, 0) + 1
+        for n in range(2, len(w.path) + 1):
+            self.prefilling[w.path[:n]] = self.prefilling.get(w.path[:n], 0) + 1
 
     def end_prefill(self, w: _Waiting) -> None:
         """Its KV is in the prefix cache from here on: followers of each of its prefixes may start."""
-        if w.lead is not None:
-            self.prefilling[w.lead] -= 1
-            if not self.prefilling[w.lead]:
-                del self.prefilling[w.lead]
         for n in range(2, len(w.path) + 1):
-            self.prefilled[w.path[:n]] = None
-            self.prefilled.move_to_end(w.path[:n])
+            self.prefilling[w.path[:n]] -= 1
+            if not self.prefilling[w.path[:n]]:
+                del self.prefilling[w.path[:n]]
+        self.note_prefilled(w.path)
+
+    def note_prefilled(self, path: Path) -> None:
+        """Each prefix of ``path`` is in the prefix cache (the most recent last; the oldest forgotten first)."""
+        for n in range(2, len(path) + 1):
+            self.prefilled[path[:n]] = None
+            self.prefilled.move_to_end(path[:n])
         while len(self.prefilled) > PREFILLED_TRACKED:
             self.prefilled.popitem(last=False)
 
@@ -300,6 +307,11 @@ class Scheduler:
     @property
     def in_flight(self) -> int:
         return self.admission.in_flight
+
+    def note_prefilled(self, plan: PromptPlan) -> None:
+        """``plan``'s prefix was prefilled past this scheduler (warm-up's, serving/api/startup.py): a plan that
+        leads with it is never held for another plan's prefill of it (gating), and LPM counts it as cached."""
+        self.admission.note_prefilled(prefix_path(plan))
 
     def track_kv(self, capacity_tokens: int) -> KVResidency:
         """Estimate, from here on, the image tokens resident in a prefix cache of this many tokens."""

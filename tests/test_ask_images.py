@@ -69,11 +69,9 @@ async def test_a_follow_up_gets_the_images_kv_from_the_prefix_cache_and_runs_no_
     assert tokens == 100  # 280 x 280 px: 20 x 20 patches of 14, merged 2 x 2
     bound = image_prefix_bound(services, key, tokens)
     assert bound >= 64
-    if mode == "split":
-        # Every part's prompt starts with the question's image: the later parts hit the first one's KV.
-        assert len(one["image_answers"]) >= 2 and one["usage"]["cached_image_tokens"] >= bound
-    else:  # one prompt shows it once: computed once, nothing to look up
-        assert "image_answers" not in one and one["usage"]["cached_image_tokens"] == 0
+    # Either strategy answers in parts here (a split's, or a joint answer's over its pages), and every part's
+    # prompt starts with the question's image: the later parts hit the first one's KV.
+    assert len(one["image_answers"]) >= 2 and one["usage"]["cached_image_tokens"] >= bound
     prompts = len(one.get("image_answers", [None]))
 
     follow = await http.post("/v1/ask", json={"question": "What is the input of its third module?",
@@ -112,7 +110,10 @@ async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http
     assert len(body["citations"]) == room and body["pages_left_out"]  # top_k = 3 pages, room for 2
     cited = {f"[{c['doc']}, page {c['page']}]" for c in body["citations"]}
     assert not cited & set(body["pages_left_out"])
-    assert body["usage"]["image_tokens"] == sum(i["image_tokens"] for i in body["question_images"]) + 247 * room
+    # Each prompt (the joint answer's parts, each over every image) shows the question's images and the 2 pages.
+    prompts = len(body.get("image_answers") or [None])
+    assert body["usage"]["image_tokens"] == prompts * (sum(i["image_tokens"] for i in body["question_images"])
+                                                       + 247 * room)
 
 
 async def test_a_question_without_images_has_no_conversation(http):
@@ -158,10 +159,45 @@ async def test_an_image_over_the_pixel_or_byte_limit_is_a_413_naming_it(http, ap
     with question_images(services, QuestionImages(small, services.store, lambda: pytest.fail("no encoder needed"))):
         noise = Image.frombytes("RGB", (60, 30), random.randbytes(60 * 30 * 3))  # ~5 kB: it does not compress
         for data, limit in [(_png(Image.new("RGB", (120, 100), "white")), "MMRAG_MAX_IMAGE_PIXELS"),
-                            (_png(noise), "MMRAG_MAX_IMAGE_BYTES")]:
+                            (_png(noise), "MMRAG_MAX_IMAGE_BYTES"),
+                            # 2,000 pixels, but the model takes it only padded to 2000 x 10, over the bound
+                            (_png(Image.new("RGB", (2000, 1), "black")), "aspect ratio over 200:1")]:
             r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(data)]})
             assert r.status_code == 413 and r.json()["error"]["type"] == "image_too_large", r.text
             assert limit in r.json()["error"]["message"]
+
+
+def long_png(size: tuple[int, int]) -> bytes:
+    """A line of random colours past the vision processor's 200:1 aspect ratio (a receipt, a banner, a rule)."""
+    return _png(Image.frombytes("RGB", size, random.randbytes(size[0] * size[1] * 3)))
+
+
+@pytest.mark.parametrize("size", [(10_000, 1), (3, 20_000)], ids=["wide", "tall"])
+async def test_an_image_past_the_processors_aspect_ratio_is_fitted_and_answered_on_every_route(http, size):
+    """Issue 41: a 1 x 10000 image answered 500 from the processor's resize on every route. It is padded to a
+    ratio the processor takes (ingestion/raster.py), so each route answers about it."""
+    from ingestion.raster import fitted_size
+
+    png = long_png(size)
+    body = {"question": "What does this strip show?", "max_tokens": 2}
+    r = await http.post("/v1/ask", json={**body, "images": [b64(png)]})
+    assert r.status_code == 200, r.text
+    (image,) = r.json()["question_images"]
+    assert image["image_tokens"] > 0 and max(fitted_size(*size)) / min(fitted_size(*size)) <= 200
+    up = await http.post("/v1/ask/upload", data={"question": body["question"], "max_tokens": "2"},
+                         files=[("images", ("strip.png", png, "image/png"))])
+    assert up.status_code == 200 and up.json()["question_images"] == r.json()["question_images"], up.text
+    async with http.stream("POST", "/v1/ask", json={**body, "images": [b64(png)], "stream": True}) as streamed:
+        events = [line async for line in streamed.aiter_lines() if line.startswith("event: ")]
+    assert streamed.status_code == 200 and events[-1] == "event: done" and "event: error" not in events
+    content = [{"type": "text", "text": body["question"]},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}]
+    chat = {"model": "mmrag", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    c = await http.post("/v1/chat/completions", json=chat)
+    assert c.status_code == 200 and c.json()["choices"][0]["message"]["content"], c.text
+    async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as chunks:
+        lines = [line async for line in chunks.aiter_lines() if line.startswith("data: ")]
+    assert chunks.status_code == 200 and lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
 
 
 async def test_an_unknown_conversation_is_a_404_that_says_to_send_the_images_again(http):

@@ -117,8 +117,8 @@ async def test_the_events_arrive_in_order_and_add_up_to_the_json_answer(api_serv
     assert sorted(map(json.dumps, sub_answers)) == sorted(map(json.dumps, done.get("sub_answers", [])))
     # Joint and split alike: the answer's tokens, no sub-answer before them (those are joint's overflow's).
     assert not sub_answers and "sub_answers" not in done and "answer_s" in done["timings"]
-    if done["answer_mode"] == "split":  # its parts in order, each under its page's heading, the first one first
-        parts = done["image_answers"]
+    if done["answer_mode"] == "split" or "image_answers" in done:  # its parts in order (a split's, or a joint
+        parts = done["image_answers"]  # answer's over more than one page), each under its page's heading
         assert len(parts) > 1 and events[names.index("token")][1]["text"] == f"{parts[0]['page']}: "
         assert done["answer"] == "".join(f"{'' if i == 0 else chr(10) * 2}{a['page']}: {a['answer']}"
                                          for i, a in enumerate(parts))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -85,22 +86,27 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
             assert c["completion_tokens"] == wl["sub_questions_total"] * wl["max_tokens"], name
             assert c["image_tokens"] == wl["page_uses"] * full, name
             continue
-        # A strategy: joint one request per question, split one per page shown (auto: as it chose); the parts of a
-        # split share the answer's length, so every question decodes exactly one answer's length; each page of
-        # the question shown once, at most ANSWER_PAGES.
+        # A strategy: a request per page shown (split: each page leading its own; joint: each over every page,
+        # unless the answer has fewer tokens than pages: one prompt); auto as it chose. The parts share the
+        # answer's length, so every question decodes exactly one answer's length; each page of the question
+        # shown once, at most ANSWER_PAGES.
         mode = STRATEGIES[name]
         modes = [m if mode == "auto" else "joint" if n == 1 else mode for m, n in answers]
         assert c["answer_mode"] == mode and c["answer_modes"] == {m: modes.count(m) for m in sorted(set(modes))}
-        assert c["requests"] == sum(1 if m == "joint" else n for m, (_, n) in zip(modes, answers)), name
+        assert c["requests"] == sum(n if n <= wl["max_tokens"] else 1 for _, n in answers), name
         assert c["completion_tokens"] == wl["questions"] * wl["max_tokens"] == c["answer_tokens"] * wl["questions"]
         per_page = budget if name == "mmrag_auto_budget" else full  # a quarter of the tokens
-        assert c["image_tokens"] == sum(n for _, n in answers) * per_page < wl["page_uses"] * per_page, name
+        # A split part shows its page; a joint answer's every part shows all its n pages.
+        shown = [n * n if m == "joint" and 1 < n <= wl["max_tokens"] else n for m, (_, n) in zip(modes, answers)]
+        assert c["image_tokens"] == sum(shown) * per_page, name
+        if mode == "split":
+            assert c["image_tokens"] < wl["page_uses"] * per_page, name
         if mode == "split":  # one image per prompt: nothing behind a first image
             assert c["later_image_token_share"] == 0, name
     # The workload has both kinds of question, and a question with more pages than an answer shows.
     assert {m for m, _ in answers} == {"split", "joint"} and max(n for _, n in answers) == ANSWER_PAGES
-    assert cfg["mmrag_joint"]["requests"] == wl["questions"] < cfg["mmrag_auto"]["requests"] \
-        < cfg["mmrag_split"]["requests"]
+    assert cfg["mmrag_joint"]["requests"] == cfg["mmrag_auto"]["requests"] == cfg["mmrag_split"]["requests"] \
+        > wl["questions"]
     assert cfg["mmrag_joint_warm"]["later_image_token_share"] > 0
     # The vision encoder runs only where pixels are sent; no cache can serve the baselines.
     assert all(cfg[n]["vit_forwards_per_question"] > 0 for n in {"no_cache"} | PIXELS_HASHED)
@@ -125,11 +131,11 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
         "TTFT p50 mmrag_split_warm / floor_split", "TTFT p50 mmrag_joint_warm / floor_joint"]
     assert data["targets"]["hit rate best strategy / position oracle"]["config"] in {
         "mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
-    # The strategies' costs next to the default's: split pays a request per page shown.
+    # The strategies' costs next to the default's: either pays a request per page shown.
     strategies = data["strategies"]
     assert strategies["best"] in {"mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
-    assert strategies["mmrag_split_warm"]["requests"] > strategies["mmrag_auto_warm"]["requests"] \
-        > strategies["mmrag_joint_warm"]["requests"] == wl["questions"]
+    assert strategies["mmrag_split_warm"]["requests"] == strategies["mmrag_auto_warm"]["requests"] \
+        == strategies["mmrag_joint_warm"]["requests"] > wl["questions"]
     assert strategies["mmrag_auto_warm"]["requests_ratio"] == 1.0
     users_and_floor = ("vllm_llamaindex", "vllm_images_first", "floor")
     assert {f"{a} / {b}" for a in ("mmrag_auto", "mmrag_auto_warm") for b in users_and_floor} | {
@@ -290,18 +296,21 @@ def test_the_strategies_show_a_questions_pages_once_at_most_four_in_a_stable_ord
     config = PipelineConfig(max_tokens=128, max_images_per_prompt=8, fixed_length=True)
     q = Question(0, (SubQuestion("Q0.1: a?", (2, 0)), SubQuestion("Q0.2: b?", (1, 2)),
                      SubQuestion("Q0.3: c?", (5, 3))), 0.0)
-    # Joint: one prompt over 4 of the 5 pages (each sub-question's best first, then by rank), ordered by key.
-    (plan,) = question_plans(q, spec["mmrag_joint"], keys, corpus, config)
+    # Joint: 4 of the 5 pages (each sub-question's best first, then by rank), ordered by key, seen together by
+    # a part per page: the same prompt and a line each, the parts decoding the answer's length between them.
+    joint = question_plans(q, spec["mmrag_joint"], keys, corpus, config)
     shown = [keys.by_page[p] for p in (2, 1, 5, 0)]
-    assert plan.images == tuple(sorted(shown, key=str)) == tuple(keys.by_page[p] for p in (5, 2, 1, 0))
-    assert plan.text.splitlines() == [
+    assert {plan.images for plan in joint} == {tuple(sorted(shown, key=str))} == {
+        tuple(keys.by_page[p] for p in (5, 2, 1, 0))}
+    assert [plan.text.splitlines()[:-1] for plan in joint] == [[
         "Images, in the order shown:",
         "Image 1: [doc-5.pdf, page 6]", "Image 2: [doc-2.pdf, page 3]", "Image 3: [doc-1.pdf, page 2]",
         "Image 4: [doc-0.pdf, page 1]",
         "Answer each of these sub-questions from the images, citing pages by their labels:",
         "1. Q0.1: a?", "2. Q0.2: b?", "3. Q0.3: c?",
-        "Question: Q0.1: a? Q0.2: b? Q0.3: c?"]
-    assert plan.sampling.max_tokens == plan.sampling.min_tokens == 128  # exactly the answer's length
+        "Question: Q0.1: a? Q0.2: b? Q0.3: c?"]] * 4
+    assert [re.search(r"Write part (\d) only", plan.text.splitlines()[-1])[1] for plan in joint] == ["1", "2", "3", "4"]
+    assert [p.sampling.max_tokens for p in joint] == [p.sampling.min_tokens for p in joint] == [32] * 4
     # Split (and auto, for a question relating nothing): the same pages, each leading its own prompt with the
     # sub-questions that found it, in the answer's order; the parts decode the answer's length between them.
     for name in ("mmrag_split", "mmrag_auto", "floor_split", "floor"):
@@ -313,7 +322,7 @@ def test_the_strategies_show_a_questions_pages_once_at_most_four_in_a_stable_ord
     # A question that relates its pages is joint under auto.
     compare = Question(1, (SubQuestion("Q1.1: Compare the series of churn shown here?", (2,)),
                            SubQuestion("Q1.2: What is the trend of margin shown here?", (4,))), 0.0)
-    assert [len(p.images) for p in question_plans(compare, spec["mmrag_auto"], keys, corpus, config)] == [2]
+    assert [len(p.images) for p in question_plans(compare, spec["mmrag_auto"], keys, corpus, config)] == [2, 2]
     assert [len(p.images) for p in question_plans(compare, spec["mmrag_split"], keys, corpus, config)] == [1, 1]
     # Per sub-question (the baselines): a plan per sub-question over all its pages, each the answer's length.
     per_sub = question_plans(q, spec["apc_naive"], keys, corpus, config)

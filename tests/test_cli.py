@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "vllm", "transformers", "matplotlib", "llama_index", "qdrant_client", "sentence_transformers",
          "open_clip")
@@ -42,8 +44,8 @@ print(json.dumps({{"code": code, "after_help": after_help, "subs": subs, "after_
 """
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -99,3 +101,29 @@ def test_logs_go_to_stderr_info_for_our_packages_warning_for_others():
     assert "ours-info" in proc.stderr and "ours-warning" in proc.stderr and "theirs-warning" in proc.stderr
     assert "theirs-info" not in proc.stderr
     assert "INFO ingestion.pipeline: ours-info" in proc.stderr
+
+
+def test_mmrag_log_level_debug_shows_our_debug_lines():
+    proc = _python(
+        "import logging\n"
+        "from mmrag.cli import configure_logging\n"
+        "configure_logging()\n"
+        "logging.getLogger('ingestion.pipeline').debug('ours-debug')\n",
+        env={"MMRAG_LOG_LEVEL": "debug"},
+    )
+    assert proc.returncode == 0 and "DEBUG ingestion.pipeline: ours-debug" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("host, settings, warned", [
+    ("0.0.0.0", {}, True), ("192.168.1.5", {}, True), ("myhost.example", {}, True),
+    ("127.0.0.1", {}, False), ("::1", {}, False), ("localhost", {}, False),
+    ("0.0.0.0", {"api_key": "k"}, False), ("0.0.0.0", {"tenants_file": "tenants.toml"}, False),
+])
+def test_serve_warns_when_anyone_can_reach_it_without_a_key(host, settings, warned):
+    from core.settings import Settings
+
+    from mmrag.cli import open_to_all
+
+    warning = open_to_all(Settings.model_construct(**{"api_key": "", "tenants_file": None, **settings}), host)
+    assert (warning is not None) == warned
+    assert warning is None or ("MMRAG_API_KEY" in warning and host in warning)

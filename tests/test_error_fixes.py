@@ -185,6 +185,8 @@ CASES = [
         "content-type": "application/json"}}, "flat objects"),
     Case("invalid_request", "POST", "/v1/ask", {"json": {"not_a_question": 1}}, "POST /v1/ask", 422),
     Case("invalid_request", "GET", "/v1/documents?limit=0", {}, "GET /v1/documents", 422),
+    Case("invalid_request", "POST", "/v1/ask", {"content": b'{"question": "x"}'}, "Content-Type: application/json",
+         422),  # curl -d without -H: the body is not read as JSON
     Case("invalid_request", "POST", "/v1/documents", {"data": {"tiers": "low"}}, "multipart/form-data", 422),
     Case("invalid_request", "POST", "/v1/chat/completions", {"content": json.dumps(
         {**CHAT, "temperature": float("nan")}).encode(), "headers": {"content-type": "application/json"}}, "finite",

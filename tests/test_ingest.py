@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
+from core.keys import ImageKey
 from core.settings import Settings
 from adapters.embed import TextEmbedder
 from adapters.qdrant import PageIndex
@@ -138,6 +139,43 @@ def test_bad_files_leave_no_point_and_the_others_still_ingest(
     docs = {p["doc"] for p in points_by_id(ing.index).values()}
     assert docs == {good.name}
     assert report.pages == 1
+    close(ing)
+
+
+def test_pages_past_the_processors_aspect_ratio_are_fitted_and_one_bad_file_fails_alone(
+    tmp_path, sample_corpus, tiny_model, encoder, text_embedder, monkeypatch
+):
+    """Issue 41: a 10000 x 1 image or a 14400 x 30 pt PDF page raised from the processor's resize and the whole run
+    failed, every file unindexed. They are fitted (ingestion/raster.py) and indexed; a file whose fitting would pass
+    the pixel bound fails alone with the fix, and so does a file that fails in a way nobody foresaw (here a
+    stand-in error raised for it), while the rest of the folder is indexed."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = sorted(sample_corpus.glob("*.png"))[0]
+    shutil.copy(good, corpus / good.name)
+    shutil.copy(good, corpus / "boom.png")
+    Image.new("RGB", (10_000, 1), (30, 60, 90)).save(corpus / "wide.png")
+    Image.new("RGB", (14_400, 30), (90, 60, 30)).save(corpus / "long.pdf", resolution=72.0)  # 14400 x 30 pt
+    Image.new("RGB", (30_000, 1)).save(corpus / "overbound.png")  # fitted: 30000 x 150, over 4 M pixels
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder, max_image_pixels=4_000_000, pdf_dpi=72)
+    process = ing._process_batch
+
+    def process_or_fail(doc, batch, report, lease):
+        if doc.doc == "boom.png":
+            raise RuntimeError("stand-in for an error nobody foresaw")
+        return process(doc, batch, report, lease)
+
+    monkeypatch.setattr(ing, "_process_batch", process_or_fail)
+    report = ing.run([corpus])
+    failed = {Path(f.path).name: f.error for f in report.failed}
+    assert set(failed) == {"overbound.png", "boom.png"}, failed
+    assert "aspect ratio over 200:1" in failed["overbound.png"] and "cut it into parts" in failed["overbound.png"]
+    assert failed["boom.png"].startswith("unexpected RuntimeError (stand-in") and "MMRAG_LOG_LEVEL=DEBUG" in \
+        failed["boom.png"]
+    points = points_by_id(ing.index).values()
+    assert {p["doc"] for p in points} == {good.name, "wide.png", "long.pdf"} and report.pages == 3
+    for p in points:  # the fitted pages' tokens are stored: a question can be asked about them
+        assert ing.store.contains(ImageKey.parse(p["image_key"]))
     close(ing)
 
 

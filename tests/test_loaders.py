@@ -392,6 +392,9 @@ def test_a_multi_frame_tiff_is_one_page_per_frame(tmp_path):
         pages = list(doc.pages())
     assert doc.num_pages == 3 and [p.page for p in pages] == [1, 2, 3]
     assert len({p.content_hash for p in pages}) == 3
+    # Issue 41: 1,000 frames were 1,000 pages. Frames are pages under the page bound, refused before decoding.
+    with pytest.raises(IngestError, match="3 frames, each a page, over the limit of 2 pages.*MMRAG_MAX_PDF_PAGES"):
+        open_document(path, settings(max_pdf_pages=2))
 
 
 def test_an_animated_png_is_one_page(tmp_path):

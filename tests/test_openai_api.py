@@ -20,6 +20,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.llms.openai_like import OpenAILike
 
 from ingestion.loaders import decode_image, image_content_hash
+from rag.answer import RANDOM_MODEL_NOTE
 from tests.conftest import API_KEY
 from tests.test_ask_images import image_prefix_bound, new_figure
 from tests.test_ask_stream import decodes_alone
@@ -68,6 +69,8 @@ async def test_the_openai_client_gets_an_answer_with_footnoted_citations_and_usa
     assert done.object == "chat.completion" and choice.message.role == "assistant" and choice.finish_reason == "stop"
     citations = done.model_extra["citations"]
     assert citations and cited_footnotes(choice.message.content) == [(c["doc"], c["page"]) for c in citations]
+    # A chat client shows the text alone: a random-weight model says so in it, before the footnotes.
+    assert f"\n\n({RANDOM_MODEL_NOTE})\n\n[1] " in choice.message.content
     usage = done.usage
     assert usage.prompt_tokens > usage.model_extra["image_tokens"] > 0 and usage.completion_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
@@ -99,6 +102,7 @@ async def test_the_openai_client_streams_the_answer_then_its_footnotes_then_the_
     assert [c.choices[0].finish_reason for c in content][-1] == "stop"
     citations = content[-1].model_extra["citations"]
     assert citations and cited_footnotes("".join(deltas)) == [(c["doc"], c["page"]) for c in citations]
+    assert f"\n\n({RANDOM_MODEL_NOTE})\n\n[1] " in "".join(deltas)
     print(f"\nchat stream: {len(chunks)} chunks ({len([d for d in deltas if d])} with content), usage "
           f"{last.usage.prompt_tokens} prompt / {last.usage.prompt_tokens_details.cached_tokens} cached / "
           f"{last.usage.completion_tokens} completion tokens")

@@ -14,8 +14,8 @@ from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.plans import (AnswerMode, build_plans, choose_answer, cite, fit_pages, joint_plan, joint_text, needs_page,
-                       part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
+from rag.plans import (AnswerMode, build_plans, choice_plans, choose_answer, cite, fit_pages, joint_parts, joint_plan,
+                       joint_text, needs_page, part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
                        synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from core.engine import Layout, PromptPlan
@@ -61,21 +61,37 @@ async def test_a_two_part_question_is_split_each_page_leading_a_prompt_with_the_
     assert all(v >= 0 for v in timings.values()) and timings["answer_s"] > 0
 
 
-async def test_a_comparison_is_answered_in_one_joint_prompt_over_its_pages_in_a_stable_order(pipeline_with):
-    p = pipeline_with()
+async def test_a_comparison_sees_its_pages_together_in_a_stable_order_decoded_in_a_part_per_page(pipeline_with):
+    p = pipeline_with(max_wait_ms=600_000)  # the parts wait for the first one's prefill however slow the CPU
     question = "Compare the retry limit of the ingest service and the gross margin"
+    await p.engine.reset_prefix_cache()
     answer = await p.ask(question)
     out = answer.to_json()
     assert out["answer_mode"] == "joint" and "relates items across pages ('Compare')" in out["answer_mode_reason"]
-    (plan,) = p.submitted  # one request: no sub-answers, no synthesis
+    plans = list(p.submitted)  # a part per page: no sub-answers, no synthesis
     keys = {ImageKey.parse(c.image_key) for c in answer.citations}
-    assert set(plan.images) == keys and list(plan.images) == sorted(plan.images, key=str)
-    assert all(f"[{c['doc']}, page {c['page']}]" in plan.text for c in out["citations"])
-    assert all(f"{i}. {q}" in plan.text for i, q in enumerate(answer.sub_questions, 1))
-    assert plan.text.endswith(f"Question: {question}") and plan.sampling.max_tokens == 8
-    # The same question again renders the same prompt: its whole prefix recurs.
+    assert len(plans) == len(keys) > 1
+    # Every part sees every page, in one order by key, behind the same text: one prefix, prefilled once.
+    assert all(set(plan.images) == keys and list(plan.images) == sorted(plan.images, key=str) for plan in plans)
+    joint = plans[0].text[:plans[0].text.index(f"Question: {question}") + len(f"Question: {question}")]
+    assert all(plan.text.startswith(joint) for plan in plans)
+    assert all(f"[{c['doc']}, page {c['page']}]" in joint for c in out["citations"])
+    assert all(f"{i}. {q}" in joint for i, q in enumerate(answer.sub_questions, 1))
+    # Part i asks for image i against the others; the parts' lengths add up to the answer's.
+    assert [plan.text[len(joint):].split("Write part ")[1][:1] for plan in plans] == \
+        [str(i) for i in range(1, len(plans) + 1)]
+    assert sum(plan.sampling.max_tokens for plan in plans) == 8 and 0 < out["usage"]["completion_tokens"] <= 8
+    # Prefilled once: the scheduler holds the other parts until the first one's prefill is done, then they hit
+    # its pages (but for a partial last block each).
+    assert out["usage"]["cached_image_tokens"] >= out["usage"]["image_tokens"] * (len(plans) - 1) / len(plans) \
+        - 64 * len(plans)
+    # Each part is headed by its page, in the prompt's order.
+    labels = {c.image_key: f"[{c.doc}, page {c.page}]" for c in answer.citations}
+    assert [a["page"] for a in out["image_answers"]] == [labels[str(k)] for k in plans[0].images]
+    assert answer.answer.startswith(labels[str(plans[0].images[0])] + ": ")
+    # The same question again renders the same prompts: their whole prefix recurs.
     await p.ask(question)
-    assert p.submitted[1] == plan
+    assert p.submitted[len(plans):] == plans
 
 
 async def test_joint_overflows_into_sub_answers_and_a_synthesis_when_its_pages_do_not_fit(pipeline_with):
@@ -133,8 +149,12 @@ async def test_a_cached_answer_is_the_cold_one_in_either_strategy(pipeline_with,
     crops = [c.figure.image_key for c in cold.citations
              if c.figure is not None and c.image_key == str(c.figure.image_key)]
     assert len(crops) == figure_crops and all(k in shown for k in crops)
-    assert cold.usage.cached_image_tokens == 0 and warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64 * (
-        len(shown) if mode == "split" else 1)
+    # Cold, a split part hits nothing; a joint part after the first may hit the first one's pages. Warm, every
+    # part hits its images but for a partial last block.
+    parts = len(cold.extra.get("image_answers") or [None])
+    assert cold.usage.cached_image_tokens == 0 if mode == "split" else \
+        cold.usage.cached_image_tokens <= cold.usage.image_tokens * (parts - 1) / parts
+    assert warm.usage.cached_image_tokens >= cold.usage.image_tokens - 64 * parts
     assert warm.answer == cold.answer and warm.usage.completion_tokens == cold.usage.completion_tokens
 
 
@@ -389,6 +409,26 @@ def test_the_joint_prompt_labels_every_image_then_lists_the_sub_questions_and_as
     assert joint_text("Q?", ["Q?"], [a1], 0) == "Images, in the order shown:\nImage 1: [a.pdf, page 1]\nQuestion: Q?"
 
 
+def test_joint_parts_are_the_joint_prompt_and_a_line_each_their_lengths_the_answers():
+    a1, b3, c2 = page_hit("a.pdf", 1), page_hit("b.pdf", 3), page_hit("c.pdf", 2)
+    image = page_hit("question.png", 1).image_key
+    whole = joint_plan("Q?", ["q1", "q2"], [b3, a1, c2], max_tokens=10, images=(image,))
+    parts = joint_parts("Q?", ["q1", "q2"], [b3, a1, c2], max_tokens=10, images=(image,))
+    assert [p.page for p in parts] == [b3, a1, c2] and [p.plan.sampling.max_tokens for p in parts] == [4, 3, 3]
+    assert all(p.plan.images == whole.images and p.plan.text.startswith(whole.text + "\n") for p in parts)
+    assert parts[1].plan.text[len(whole.text):] == ("\nThe answer is written in 3 parts, one per page, at once. Write "
+                                                    "part 2 only: what image 3 ([a.pdf, page 1]) shows for the "
+                                                    "question, set against the other images.")
+    # One page, or fewer answer tokens than pages: the joint prompt itself.
+    assert [p.plan for p in joint_parts("Q?", ["q"], [a1], max_tokens=10)] == [
+        joint_plan("Q?", ["q"], [a1], max_tokens=10)]
+    assert [p.plan for p in joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=2)] == [
+        joint_plan("Q?", ["q"], [a1, b3, c2], max_tokens=2)]
+    choice = choose_answer(AnswerMode.JOINT, [[a1], [b3]], misfit=lambda pages: None)
+    assert choice_plans(choice, "Q?", ["q1", "q2"], max_tokens=10) == joint_parts("Q?", ["q1", "q2"], choice.pages,
+                                                                                   max_tokens=10)
+
+
 def test_the_page_budget_keeps_each_sub_questions_best_pages_and_leaves_the_rest_out():
     a1, a2, a3 = page_hit("a.pdf", 1, 0.9), page_hit("a.pdf", 2, 0.8), page_hit("a.pdf", 3, 0.7)
     b1, b2 = page_hit("b.pdf", 1, 0.95), page_hit("b.pdf", 2, 0.6)
@@ -494,6 +534,12 @@ async def test_a_page_deleted_between_retrieval_and_the_answer_is_left_out_and_n
     assert out["pages_deleted"] and out["answer"], out
 
 
+def joint_prompt(plans: list[PromptPlan]) -> PromptPlan:
+    """A joint answer's one prompt, or its parts' (each the same images and the same text up to its own line)."""
+    assert plans and len({plan.images for plan in plans}) == 1, plans
+    return plans[0]
+
+
 async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_shown_the_crop_alone(pipeline_with):
     """Issue 26: the sample paper's page 4 holds "Figure 4: hit rate by workload". Its citation names the figure
     either way; MMRAG_FIGURE_CROPS shows the figure's crop (its own key, fewer tokens) instead of the page."""
@@ -502,19 +548,20 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     answer = await pages.ask(question, answer_mode="joint")
     (cited,) = [c for c in answer.citations if c.figure is not None]
     assert (cited.doc, cited.page, cited.figure.region.number) == ("page_cache_paper.pdf", 4, 4)
-    (plan,) = pages.submitted
+    plan = joint_prompt(pages.submitted)
     assert ImageKey.parse(cited.image_key) in plan.images and cited.figure.image_key not in plan.images
 
     crops = pipeline_with(figure_crops=True)
     shown = await crops.ask(question, answer_mode="joint")
     (crop,) = [c for c in shown.citations if c.figure is not None]
-    (plan,) = crops.submitted
+    plan = joint_prompt(crops.submitted)
+    n_joint = len(crops.submitted)
     assert crop.image_key == str(crop.figure.image_key) and crop.figure.image_key in plan.images
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text
     # Split, the crop leads a prompt of its own and its part of the answer is headed by the figure.
     led = await crops.ask(question, answer_mode="split")
-    alone = [plan for plan in crops.submitted[1:] if plan.images == (crop.figure.image_key,)]
-    assert len(alone) == 1 and len(crops.submitted) - 1 == len(led.extra["image_answers"]) > 1
+    alone = [plan for plan in crops.submitted[n_joint:] if plan.images == (crop.figure.image_key,)]
+    assert len(alone) == 1 and len(crops.submitted) - n_joint == len(led.extra["image_answers"]) > 1
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload: " in led.answer
     assert ImageKey.parse(cited.image_key) not in plan.images  # the page itself is not shown
     # A question about what the page says around the figure is shown the page, the figure still cited.
@@ -522,7 +569,7 @@ async def test_a_question_naming_a_figure_cites_it_and_with_figure_crops_is_show
     around = await crops.ask("According to the text, what does Figure 4 show about the hit rate by workload?",
                              answer_mode="joint")
     (named,) = [c for c in around.citations if c.figure is not None]
-    (plan,) = crops.submitted
+    plan = joint_prompt(crops.submitted)
     assert named.figure == cited.figure and named.image_key == cited.image_key
     assert ImageKey.parse(cited.image_key) in plan.images and cited.figure.image_key not in plan.images
 

@@ -94,6 +94,45 @@ async def test_siblings_wait_for_the_group_leaders_prefill_then_run_together():
     assert [t.result().text for t in tasks] == ["p1", "p2", "p3"]
 
 
+async def test_parts_sharing_pages_after_a_cached_first_one_wait_for_the_first_parts_prefill():
+    """A joint answer's parts (rag/plans.joint_parts) share every page. Their first page is cached already (an
+    earlier plan led with it), the pages after it are not: the second part waits for the first one's prefill
+    and hits those pages, instead of computing them beside it."""
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=4)
+    earlier = asyncio.create_task(s.submit(plan("earlier", "A")))
+    await settle()
+    await eng.finish("earlier")
+    parts = [asyncio.create_task(s.submit(plan(n, "A", "B", "C"))) for n in ("part1", "part2")]
+    other = asyncio.create_task(s.submit(plan("other", "A", "D")))  # shares only the cached page: not held
+    await settle()
+    assert eng.started == ["earlier", "part1", "other"] and s.waiting == 1
+    await eng.finish("part1", prefill_only=True)
+    assert eng.started[-1] == "part2"
+    for name in ("part1", "part2", "other"):
+        await eng.finish(name)
+    await asyncio.gather(earlier, other, *parts)
+    assert s.in_flight == 0
+
+
+async def test_a_page_warmed_past_the_scheduler_is_never_waited_for():
+    """Warm-up prefills pages on the engine directly (serving/api/startup.py tells the scheduler): two plans
+    leading with a warm page start together, where a cold page holds the second for the first's prefill."""
+    from serving.warmup import warm_plan
+
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=4)
+    s.note_prefilled(warm_plan("W"))
+    warm = [asyncio.create_task(s.submit(plan(n, "W", x))) for n, x in (("w1", "B"), ("w2", "C"))]
+    cold = [asyncio.create_task(s.submit(plan(n, "K", x))) for n, x in (("k1", "B"), ("k2", "C"))]
+    await settle()
+    assert eng.started == ["w1", "w2", "k1"] and s.waiting == 1
+    await eng.finish("k1", prefill_only=True)
+    for name in ("w1", "w2", "k1", "k2"):
+        await eng.finish(name)
+    await asyncio.gather(*warm, *cold)
+
+
 async def test_fcfs_never_holds_a_plan_back():
     eng = RecordingEngine()
     s = scheduler(eng, policy=Policy.FCFS, max_concurrency=4)

@@ -78,8 +78,9 @@ def tokens(p: PromptPlan) -> int:
     return sum(TOKENS[k] for k in p.images)
 
 
-def lead(p: PromptPlan) -> tuple[str, str, str]:
-    return (p.cache_salt, p.system_prompt_id, p.images[0])
+def prefixes(p: PromptPlan) -> list[tuple[str, ...]]:
+    """The plan's salt and system prompt with its first image, first two, ...: what a plan that shares them reuses."""
+    return [(p.cache_salt, p.system_prompt_id, *p.images[:k]) for k in range(1, len(p.images) + 1)]
 
 
 def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: Seen, now: float) -> None:
@@ -103,9 +104,9 @@ def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: See
     fits = lambda n: in_flight_tokens + tokens(seen.plans[n]) <= config.max_image_tokens_in_flight  # noqa: E731
     slot = lambda n: free and (short(n) or long_running < config.max_concurrency - reserved)  # noqa: E731
     overdue = [n for n in waiting if (now - seen.arrival[n]) * 1000 >= MAX_WAIT_MS]
-    # Leads whose prefill is running, and leads some plan finished prefilling (their KV is cached).
-    prefilling = {lead(seen.plans[n]) for n in running if n not in seen.prefilled}
-    cached = {lead(seen.plans[n]) for n in seen.prefilled}
+    # Prefixes whose prefill is running, and prefixes some plan finished prefilling (their KV is cached).
+    prefilling = {x for n in running if n not in seen.prefilled for x in prefixes(seen.plans[n])}
+    cached = {x for n in seen.prefilled for x in prefixes(seen.plans[n])}
 
     for n in waiting:
         p = seen.plans[n]
@@ -120,9 +121,11 @@ def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: See
         assert n not in overdue, f"overdue plan {n} waits with a slot it may use free and the budget room"
         # Not overdue, a slot and the budget free: only gating may hold it, and only behind its own salt.
         assert config.policy is not Policy.FCFS, f"FCFS held {n} back with a slot free"
-        assert lead(p) in prefilling and lead(p) not in cached, (
-            f"plan {n} (salt {p.cache_salt!r}, lead {p.images[0]}) held with a slot free and no prefill of its "
-            f"own salt and lead running: running {[(seen.plans[r].cache_salt, seen.plans[r].images) for r in running]}")
+        # Held: another plan of its salt is prefilling a longer prefix of its images than any has finished.
+        computing = [x for x in prefixes(p) if x in prefilling]
+        assert computing and computing[-1] not in cached, (
+            f"plan {n} (salt {p.cache_salt!r}, images {p.images}) held with a slot free and no prefill of its "
+            f"own salt and images running: running {[(seen.plans[r].cache_salt, seen.plans[r].images) for r in running]}")
 
 
 async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:

@@ -153,6 +153,13 @@ async def test_a_wrong_or_missing_key_is_refused(tenant_server):
         assert r.status_code == 200
 
 
+async def test_readyz_answers_anyone_without_counting_the_tenants(tenant_server):
+    async with httpx.AsyncClient(base_url=tenant_server["url"]) as anon:
+        r = await anon.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True, r.text
+    assert r.json()["checks"]["qdrant"]["detail"] == "answers" and "collection" not in r.text
+
+
 # --- isolation ------------------------------------------------------------------------------------------------
 
 

@@ -194,14 +194,18 @@ async def test_a_wrong_key_shows_the_error_the_api_returns_and_the_key_stays_in_
         use_key(page, "not-the-key")
         shown = wait_until(page, "return document.getElementById('alert').innerText", what="the error")
         status = page.execute_script("return document.getElementById('alert').dataset.status")
+        wait_until(page, "return document.getElementById('documents-status').innerText.startsWith('Enter your')",
+                   what="the document list's status to ask for the key")
+        listed = page.execute_script("return document.getElementById('documents-status').innerText")
         storage = page.execute_script("return [sessionStorage.getItem('mmrag.key'), localStorage.length, "
                                       "document.cookie]")
         use_key(page, API_KEY)
         wait_until(page, "return document.getElementById('alert').innerText === ''", what="the error to clear")
-        return shown, status, storage
+        return shown, status, listed, storage
 
-    shown, status, storage = await in_browser(wrong_then_right)
+    shown, status, listed, storage = await in_browser(wrong_then_right)
     assert status == "401" and shown.startswith("401 unauthorized: ")
+    assert listed == "Enter your API key (or your tenant's key) above to see your documents."
     assert refused["message"] in shown and f"Fix: {refused['fix']}" in shown, shown  # the API's words, whole
     assert storage == ["not-the-key", 0, ""]  # this tab's session storage only: no localStorage, no cookie
 

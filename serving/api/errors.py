@@ -243,9 +243,20 @@ def _validation_error(request: Request, exc: RequestValidationError) -> ApiError
                         f'form-data; name="{field}"; filename="<name>"` (`curl -F {field}=@<file>` writes it)')
     if _takes_form(request):
         fix = f"send multipart/form-data with the fields the schema of {_operation(request)} at /docs lists"
+    elif loc[:1] == ("body",) and not _says_json(request):  # FastAPI reads a JSON body only when it is said to be
+        return ApiError(422, "invalid_request", f"{_operation(request)} takes a JSON body, and this one was "
+                        f"sent as {request.headers.get('content-type') or 'no Content-Type'}",
+                        "send the header Content-Type: application/json with the body (curl: -H 'Content-Type: "
+                        "application/json'; curl -d alone says application/x-www-form-urlencoded)")
     else:
         fix = f"see the schema of {_operation(request)} at /docs"
     return ApiError(422, "invalid_request", f"{where}: {msg}", fix)
+
+
+def _says_json(request: Request) -> bool:
+    """The request's Content-Type is JSON (application/json, or a +json type), as FastAPI's body reader asks."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind == "application/json" or kind.endswith("+json")
 
 
 def install(app: FastAPI, paths: ServerPaths) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from serving.api.services import Services
-from serving.warmup import leading_images, rank_by_demand, warm
+from serving.warmup import leading_images, rank_by_demand, warm, warm_plan
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,9 @@ async def warm_at_startup(services: Services) -> None:
         report = await warm(services.engine.inner, candidates[:top] if top > 0 else candidates,
                             share=0.5 / len(views), cache_salt=view.scope.cache_salt)
         view.warm_report = report
-        if services.scheduler.residency is not None:  # the scheduler's KV estimate sees no warm-up prefill itself
+        for key in report.warmed:  # the scheduler sees no warm-up prefill itself: a warm page is never gated
+            services.scheduler.note_prefilled(warm_plan(key, view.scope.cache_salt))
+        if services.scheduler.residency is not None:  # nor does its KV estimate
             tokens_of = {c.key: c.image_tokens for c in candidates}
             for key in report.warmed:
                 services.scheduler.residency.observe((key,), [tokens_of[key]])

@@ -86,7 +86,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     return ChatCompletion.model_validate({
         **head, "object": "chat.completion",
         "choices": [{"index": 0, "finish_reason": "stop", "message": {
-            "role": "assistant", "content": answered["answer"] + footnotes(answered["citations"])}}],
+            "role": "assistant", "content": answered["answer"] + endnotes(answered)}}],
         "usage": chat_usage(answered["usage"]), "citations": answered["citations"]})
 
 
@@ -106,12 +106,19 @@ async def _chunks(events: AsyncIterator[dict], head: dict, include_usage: bool) 
             yield chunk({"content": event["text"]})
         elif event["event"] == "done":
             answer = event["answer"]
-            yield chunk({"content": footnotes(answer["citations"])}, "stop", citations=answer["citations"])
+            yield chunk({"content": endnotes(answer)}, "stop", citations=answer["citations"])
             if include_usage:
                 yield chunk(None, usage=chat_usage(answer["usage"]))
         elif event["event"] == "error":
             yield f"data: {json.dumps({'error': event['error']}, ensure_ascii=False)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def endnotes(answer: dict) -> str:
+    """What ends a chat answer's text: when the model has random weights, a line that says so (a chat client shows
+    the text alone: /v1/ask's ``model.note`` never reaches its reader), then its footnotes, last."""
+    note = (answer.get("model") or {}).get("note")
+    return (f"\n\n({note})" if note else "") + footnotes(answer["citations"])
 
 
 def footnotes(citations: list[dict]) -> str:

@@ -344,7 +344,10 @@ async function refreshDocuments({ more = false } = {}) {
     page = await getJSON(`v1/documents?limit=100&offset=${offset}`);
   } catch (err) {
     showError(err);
-    $("documents-status").textContent = "The document list could not be read.";
+    // A server with keys (or tenants) lists nothing to a tab without the right one: say so, not "empty".
+    $("documents-status").textContent = err.status === 401
+      ? "Enter your API key (or your tenant's key) above to see your documents."
+      : "The document list could not be read.";
     return;
   }
   const rows = page.documents.map(documentRow);
