@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     # first's speed and takes the cores answers need; each more holds its own batch of rendered pages in memory,
     # and renders PDFs beside the others while pdfium is not thread-safe (ingestion/loaders.py holds no lock yet).
     ingest_workers: int = Field(default=1, ge=1)
+    # Finished ingest jobs (done, failed, cancelled) kept per tenant for GET /v1/ingest; the oldest are forgotten
+    # first. Unfinished jobs are always kept.
+    ingest_jobs_kept: int = Field(default=1000, ge=1)
     # Feature entries a deletion kept because a lease held them are tried again this often (and at each deletion).
     delete_retry_s: float = Field(default=60.0, gt=0)
     warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none

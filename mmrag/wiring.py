@@ -547,7 +547,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     jobs = IngestJobs(scope_of, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
                       make_index=make_index, store=store,
                       referenced=lambda index: index.referenced_keys(settings.qdrant_collection),
-                      tiers=settings.tier_table, workers=settings.ingest_workers, retry_s=settings.delete_retry_s)
+                      tiers=settings.tier_table, workers=settings.ingest_workers, retry_s=settings.delete_retry_s,
+                      keep=settings.ingest_jobs_kept)
     # Each conversation leases its images for as long as it lives (serving/api/conversations.py).
     conversations = Conversations(max_entries=settings.max_conversations,
                                   per_tenant=settings.conversations_per_tenant, ttl_s=settings.conversation_ttl_s,

@@ -70,6 +70,7 @@ class Job:
 
 
 UNFINISHED = ("queued", "running")
+FINISHED = ("done", "failed", "cancelled")
 
 
 class JobCancelled(Exception):
@@ -97,6 +98,10 @@ class JobStore:
         state = json.dumps({**job.to_json(), "files": job.files, "tenant": job.tenant})
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?)", (job.id, job.submitted_at, state))
+
+    def delete(self, job_ids: list[str]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in job_ids])
 
     def load(self) -> list[Job]:
         """Every job, oldest first."""
@@ -204,7 +209,7 @@ class IngestJobs:
                  *, state: Path,
                  make_index: Callable[[str], PageIndex], store: FeatureStore,
                  referenced: Callable[[PageIndex], set[ImageKey]], tiers: Tiers,
-                 workers: int = 1, retry_s: float = 60.0) -> None:
+                 workers: int = 1, retry_s: float = 60.0, keep: int = 1000) -> None:
         if workers < 1:
             raise ValueError(f"ingest workers must be at least 1, got {workers}: set MMRAG_INGEST_WORKERS to 1 or more")
         self._scope_of = scope_of
@@ -215,6 +220,7 @@ class IngestJobs:
         self._tiers = tiers
         self._store = store
         self._retry_s = retry_s
+        self._keep = keep
         self._ingestors: dict[tuple[str, tuple[str, ...]], Ingestor] = {}  # by tenant and a job's own tiers
         self._building = threading.Lock()  # not ``_lock``: building one calls the index on the event loop
         self._db = JobStore(state)
@@ -234,6 +240,8 @@ class IngestJobs:
                 self._finish(job, "cancelled")
             elif job.status in UNFINISHED:
                 self._resume(job)
+        for tenant in {job.tenant for job in self._jobs.values()}:
+            self._forget_finished(tenant)
         # Daemon threads: a process that exits mid-job leaves the job running in the JobStore, resumed next start.
         self._threads = [threading.Thread(target=self._work, name=f"mmrag-ingest-{i}", daemon=True)
                          for i in range(workers)]
@@ -551,7 +559,20 @@ class IngestJobs:
         with self._lock:
             job.status, job.report, job.error, job.finished_at = status, report, error, time.time()
             self._db.save(job)
+            self._forget_finished(job.tenant)
             self._lock.notify_all()  # a deletion may be waiting for this job
+
+    def _forget_finished(self, tenant: str) -> None:
+        """The tenant's finished jobs past the newest ``keep`` forgotten (their reports with them): the job list
+        of a server that ingests for months stays bounded. Unfinished jobs are never forgotten."""
+        with self._lock:
+            finished = sorted((j for j in self._jobs.values() if j.tenant == tenant and j.status in FINISHED),
+                              key=lambda j: (j.finished_at or j.submitted_at, j.submitted_at, j.id))
+            old = finished[:max(0, len(finished) - self._keep)]
+            for job in old:
+                del self._jobs[job.id]
+            if old:
+                self._db.delete([job.id for job in old])
 
     def shutdown(self) -> None:
         """Stop taking jobs; a running one stops before its next page batch (left running in the JobStore, so the

@@ -289,3 +289,46 @@ def test_a_job_running_at_shutdown_stops_at_its_next_batch_and_resumes_at_the_ne
         assert resumed.resumed == 1 and resumed.report["pages"] == 2
     finally:
         jobs.shutdown()
+
+
+def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_never(tmp_path):
+    """Issue 41: the job list grew without bound. A tenant's finished jobs past MMRAG_INGEST_JOBS_KEPT are
+    forgotten, oldest first, in memory and in the job store, at each finish and at start-up."""
+    scope = TenantScope(tenant="default", collection="pages", cache_salt="", root=tmp_path, uploads=tmp_path / "up")
+    state = tmp_path / "jobs.sqlite3"
+    (tmp_path / "doc.pdf").write_bytes(b"%PDF-")
+
+    def start(ingestor: _BatchedIngestor, keep: int) -> IngestJobs:
+        return IngestJobs(lambda tenant: scope, lambda tenant, tiers: ingestor, state=state, make_index=None,
+                          store=None, referenced=None, tiers=Tiers({}), keep=keep)
+
+    def finished(jobs: IngestJobs, job: Job) -> Job:
+        deadline = time.monotonic() + 30  # a hang guard: each job is one 50 ms batch
+        while (now := jobs.get(job.id)) is None or now.status not in FINISHED:
+            assert now is not None and time.monotonic() < deadline, now
+            time.sleep(0.02)
+        return now
+
+    jobs = start(_BatchedIngestor(batches=1), keep=2)
+    try:
+        submitted = [jobs.submit(["doc.pdf"], recursive=False) for _ in range(4)]
+        finished(jobs, submitted[-1])  # one worker: they finish in order
+        listed, total = jobs.list(limit=10, offset=0)
+        assert total == 2 and [j.id for j in listed] == [j.id for j in submitted[:1:-1]]
+        assert jobs.get(submitted[0].id) is None and jobs.get(submitted[1].id) is None
+    finally:
+        jobs.shutdown()
+    db = JobStore(state)
+    assert [j.id for j in db.load()] == [j.id for j in submitted[2:]]
+    db.close()
+
+    long = _BatchedIngestor(batches=1000)
+    jobs = start(long, keep=1)  # at start-up: the older of the two finished goes
+    try:
+        assert [j.id for j in jobs.list(limit=10, offset=0)[0]] == [submitted[-1].id]
+        running = jobs.submit(["doc.pdf"], recursive=False)
+        assert long.started.wait(10)
+        queued = jobs.submit(["doc.pdf"], recursive=False)
+        assert {j.id for j in jobs.list(limit=10, offset=0)[0]} == {submitted[-1].id, running.id, queued.id}
+    finally:
+        jobs.shutdown()
