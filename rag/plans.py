@@ -60,7 +60,6 @@ from retrieval.search import Hit
 
 logger = logging.getLogger(__name__)
 
-DEPRECATED_MODES = DEPRECATED_ANSWER_MODES  # old names (one release): what each is now
 
 
 class AnswerMode(str, enum.Enum):
@@ -72,9 +71,10 @@ class AnswerMode(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> AnswerMode | None:
-        """An old name (:data:`DEPRECATED_MODES`) is its successor, said once in the log each time it is read."""
-        if isinstance(value, str) and value in DEPRECATED_MODES:
-            new = DEPRECATED_MODES[value]
+        """An old name (core/settings.DEPRECATED_ANSWER_MODES) is its successor, said once in the log each time it
+        is read."""
+        if isinstance(value, str) and value in DEPRECATED_ANSWER_MODES:
+            new = DEPRECATED_ANSWER_MODES[value]
             logger.warning("answer mode %r is deprecated and will be removed in the next release: it is %r now; "
                            "ask for %r (or leave it unset: auto chooses per question)", value, new, new)
             return cls(new)

@@ -303,11 +303,10 @@ def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_nev
                           store=None, referenced=None, tiers=Tiers({}), keep=keep)
 
     def finished(jobs: IngestJobs, job: Job) -> Job:
-        deadline = time.monotonic() + 30  # a hang guard: each job is one 50 ms batch
-        while (now := jobs.get(job.id)) is None or now.status not in FINISHED:
-            assert now is not None and time.monotonic() < deadline, now
-            time.sleep(0.02)
-        return now
+        # Woken by the jobs' own condition, which each status change notifies; 30 s is a hang guard only.
+        with jobs._lock:
+            assert jobs._lock.wait_for(lambda: jobs.get(job.id).status in FINISHED, timeout=30), jobs.get(job.id)
+        return jobs.get(job.id)
 
     jobs = start(_BatchedIngestor(batches=1), keep=2)
     try:

@@ -166,9 +166,10 @@ def test_the_answer_modes_are_one_list_in_settings_the_api_and_the_cli():
     from typing import get_args
 
     from mmrag.cli import ANSWER_MODES
-    from rag.plans import DEPRECATED_MODES, AnswerMode
+    from core.settings import DEPRECATED_ANSWER_MODES
+    from rag.plans import AnswerMode
     from serving.api.schemas import AnswerModeName
 
-    names = tuple(m.value for m in AnswerMode) + tuple(DEPRECATED_MODES)  # the old names, one release
+    names = tuple(m.value for m in AnswerMode) + tuple(DEPRECATED_ANSWER_MODES)  # the old names, one release
     assert get_args(Settings.model_fields["answer_mode"].annotation) == names == ANSWER_MODES
     assert get_args(AnswerModeName) == names

@@ -96,7 +96,7 @@ TIER_DESCRIPTION = (
 
 
 # The old names (one_prompt, per_image, per_sub_question) are accepted one more release, with a deprecation line
-# in the server's log: rag/plans.DEPRECATED_MODES says what each is now.
+# in the server's log: core/settings.DEPRECATED_ANSWER_MODES says what each is now.
 AnswerModeName = Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"]
 ANSWER_MODE_DESCRIPTION = (
     "How the retrieved pages become the answer: `split` (each shown page, or figure crop, leads a prompt of its "
