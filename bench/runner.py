@@ -566,7 +566,8 @@ def answer_plans(question: str, subs: Sequence[str], hits: Sequence[Sequence[Hit
     shown = [[h for h in hs if h.image_key not in dropped] for hs in fitted]
     if choice.mode is AnswerMode.JOINT and not joint_in_parts:
         return choice, [joint_plan(question, subs, choice.pages, max_tokens=limit, hits=shown)]
-    return choice, [p.plan for p in choice_plans(choice, question, subs, max_tokens=limit, hits=shown)]
+    return choice, [p.plan for p in choice_plans(choice, question, subs, max_tokens=limit, hits=shown,
+                                                  min_part_tokens=config.joint_part_min_tokens)]
 
 
 def prompt_misfit(question: str, subs: Sequence[str], pages: Sequence[Hit], hits: Sequence[Sequence[Hit]],

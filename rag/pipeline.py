@@ -32,7 +32,7 @@ from core.settings import DEFAULT_TENANT
 from rag.answer import Answer, Citation
 from rag.answer_cache import AnswerCache, CachedAnswer, answer_key
 from rag.decompose import Decomposer
-from rag.plans import (AnswerChoice, AnswerMode, PlannedPrompt, choice_plans, choose_answer, cite, fit_pages,
+from rag.plans import (JOINT_PART_MIN_TOKENS, AnswerChoice, AnswerMode, PlannedPrompt, choice_plans, choose_answer, cite, fit_pages,
                        image_label,
                        joint_text, page_label, part_heading, plan_prompts, shown_as_figures, synthesis_plan)
 from rag.tiers import TieredHits, TierSource
@@ -57,6 +57,9 @@ class PipelineConfig:
     max_model_len: int = 4096  # the engine's context: one prompt and its answer must fit in it
     one_prompt_pages: int = 4  # most pages an answer shows, each sub-question's best first (0: every page)
     figure_crops: bool = False  # a hit on a figure shows the figure's crop, not its page (MMRAG_FIGURE_CROPS)
+    # A joint answer's shortest part (rag/plans.joint_parts): a shorter answer is one prompt. Not a setting: tests
+    # of the parts' mechanics lower it to see parts at a few tokens.
+    joint_part_min_tokens: int = JOINT_PART_MIN_TOKENS
     # Benchmarks only: every answer plan decodes exactly its max_tokens. A random-weight model stops at an end of
     # sequence wherever it happens to draw one, so answers of one length would differ by side and by mode.
     fixed_length: bool = False
@@ -271,7 +274,8 @@ class Pipeline:
         each under its page's heading. Streamed in that order: the first part live from its first token, each
         later part from where it has got to once the parts before it are done, then live (they decode side by
         side); the answer's TTFT is the first part's. A lone plan is the answer, streamed as it comes."""
-        planned = choice_plans(choice, run.question, subs, max_tokens=max_tokens, images=images, hits=hits)
+        planned = choice_plans(choice, run.question, subs, max_tokens=max_tokens, images=images, hits=hits,
+                               min_part_tokens=self.config.joint_part_min_tokens)
         if len(planned) == 1:
             completion = await self._submit(planned[0].plan, run, streamed=True)
             usage.add(completion.usage)

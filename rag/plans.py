@@ -11,7 +11,8 @@ model sees whole pages or figures, nothing is approximated) and both citing ever
   (:func:`stable_order`), for questions that need pages seen together. Its answer is decoded in parts, one per
   shown page, side by side: every part's prompt is the same prompt over all the pages (its KV prefilled once,
   the other parts hit it) with one line more, which asks for what that page shows set against the others; the
-  parts' lengths add up to the answer's. A CPU or GPU decodes a batch of parts in about the steps of one part,
+  parts' lengths add up to the answer's. An answer too short for parts of JOINT_PART_MIN_TOKENS each is one
+  prompt (the parts' extra prefill would outweigh the decode steps they save). A CPU or GPU decodes a batch of parts in about the steps of one part,
   where one prompt would decode the answer's length one token at a time (a comparison at 128 tokens took twice
   the time at the floor). What it gives up: a part does not read the others' text, so two parts may say the same
   thing. When the pages and the answer do not fit one prompt, it overflows into a prompt per sub-question and a
@@ -233,15 +234,26 @@ def split_plans(question: str, sub_questions: Sequence[str], pages: Sequence[Hit
     return planned
 
 
+# The shortest part a joint answer is decoded in (joint_parts). A part costs the whole joint prompt once more
+# (its images hit the first part's KV; its text and line are prefilled again) and waits for the first part's
+# prefill; it saves the decode steps the parts take side by side. Measured end to end (BENCHMARKS.md, issue 40):
+# at 128 tokens over 4 pages (32-token parts) the parts win 1.58x on comparisons; at 4 tokens (1-token parts)
+# one prompt wins, the parts' extra prefill and wait costing more than 3 decode steps saved. Below 16 tokens a
+# part, the answer is one prompt.
+JOINT_PART_MIN_TOKENS = 16
+
+
 def joint_parts(question: str, sub_questions: Sequence[str], pages: Sequence[Hit], *, max_tokens: int,
-                images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> list[PlannedPrompt]:
+                images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = (),
+                min_part_tokens: int = JOINT_PART_MIN_TOKENS) -> list[PlannedPrompt]:
     """The joint answer in parts (module docstring): one per page of ``pages``, each the joint prompt
     (:func:`joint_plan`, the same images in the same order and the same text, so every part after the first
     hits the first one's KV) and then a line asking for that page's part, set against the other images. The
-    parts' lengths add up to ``max_tokens`` (:func:`part_lengths`). One page (or fewer answer tokens than
-    pages): the joint prompt alone."""
+    parts' lengths add up to ``max_tokens`` (:func:`part_lengths`). One page, or an answer too short for a part
+    of ``min_part_tokens`` per page (JOINT_PART_MIN_TOKENS: decode then weighs less than the parts' extra
+    prefill): the joint prompt alone."""
     whole = joint_plan(question, sub_questions, pages, max_tokens=max_tokens, images=images, hits=hits)
-    if len(pages) < 2 or max_tokens < len(pages):
+    if len(pages) < 2 or max_tokens < len(pages) * max(1, min_part_tokens):
         return [PlannedPrompt(whole, 0, pages[0] if pages else None)]
     n = len(pages)
     planned = []
@@ -255,13 +267,17 @@ def joint_parts(question: str, sub_questions: Sequence[str], pages: Sequence[Hit
 
 
 def choice_plans(choice: AnswerChoice, question: str, sub_questions: Sequence[str], *, max_tokens: int,
-                 images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = ()) -> list[PlannedPrompt]:
+                 images: Sequence[ImageKey] = (), hits: Sequence[Sequence[Hit]] = (),
+                 min_part_tokens: int = JOINT_PART_MIN_TOKENS) -> list[PlannedPrompt]:
     """The plans that answer ``choice`` (not its overflow, planned once the sub-answers exist): the split's
-    parts (:func:`split_plans`) or the joint's (:func:`joint_parts`), in the answer's order."""
+    parts (:func:`split_plans`) or the joint's (:func:`joint_parts`, parts of ``min_part_tokens`` at least), in
+    the answer's order."""
     if choice.overflow:
         raise ValueError("joint's overflow is planned per sub-question (plan_prompts), then a synthesis")
-    parts = split_plans if choice.mode is AnswerMode.SPLIT else joint_parts
-    return parts(question, sub_questions, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+    if choice.mode is AnswerMode.SPLIT:
+        return split_plans(question, sub_questions, choice.pages, max_tokens=max_tokens, images=images, hits=hits)
+    return joint_parts(question, sub_questions, choice.pages, max_tokens=max_tokens, images=images, hits=hits,
+                       min_part_tokens=min_part_tokens)
 
 
 def part_lengths(max_tokens: int, parts: int) -> list[int]:

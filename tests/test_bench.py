@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.runner import llamaindex_messages, page_caption
+from rag.plans import JOINT_PART_MIN_TOKENS
 from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,18 +87,21 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
             assert c["completion_tokens"] == wl["sub_questions_total"] * wl["max_tokens"], name
             assert c["image_tokens"] == wl["page_uses"] * full, name
             continue
-        # A strategy: a request per page shown (split: each page leading its own; joint: each over every page,
-        # unless the answer has fewer tokens than pages: one prompt); auto as it chose. The parts share the
+        # A strategy: a request per page shown (split: each page leading its own, unless the answer has fewer
+        # tokens than pages; joint: each over every page, unless a part would be shorter than
+        # JOINT_PART_MIN_TOKENS: one prompt); auto as it chose. The parts share the
         # answer's length, so every question decodes exactly one answer's length; each page of the question
         # shown once, at most ANSWER_PAGES.
         mode = STRATEGIES[name]
         modes = [m if mode == "auto" else "joint" if n == 1 else mode for m, n in answers]
         assert c["answer_mode"] == mode and c["answer_modes"] == {m: modes.count(m) for m in sorted(set(modes))}
-        assert c["requests"] == sum(n if n <= wl["max_tokens"] else 1 for _, n in answers), name
+        shortest = {"joint": JOINT_PART_MIN_TOKENS, "split": 1}
+        in_parts = [1 < n and n * shortest[m] <= wl["max_tokens"] for m, (_, n) in zip(modes, answers, strict=True)]
+        assert c["requests"] == sum(n if parts else 1 for parts, (_, n) in zip(in_parts, answers)), name
         assert c["completion_tokens"] == wl["questions"] * wl["max_tokens"] == c["answer_tokens"] * wl["questions"]
         per_page = budget if name == "mmrag_auto_budget" else full  # a quarter of the tokens
         # A split part shows its page; a joint answer's every part shows all its n pages.
-        shown = [n * n if m == "joint" and 1 < n <= wl["max_tokens"] else n for m, (_, n) in zip(modes, answers)]
+        shown = [n * n if m == "joint" and parts else n for m, parts, (_, n) in zip(modes, in_parts, answers)]
         assert c["image_tokens"] == sum(shown) * per_page, name
         if mode == "split":
             assert c["image_tokens"] < wl["page_uses"] * per_page, name
@@ -105,8 +109,9 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
             assert c["later_image_token_share"] == 0, name
     # The workload has both kinds of question, and a question with more pages than an answer shows.
     assert {m for m, _ in answers} == {"split", "joint"} and max(n for _, n in answers) == ANSWER_PAGES
-    assert cfg["mmrag_joint"]["requests"] == cfg["mmrag_auto"]["requests"] == cfg["mmrag_split"]["requests"] \
-        > wl["questions"]
+    # At these few tokens a joint answer is one prompt; a split's parts are a request each.
+    assert wl["max_tokens"] < 2 * JOINT_PART_MIN_TOKENS
+    assert cfg["mmrag_split"]["requests"] >= cfg["mmrag_auto"]["requests"] > wl["questions"] == cfg["mmrag_joint"]["requests"]
     assert cfg["mmrag_joint_warm"]["later_image_token_share"] > 0
     # The vision encoder runs only where pixels are sent; no cache can serve the baselines.
     assert all(cfg[n]["vit_forwards_per_question"] > 0 for n in {"no_cache"} | PIXELS_HASHED)
@@ -131,11 +136,12 @@ def test_bench_quick_at_tiny_sizes_completes_and_its_json_has_every_field(bench_
         "TTFT p50 mmrag_split_warm / floor_split", "TTFT p50 mmrag_joint_warm / floor_joint"]
     assert data["targets"]["hit rate best strategy / position oracle"]["config"] in {
         "mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
-    # The strategies' costs next to the default's: either pays a request per page shown.
+    # The strategies' costs next to the default's: a split pays a request per page shown; a joint answer at these
+    # few tokens is one prompt.
     strategies = data["strategies"]
     assert strategies["best"] in {"mmrag_split_warm", "mmrag_joint_warm", "mmrag_auto_warm"}
-    assert strategies["mmrag_split_warm"]["requests"] == strategies["mmrag_auto_warm"]["requests"] \
-        == strategies["mmrag_joint_warm"]["requests"] > wl["questions"]
+    assert strategies["mmrag_split_warm"]["requests"] >= strategies["mmrag_auto_warm"]["requests"] > wl["questions"] \
+        == strategies["mmrag_joint_warm"]["requests"]
     assert strategies["mmrag_auto_warm"]["requests_ratio"] == 1.0
     users_and_floor = ("vllm_llamaindex", "vllm_images_first", "floor")
     assert {f"{a} / {b}" for a in ("mmrag_auto", "mmrag_auto_warm") for b in users_and_floor} | {

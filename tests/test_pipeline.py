@@ -14,7 +14,8 @@ from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
 from rag.order import PagePopularity
-from rag.plans import (AnswerMode, build_plans, choice_plans, choose_answer, cite, fit_pages, joint_parts, joint_plan,
+from rag.plans import (JOINT_PART_MIN_TOKENS, AnswerMode, build_plans, choice_plans, choose_answer, cite, fit_pages,
+                       joint_parts, joint_plan,
                        joint_text, needs_page, part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
                        synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
@@ -92,6 +93,16 @@ async def test_a_comparison_sees_its_pages_together_in_a_stable_order_decoded_in
     # The same question again renders the same prompts: their whole prefix recurs.
     await p.ask(question)
     assert p.submitted[len(plans):] == plans
+
+
+async def test_a_joint_answer_too_short_for_its_parts_is_one_prompt(pipeline_with):
+    p = pipeline_with(joint_part_min_tokens=JOINT_PART_MIN_TOKENS)  # the default: 8 tokens over 2+ pages
+    answer = await p.ask("Compare the retry limit of the ingest service and the gross margin")
+    out = answer.to_json()
+    assert out["answer_mode"] == "joint" and len(p.submitted) == 1 and len(out["citations"]) > 1
+    assert set(p.submitted[0].images) == {ImageKey.parse(c.image_key) for c in answer.citations}
+    assert p.submitted[0].sampling.max_tokens == 8 and "Write part" not in p.submitted[0].text
+    assert "image_answers" not in out or not out["image_answers"]
 
 
 async def test_joint_overflows_into_sub_answers_and_a_synthesis_when_its_pages_do_not_fit(pipeline_with):
@@ -311,9 +322,11 @@ async def pipeline_with(engine_settings, pipeline):
     """A pipeline wired with these settings on the session engine and index, recording every plan it submits
     (to the real scheduler)."""
 
-    def build(**settings):
+    def build(joint_part_min_tokens: int = 1, **settings):
         settings = engine_settings.model_copy(update={"answer_max_tokens": 8, **settings})
         p, _ = wiring.pipeline(settings, pipeline.engine, client=pipeline.searcher.client)
+        # A joint answer's parts at 8 tokens (their mechanics; by default a part is JOINT_PART_MIN_TOKENS at least).
+        p.config = replace(p.config, joint_part_min_tokens=joint_part_min_tokens)
         p.submitted = []
         scheduled = p.submit
 
@@ -413,20 +426,25 @@ def test_joint_parts_are_the_joint_prompt_and_a_line_each_their_lengths_the_answ
     a1, b3, c2 = page_hit("a.pdf", 1), page_hit("b.pdf", 3), page_hit("c.pdf", 2)
     image = page_hit("question.png", 1).image_key
     whole = joint_plan("Q?", ["q1", "q2"], [b3, a1, c2], max_tokens=10, images=(image,))
-    parts = joint_parts("Q?", ["q1", "q2"], [b3, a1, c2], max_tokens=10, images=(image,))
+    parts = joint_parts("Q?", ["q1", "q2"], [b3, a1, c2], max_tokens=10, images=(image,), min_part_tokens=3)
     assert [p.page for p in parts] == [b3, a1, c2] and [p.plan.sampling.max_tokens for p in parts] == [4, 3, 3]
     assert all(p.plan.images == whole.images and p.plan.text.startswith(whole.text + "\n") for p in parts)
     assert parts[1].plan.text[len(whole.text):] == ("\nThe answer is written in 3 parts, one per page, at once. Write "
                                                     "part 2 only: what image 3 ([a.pdf, page 1]) shows for the "
                                                     "question, set against the other images.")
-    # One page, or fewer answer tokens than pages: the joint prompt itself.
-    assert [p.plan for p in joint_parts("Q?", ["q"], [a1], max_tokens=10)] == [
+    # One page, or an answer too short for a part of min_part_tokens per page: the joint prompt itself.
+    assert [p.plan for p in joint_parts("Q?", ["q"], [a1], max_tokens=10, min_part_tokens=1)] == [
         joint_plan("Q?", ["q"], [a1], max_tokens=10)]
-    assert [p.plan for p in joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=2)] == [
-        joint_plan("Q?", ["q"], [a1, b3, c2], max_tokens=2)]
+    assert [p.plan for p in joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=8, min_part_tokens=3)] == [
+        joint_plan("Q?", ["q"], [a1, b3, c2], max_tokens=8)]
+    # By default a part is JOINT_PART_MIN_TOKENS at least: 4 tokens over 3 pages is one prompt, 128 three parts.
+    assert len(joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=4)) == 1
+    assert len(joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=3 * JOINT_PART_MIN_TOKENS - 1)) == 1
+    assert len(joint_parts("Q?", ["q"], [a1, b3, c2], max_tokens=3 * JOINT_PART_MIN_TOKENS)) == 3
     choice = choose_answer(AnswerMode.JOINT, [[a1], [b3]], misfit=lambda pages: None)
-    assert choice_plans(choice, "Q?", ["q1", "q2"], max_tokens=10) == joint_parts("Q?", ["q1", "q2"], choice.pages,
-                                                                                   max_tokens=10)
+    assert choice_plans(choice, "Q?", ["q1", "q2"], max_tokens=10, min_part_tokens=5) == joint_parts(
+        "Q?", ["q1", "q2"], choice.pages, max_tokens=10, min_part_tokens=5)
+    assert len(choice_plans(choice, "Q?", ["q1", "q2"], max_tokens=10)) == 1
 
 
 def test_the_page_budget_keeps_each_sub_questions_best_pages_and_leaves_the_rest_out():
