@@ -44,6 +44,7 @@ class RenderedPage:
     text_source: TextSource = TextSource.NONE
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     figures: list[FigureCrop] = field(default_factory=list)  # PDFs with MMRAG_FIGURES on; in reading order
+    figures_skipped: str = ""  # why the figure step skipped this page (over its object or time bound), else ""
 
 
 @dataclass(slots=True, frozen=True, eq=False)  # eq=False: tensors have no boolean ==

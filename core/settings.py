@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     # Room for one prompt over the union of max_sub_questions x top_k pages (the one-prompt answer mode).
     max_images_per_prompt: int = 12
     max_num_seqs: int = 64
+    # Prompt tokens one engine step takes (vLLM's max_num_batched_tokens); 0: vLLM's default (2048 for `vllm
+    # serve` on CPU). Smaller: a new question's first token sooner beside other prompts' prefill chunks.
+    max_batched_tokens: int = Field(default=0, ge=0)
     enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
     engine_dtype: str = "auto"
     # The deployment form (serving/engine/images.py): embeds, the stored image tokens as vLLM's image_embeds (the
@@ -159,6 +162,10 @@ class Settings(BaseSettings):
     api_key: str = ""  # when set, required on everything but /healthz, /readyz and /metrics
     ingest_root: Path | None = None  # POST /v1/ingest takes server-side paths under this folder only
     max_request_bytes: int = 65_536
+    # Slow clients (serving/api/slow_clients.py): a request's headers must be whole within this many seconds of
+    # the connection opening (or of the last response); each chunk of a body must come within the body bound.
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
     # POST /v1/documents: an uploaded file's most bytes (stored under data_dir/uploads, then ingested as a job).
     max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
     # Ingest jobs run on this many threads, taken round-robin from per-tenant queues (serving/ingest_jobs.py).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,8 +71,28 @@ class _Region:
     number: str | None = None
 
 
-def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None = None) -> list[FigureRegion]:
-    """The figure regions of ``page``, in reading order, boxes in points with a top-left origin."""
+# The figure step's bounds on one page (issue 41): a page of more drawing objects than this (a content stream of
+# 200,000 tiny paths took 7 s a page to walk and cluster) or past its time budget keeps its image and text, its
+# figures skipped and reported. Ordinary pages hold tens to a few thousand objects.
+MAX_PAGE_OBJECTS = 20_000
+PAGE_FIGURE_BUDGET_S = 2.0
+
+
+class FigureBudgetError(Exception):
+    """The page is over the figure step's object count or time budget: its figures are skipped (why in str)."""
+
+
+def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None = None,
+                   max_objects: int | None = None, budget_s: float | None = None) -> list[FigureRegion]:
+    """The figure regions of ``page``, in reading order, boxes in points with a top-left origin.
+    :class:`FigureBudgetError` when the page holds over ``max_objects`` objects (counted before any is
+    measured; MAX_PAGE_OBJECTS) or the walk takes over ``budget_s`` (PAGE_FIGURE_BUDGET_S)."""
+    started = time.monotonic()
+    max_objects = max_objects or MAX_PAGE_OBJECTS
+    budget_s = budget_s or PAGE_FIGURE_BUDGET_S
+    count = pdfium_c.FPDFPage_CountObjects(page.raw)  # the page's own objects, read without walking them
+    if count > max_objects:
+        raise FigureBudgetError(f"{count} drawing objects, over {max_objects}")
     view = _View.of(page)
     width, height = view.size
     page_area = width * height
@@ -84,7 +105,11 @@ def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None 
     images: list[Box] = []
     forms: list[Box] = []
     graphics: list[Box] = []
-    for obj in page.get_objects(max_depth=1):
+    for seen, obj in enumerate(page.get_objects(max_depth=1), 1):
+        if seen > max_objects:
+            raise FigureBudgetError(f"over {max_objects} drawing objects")
+        if seen % 1024 == 0 and time.monotonic() - started > budget_s:
+            raise FigureBudgetError(f"walking its objects took over {budget_s:g} s")
         kind = obj.type
         if kind == pdfium_c.FPDF_PAGEOBJ_FORM:
             box = _form_box(page, obj)
@@ -108,6 +133,8 @@ def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None 
         if _is_figure_sized(box, page_area) and area(box) < PAGE_SHARE * page_area:
             regions.append(_Region(box, "form"))
     graphics = [b for b in graphics if area(b) < PAGE_SHARE * page_area]
+    if time.monotonic() - started > budget_s:
+        raise FigureBudgetError(f"walking its objects took over {budget_s:g} s")
     for box in _cluster(graphics, GAP_PT):
         if min(box[2] - box[0], box[3] - box[1]) < THIN_PT or not _is_figure_sized(box, page_area):
             continue

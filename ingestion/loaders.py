@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import logging
 import math
 import os
 import struct
@@ -33,8 +34,10 @@ from core.pages import FigureCrop, RenderedPage, TextSource
 from core.settings import Settings
 from core.text import normalise
 from ingestion import ocr
-from ingestion.figures import crop_figures, detect_figures
+from ingestion.figures import FigureBudgetError, crop_figures, detect_figures
 from ingestion.raster import MAX_ASPECT, fit_aspect, fitted_size
+
+logger = logging.getLogger(__name__)
 
 # Suffix -> the format its content must have (Pillow's format names; "PDF" for pdfium).
 SUPPORTED_FORMATS: dict[str, str] = {
@@ -441,7 +444,7 @@ class _PdfSource:
             try:
                 text = self._text_layer(textpage)
                 done = time.perf_counter()
-                figures = self._figures(page, textpage, number) if self._figures_on else []
+                figures, skipped = self._figures(page, textpage, number) if self._figures_on else ([], "")
             finally:
                 textpage.close()
         finally:
@@ -449,7 +452,7 @@ class _PdfSource:
         timings = {"render": rendered - started, "text": done - rendered}
         if self._figures_on:
             timings["figures"] = time.perf_counter() - done
-        return _Raster(image, text, self._dpi, timings, figures)
+        return _Raster(image, text, self._dpi, timings, figures, skipped)
 
     def _render(self, page: pdfium.PdfPage, number: int) -> Image.Image:
         try:
@@ -477,11 +480,16 @@ class _PdfSource:
         # real compound (core/text.py, adapters/lexical.py known_words).
         return normalise_text(raw, known=known_words(raw))
 
-    def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage, number: int) -> list[FigureCrop]:
-        """The page's figures, each cropped as an image of its own (ingestion/figures.py)."""
+    def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage,
+                 number: int) -> tuple[list[FigureCrop], str]:
+        """The page's figures, each cropped as an image of its own (ingestion/figures.py), and why none were
+        looked for when the page is over the figure step's bounds (else "")."""
         try:
             return crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels,
-                                index=number - 1)
+                                index=number - 1), ""
+        except FigureBudgetError as exc:
+            logger.warning("page %d: figures skipped (%s); its image and text are kept", number, exc)
+            return [], str(exc)
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(number, exc)) from exc
 
@@ -700,6 +708,7 @@ class _Raster:
     dpi: float | None
     timings: dict[str, float] = field(default_factory=dict)
     figures: list[FigureCrop] = field(default_factory=list)
+    figures_skipped: str = ""  # why the figure step skipped the page (ingestion/figures.FigureBudgetError)
 
 
 class _PageSource(Protocol):
@@ -770,6 +779,7 @@ class Document:
             text_source=source,
             timings=timings,
             figures=raster.figures,
+            figures_skipped=raster.figures_skipped,
         )
 
     def _text_for(self, raster: _Raster, number: int, timings: dict[str, float]) -> tuple[str, TextSource]:

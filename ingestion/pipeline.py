@@ -66,6 +66,8 @@ class IngestReport:
     unchanged_files: int = 0
     ocr_pages: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    # Pages kept with their image and text but no figures: over the figure step's bounds (ingestion/figures.py).
+    figures_skipped: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +82,7 @@ class IngestReport:
             "unchanged_files": self.unchanged_files,
             "ocr_pages": self.ocr_pages,
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+            "figures_skipped": self.figures_skipped,
         }
 
 
@@ -223,6 +226,8 @@ class Ingestor:
             report.pages += 1
             report.figures += len(p.figures)
             report.ocr_pages += p.text_source is TextSource.OCR
+            if p.figures_skipped:
+                report.figures_skipped.append({"doc": p.doc, "page": p.page, "why": p.figures_skipped})
             for stage, secs in p.timings.items():
                 report.stage_seconds[stage] += secs
         payloads = [self._payload(doc, p, key, caps, figs) for p, key, caps, figs in zip(pages, keys, captions, figures)]
@@ -413,6 +418,7 @@ def _merge(into: IngestReport, part: IngestReport) -> None:
     into.figures += part.figures
     into.figures_encoded += part.figures_encoded
     into.ocr_pages += part.ocr_pages
+    into.figures_skipped += part.figures_skipped
     for stage, secs in part.stage_seconds.items():
         into.stage_seconds[stage] += secs
 

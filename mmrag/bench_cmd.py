@@ -104,6 +104,10 @@ def bench(
                                               "tower (default: 8 where the engine runs bf16, 1 in fp32, so "
                                               "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
     = None,
+    max_batched_tokens: Annotated[int | None, typer.Option(help="--e2e: the replica's --max-num-batched-tokens "
+                                                            "(one value for every side; default: vLLM's, 2048 "
+                                                            "on CPU). MMRAG_MAX_BATCHED_TOKENS is the serving "
+                                                            "setting.")] = None,
     emulate_avx2: Annotated[bool, typer.Option("--emulate-avx2", help="Run as an AVX2-only CPU would (an AMD "
                                                "EPYC): re-executes with torch, oneDNN, MKL and vLLM capped to "
                                                "AVX2 kernels and `auto` resolving to fp32. The instruction set "
@@ -195,7 +199,8 @@ def bench(
     if e2e:
         _bench_e2e(settings, tiny=tiny, depth=depth, quick=quick, pages=n_pages, questions=n_questions,
                    concurrency=concurrency,
-                   max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out, plot_out=plot_out)
+                   max_tokens=max_tokens, zipf=zipf, seed=seed, json_out=json_out, plot_out=plot_out,
+                   max_batched_tokens=max_batched_tokens)
         return
     max_tokens = max_tokens or MAX_TOKENS
     t_start = time.perf_counter()
@@ -277,7 +282,7 @@ def bench(
 def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: int, questions: int,
                concurrency: int,
                max_tokens: int | None, zipf: float, seed: int, json_out: Path | None,
-               plot_out: Path | None = None) -> None:
+               plot_out: Path | None = None, max_batched_tokens: int | None = None) -> None:
     """`mmrag bench --e2e`: mmrag serve (its strategies), the floor and two llama-index pipelines on one vllm
     serve replica, at each answer length (``max_tokens``: only that one), and the answer cache's repeats run."""
     from dataclasses import replace
@@ -297,7 +302,8 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
     # 4096 tokens hold mmrag's one prompt: up to 9 pages of 256 image tokens, its text and 512 answer tokens.
     config = replace(default_engine_config(max_model_len=4096), max_images_per_prompt=MAX_IMAGES_PER_PROMPT)
-    config = replace(config, dtype=resolve_dtype(config.dtype))  # what `mmrag serve` would resolve `auto` to
+    config = replace(config, dtype=resolve_dtype(config.dtype),  # what `mmrag serve` would resolve `auto` to
+                     max_num_batched_tokens=max_batched_tokens or None)
     inputs = E2EInputs(model_path=model.path, corpus=corpus, engine_config=config,
                        spec=E2ESpec(questions=questions, concurrency=concurrency,
                                     lengths=(max_tokens,) if max_tokens else LENGTHS, zipf_s=zipf, seed=seed),

@@ -252,6 +252,7 @@ def serve(
 
     from core.settings import Settings
     from mmrag.wiring import create_app, ray_app
+    from serving.api.slow_clients import header_timeout_protocol
 
     settings = Settings()
     if ray and settings.engine_url_list:
@@ -260,7 +261,8 @@ def serve(
     if warning := open_to_all(settings, host):
         logging.getLogger(__name__).warning("%s", warning)
     app = ray_app(settings) if ray else create_app(settings)
-    uvicorn.run(app, host=host, port=port or settings.port, log_level="info")
+    uvicorn.run(app, host=host, port=port or settings.port, log_level="info",
+                http=header_timeout_protocol(settings.http_header_timeout_s))
 
 
 @index_app.command("reset")

@@ -1,4 +1,4 @@
-"""`mmrag tenant add|list|remove`: the API keys of each tenant, in MMRAG_TENANTS_FILE (serving/api/tenants.py).
+"""`mmrag tenant add|list|quota|remove`: the API keys of each tenant, its share and bounds, in MMRAG_TENANTS_FILE (serving/api/tenants.py).
 
 Registered in mmrag/cli.py as ``app.add_typer(tenant_app, name="tenant")``.
 """
@@ -49,16 +49,43 @@ def add(tenant: Annotated[str, typer.Argument(help="Tenant name: 1-32 of a-z, 0-
 def list_(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
     """Tenants, how many keys each has, and their collections."""
     from core.settings import Settings
-    from serving.api.tenants import read_tenants
+    from serving.api.tenants import read_tenants_file
 
     settings = Settings()
-    tenants = {t: {"keys": len(d), "collection": settings.tenant_collection(t)}
-               for t, d in sorted(read_tenants(_file()).items())}
+    tenants = {t: {"keys": len(d), "collection": settings.tenant_collection(t), **q.as_json()}
+               for t, (d, q) in sorted(read_tenants_file(_file()).items())}
     if as_json:
         typer.echo(json.dumps(tenants))
         return
     for t, info in tenants.items():
-        err.print(f"{t}: {info['keys']} key(s), collection {info['collection']}")
+        bounds = ", ".join(f"{k} {v:g}" for k, v in info.items() if k not in ("keys", "collection"))
+        err.print(f"{t}: {info['keys']} key(s), collection {info['collection']}" + (f"; {bounds}" if bounds else ""))
+
+
+@tenant_app.command("quota")
+def quota(
+    tenant: Annotated[str, typer.Argument(help="The tenant (already added with `mmrag tenant add`).")],
+    weight: Annotated[float | None, typer.Option(help="Its share of the questions in flight against the other "
+                                                      "active tenants' (default 1).")] = None,
+    questions_in_flight: Annotated[int | None, typer.Option(help="At most this many of its questions at once.")] = None,
+    requests_per_s: Annotated[float | None, typer.Option(help="Its API requests a second (429 beyond).")] = None,
+    documents: Annotated[int | None, typer.Option(help="Documents it may keep indexed (403 beyond).")] = None,
+    pages: Annotated[int | None, typer.Option(help="Pages it may keep indexed (403 beyond).")] = None,
+    bytes_: Annotated[int | None, typer.Option("--bytes", help="Bytes of uploads it may keep (413 beyond).")] = None,
+    clear: Annotated[bool, typer.Option(help="Drop every share and bound first (back to weight 1, none).")] = False,
+) -> None:
+    """Set TENANT's share and bounds in the tenants file (read when `mmrag serve` starts). Options not given
+    keep their value. Example: `mmrag tenant quota acme --weight 2 --questions-in-flight 16 --requests-per-s 10`."""
+    from serving.api.tenants import TenantsFileError, set_quota
+
+    changes = {"weight": weight, "questions_in_flight": questions_in_flight, "requests_per_s": requests_per_s,
+               "documents": documents, "pages": pages, "bytes": bytes_}
+    try:
+        result = set_quota(_file(), tenant, {k: v for k, v in changes.items() if v is not None}, clear=clear)
+    except TenantsFileError as exc:
+        raise typer.BadParameter(str(exc), param_hint="TENANT") from None
+    err.print(f"tenant [bold]{tenant}[/]: {result.as_json() or 'weight 1, no bounds'} (restart `mmrag serve` to "
+              "apply)")
 
 
 @tenant_app.command("remove")

@@ -287,6 +287,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         enforce_eager=settings.enforce_eager,
         dtype=resolve_dtype(settings.engine_dtype),
         max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_batched_tokens or None,
         image_input=ImageInput(settings.image_input),
         image_pixels=(settings.min_pixels, settings.max_pixels),
     )
@@ -496,7 +497,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     """
     from adapters.qdrant import AsyncPageReader, LoopBridge
     from adapters.store import StoreLease
-    from serving.api.admission import Admission
+    from serving.api.admission import Admission, Share
+    from serving.api.limits import RequestRates
     from serving.api.conversations import Conversations
     from serving.api.services import MeteredEngine, QuestionImages, Services
     from serving.api.tenants import TenantKeys
@@ -559,10 +561,13 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
                     owns_engine=engine_ is None, keys=keys, scope=scopes[DEFAULT_TENANT],
                     admission=Admission(settings.max_questions_in_flight, queue=settings.admission_queue,
                                         max_wait_s=settings.admission_max_wait_s, record=metrics.record_answer,
-                                        record_wait=metrics.record_admission_wait),
+                                        record_wait=metrics.record_admission_wait, tenants=keys.tenants,
+                                        shares={t: Share(q.weight, q.questions_in_flight) for t, q in keys.quotas}),
                     question_images=QuestionImages(settings, store, lambda: tower().view()),
-                    conversations=conversations.for_tenant(DEFAULT_TENANT))
+                    conversations=conversations.for_tenant(DEFAULT_TENANT),
+                    rates=RequestRates({t: q.requests_per_s for t, q in keys.quotas if q.requests_per_s}))
     root.tenants.update({t: tenant_view(root, scopes[t], jobs, conversations) for t in keys.tenants})
+    metrics.set_tenants(keys.tenants)
     return root
 
 

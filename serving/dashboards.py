@@ -142,6 +142,23 @@ PANELS: tuple[PanelSpec, ...] = (
         (Query(f"sum by (form) (rate({m.ENGINE_REQUESTS_BY_IMAGE_INPUT}_total[{WINDOW}]))", "{{form}}", "A"),
          Query(_rate(m.VISION_FORWARDS), "vision forwards at request time", "B")),
     ),
+    # The tenants' row (issue 41): who sends the load, who is refused, who waits. The tenant label's values are
+    # the tenants file's names (serving/metrics.py), a bounded set.
+    PanelSpec(
+        "Questions by tenant",
+        "Questions per second by tenant and outcome: ok, error, refused (429: over the tenant's share of the "
+        "queue, its rate or the server's bound) and cancelled. A tenant flooding the server shows as its own "
+        "refusals, not the others'.",
+        "reqps",
+        (Query(f"sum by (tenant, outcome) (rate({m.ANSWERS}_total[{WINDOW}]))", "{{tenant}} {{outcome}}"),),
+    ),
+    PanelSpec(
+        "Admission wait by tenant",
+        "How long each tenant's admitted questions waited for a place among MMRAG_MAX_QUESTIONS_IN_FLIGHT: with "
+        "fair share a tenant within its share waits behind nobody else's questions.",
+        "s",
+        _quantiles(m.ADMISSION_WAIT, by="tenant"),
+    ),
     PanelSpec(
         "vLLM prefix-cache hit rate",
         "vLLM's own count: prompt tokens (all, not just image) found in the prefix cache.",

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 from core.engine import ImageInput, Usage
 from core.keys import ResolutionPolicy, Tiers
 from core.payload import EncoderScope
+from core.settings import DEFAULT_TENANT
 from serving.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
@@ -179,15 +180,17 @@ class Metrics:
         self._kv_capacity = Gauge(KV_CAPACITY_TOKENS, "The engine's KV cache capacity in tokens.", registry=r)
         self._tiers: Tiers | None = None
 
+        # By tenant: the tenants file's names (or `default`), a bounded set: a request's tenant is the one its
+        # key authenticates, never a value the client chooses.
         self._answers = Counter(ANSWERS, "Questions to /v1/ask, by outcome: ok | error | refused (429: the queue "
-                                "behind MMRAG_MAX_QUESTIONS_IN_FLIGHT full, or too slow) | cancelled (the client left).", ["outcome"], registry=r)
-        for outcome in ANSWER_OUTCOMES:
-            self._answers.labels(outcome)  # both series exist from the start, so rate() has a zero to start from
-        self._latency = Histogram(REQUEST_LATENCY, "End-to-end latency of /v1/ask, errors included.",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
+                                "behind MMRAG_MAX_QUESTIONS_IN_FLIGHT full, or too slow) | cancelled (the client "
+                                "left), and tenant.", ["outcome", "tenant"], registry=r)
+        self._latency = Histogram(REQUEST_LATENCY, "End-to-end latency of /v1/ask, errors included, by tenant.",
+                                  ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
         self._admission_wait = Histogram(ADMISSION_WAIT, "Time an admitted question waited for its place among "
-                                         "MMRAG_MAX_QUESTIONS_IN_FLIGHT (0 when one was free).",
-                                         buckets=(0, *_LATENCY_BUCKETS), registry=r)
+                                         "MMRAG_MAX_QUESTIONS_IN_FLIGHT (0 when one was free), by tenant.",
+                                         ["tenant"], buckets=(0, *_LATENCY_BUCKETS), registry=r)
+        self.set_tenants((DEFAULT_TENANT,))
         self._answer_cache = Counter(ANSWER_CACHE, "Answer-cache lookups, by outcome: hit (the answer served from "
                                      "the cache, no engine request) | miss (a corrupt entry or a failed store "
                                      "read included).", ["outcome"], registry=r)
@@ -236,16 +239,25 @@ class Metrics:
         if usage.ttft_s > 0:  # 0 means no token came back: there is no first-token time to observe
             self._ttft.observe(usage.ttft_s)
 
-    def record_answer(self, outcome: str, latency_s: float | None = None) -> None:
-        """One /v1/ask question by outcome; the latency of those the server worked on to the end."""
+    def set_tenants(self, tenants: Iterable[str]) -> None:
+        """Every tenant's answer, latency and admission-wait series exist from the start (a zero for rate() to
+        start from; a dashboard panel has data before the tenant's first question)."""
+        for tenant in tenants:
+            for outcome in ANSWER_OUTCOMES:
+                self._answers.labels(outcome, tenant)
+            self._latency.labels(tenant)
+            self._admission_wait.labels(tenant)
+
+    def record_answer(self, outcome: str, latency_s: float | None = None, tenant: str = DEFAULT_TENANT) -> None:
+        """One /v1/ask question by outcome and tenant; the latency of those the server worked on to the end."""
         if outcome not in ANSWER_OUTCOMES:
             raise ValueError(f"answer outcome {outcome!r}: one of {ANSWER_OUTCOMES}")
-        self._answers.labels(outcome).inc()
+        self._answers.labels(outcome, tenant).inc()
         if latency_s is not None:
-            self._latency.observe(latency_s)
+            self._latency.labels(tenant).observe(latency_s)
 
-    def record_admission_wait(self, waited_s: float) -> None:
-        self._admission_wait.observe(waited_s)
+    def record_admission_wait(self, waited_s: float, tenant: str = DEFAULT_TENANT) -> None:
+        self._admission_wait.labels(tenant).observe(waited_s)
 
     def record_answer_cache(self, outcome: str) -> None:
         """One answer-cache lookup (rag/answer_cache.AnswerCache's ``on_lookup``): hit or miss."""

@@ -36,6 +36,7 @@ queues have work, bounds a short plan's wait by the short plans ahead of it, and
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import time
@@ -299,6 +300,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._call_later = call_later
         self._timer: Any = None  # what call_later returned: something with cancel()
+        self._running: collections.Counter[str] = collections.Counter()  # plans in flight by cache salt (tenant)
 
     @property
     def waiting(self) -> int:
@@ -384,6 +386,10 @@ class Scheduler:
             self.stats.fcfs_fallbacks += 1
         elif rest:
             rest = [rest[i] for i in self._order([w.path for w in rest])]
+        if len({w.plan.cache_salt for w in rest}) > 1:
+            # Fair share between tenants (each its own salt, so no prefix of one helps another): the tenant with
+            # the fewest plans in flight first, each tenant's in policy order (stable).
+            rest.sort(key=lambda w: self._running[w.plan.cache_salt])
         if self.config.short_image_tokens:
             rest.sort(key=lambda w: not w.short)  # stable: the short queue first, each in policy order
         hold = False  # an overdue plan waits for the budget: nothing younger overtakes it
@@ -411,6 +417,7 @@ class Scheduler:
 
     def _start(self, w: _Waiting) -> None:
         self.admission.start(w)
+        self._running[w.plan.cache_salt] += 1
         self.stats.dispatched += 1
         self.stats.short_dispatched += w.short
         self.stats.image_tokens_by_policy += self._by_policy(w)
@@ -457,6 +464,7 @@ class Scheduler:
         w.ended = True
         self._end_prefill(w)
         self.admission.finish(w)
+        self._running[w.plan.cache_salt] -= 1
         self._dispatch()
 
     def _observe(self, plan: PromptPlan, other_tokens: int | None = None) -> None:

@@ -183,8 +183,9 @@ def copy_corpus(settings, data_dir: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(app) -> AsyncIterator[str]:
-    """``app`` under uvicorn on a free 127.0.0.1 port, in the running (session) loop; yields its base URL."""
+async def serving(app, **config) -> AsyncIterator[str]:
+    """``app`` under uvicorn on a free 127.0.0.1 port, in the running (session) loop; yields its base URL.
+    ``config``: more of uvicorn.Config's arguments (its ``http`` protocol class, say)."""
     import asyncio
 
     import uvicorn
@@ -195,7 +196,7 @@ async def serving(app) -> AsyncIterator[str]:
     # the client has just sent its next request on that connection, which is dropped (httpx.ReadError). An
     # in-test server keeps idle connections for the session; a real one runs its own loop and keeps the default.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                           timeout_keep_alive=3600))
+                                           **{"timeout_keep_alive": 3600, **config}))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         assert not task.done(), task.exception()

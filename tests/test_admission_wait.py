@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serving.api.admission import (PRIOR_QUESTION_S, Admission, AdmissionQueue, ClientGone, Refusal, ServiceRate,
-                                   Ticket)
+                                   Share, Ticket)
 from serving.api.errors import ApiError
 from tests.burst import burst
 from tests.conftest import API_KEY
@@ -123,10 +123,78 @@ def test_a_freed_slot_passes_to_the_oldest_waiter_and_one_who_leaves_loses_its_p
     first, second, third = (rules.arrive() for _ in range(3))
     rules.leave(second)
     clock.now = 3.0
-    assert rules.release(holder) is first and first.admitted_at == 3.0
-    assert rules.release(first) is third and rules.in_flight == 1
-    assert rules.release(third) is None and rules.in_flight == 0
+    assert rules.release(holder) == [first] and first.admitted_at == 3.0
+    assert rules.release(first) == [third] and rules.in_flight == 1
+    assert rules.release(third) == [] and rules.in_flight == 0
     assert rules.arrive().admitted  # a free slot, nobody waiting: at once
+
+
+# --- fair share between tenants (issue 41) ----------------------------------------------------------------
+
+
+def flood(rules: AdmissionQueue, tenant: str, n: int) -> list[Ticket | Refusal]:
+    return [rules.arrive(tenant) for _ in range(n)]
+
+
+def test_a_tenant_flooding_the_server_leaves_a_slot_for_another_tenants_first_question():
+    clock = Clock()
+    rules = AdmissionQueue(8, queue=20, max_wait_s=100.0, rate=fixed_rate(8.0, clock), clock=clock,
+                           tenants=("a", "b"))
+    b = flood(rules, "b", 40)
+    # B borrows every slot but the one kept for A (idle), then queues up to all of MMRAG_ADMISSION_QUEUE alone.
+    assert sum(t.admitted for t in b if isinstance(t, Ticket)) == 7 and rules.waiting_of("b") == 20
+    assert all(isinstance(t, Refusal) for t in b[27:]) and "MMRAG_ADMISSION_QUEUE" in b[27].reason
+    first = rules.arrive("a")
+    assert isinstance(first, Ticket) and first.admitted and first.admitted_at == first.arrived  # no wait at all
+    # A's next question is under A's share (4 of 8): it waits, ahead of every one of B's, for the next slot...
+    second = rules.arrive("a")
+    assert isinstance(second, Ticket) and not second.admitted and rules.ahead_of("a", 0) == 1
+    clock.now = 1.0
+    assert rules.release(b[0]) == [second]
+    # ... and A within its share is never refused, however many of B's wait: A's room is its share of the queue.
+    assert rules.queue_room("a") == 10 and all(isinstance(t, Ticket) for t in flood(rules, "a", 10))
+    refused = rules.arrive("b")
+    assert isinstance(refused, Refusal) and "for this tenant (10 of 20, its share)" in refused.reason
+    # Freed slots go to the tenant furthest below its share (fewest in flight per weight; between equals, the
+    # oldest waiter) until A has its half; then they alternate.
+    clock.now = 2.0
+    assert (rules.in_flight_of("a"), rules.in_flight_of("b")) == (2, 6)
+    started = [rules.release(t)[0].tenant for t in b[1:7]]
+    assert started == ["a", "a", "b", "b", "b", "b"]
+    assert (rules.in_flight_of("a"), rules.in_flight_of("b")) == (4, 4)
+
+
+def test_weights_divide_the_slots_and_a_cap_holds_whatever_is_free():
+    clock = Clock()
+    rules = AdmissionQueue(8, queue=40, max_wait_s=1000.0, rate=fixed_rate(8.0, clock), clock=clock,
+                           shares={"a": Share(weight=3.0), "b": Share(weight=1.0)})
+    flood(rules, "b", 30)
+    flood(rules, "a", 30)
+    assert rules.share("a") == 6.0 and rules.share("b") == 2.0
+    started = []
+    for _ in range(30):  # questions leave oldest first; the freed slots go by weight
+        oldest = min(rules.running, key=lambda t: t.admitted_at)
+        clock.now += 0.125
+        started += [t.tenant for t in rules.release(oldest)]
+    assert (rules.in_flight_of("a"), rules.in_flight_of("b")) == (6, 2)
+    assert started[10:].count("a") == 3 * started[10:].count("b")  # settled: three of A's to one of B's
+
+    capped = AdmissionQueue(8, queue=0, max_wait_s=10.0, rate=fixed_rate(8.0, clock), clock=clock,
+                            shares={"a": Share(cap=2)})
+    assert [isinstance(t, Ticket) for t in flood(capped, "a", 3)] == [True, True, False]
+    refusal = capped.arrive("a")
+    assert "the most its questions_in_flight in the tenants file allows" in refusal.reason
+    assert capped.arrive("b").admitted and capped.in_flight == 3
+
+
+def test_one_tenant_alone_is_one_fifo_queue_with_no_slot_kept_free():
+    clock = Clock()
+    rules = AdmissionQueue(4, queue=10, max_wait_s=100.0, rate=fixed_rate(4.0, clock), clock=clock,
+                           tenants=("default",))
+    assert all(t.admitted for t in flood(rules, "default", 4)) and rules.kept_free("default") == 0
+    waiters = flood(rules, "default", 3)
+    assert [t.admitted for t in waiters] == [False] * 3 and rules.queue_room("default") == 10
+    assert rules.release(rules.running[0]) == [waiters[0]]
 
 
 def leave_as_estimated(rules: AdmissionQueue, clock: Clock, until: float) -> None:
@@ -182,8 +250,8 @@ class Outcomes:
 
     def admission(self, limit: int, clock=time.monotonic, **kwargs) -> Admission:
         kwargs.setdefault("rate", fixed_rate(10.0, clock))
-        return Admission(limit, clock=clock, record=lambda outcome, s: self.answers.append(outcome),
-                         record_wait=self.waits.append, **kwargs)
+        return Admission(limit, clock=clock, record=lambda outcome, s, tenant: self.answers.append(outcome),
+                         record_wait=lambda s, tenant: self.waits.append(s), **kwargs)
 
 
 class Client:
@@ -351,7 +419,7 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
         return services.admission
 
     def answers(outcome: str) -> float:
-        return sample("mmrag_answers_total", {"outcome": outcome})
+        return sample("mmrag_answers_total", {"outcome": outcome, "tenant": "default"})
 
     try:
         # Measured first: one full round (limit at once) gives a question's own time on a full server, and the
@@ -365,14 +433,14 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
         # 1. The deadline covers the work (twice the estimate of the burst's): every question is answered.
         deadline = 2 * BURST / per_s
         ok_before, refused_before = answers("ok"), answers("refused")
-        waits_before = sample("mmrag_admission_wait_seconds_count")
+        waits_before = sample("mmrag_admission_wait_seconds_count", {"tenant": "default"})
         use(BURST, deadline)
         covered, covered_wall = await ask_at_once(url, BURST)
         assert not not_ok(covered), not_ok(covered)[:3]
         slowest = max(r["s"] for r in covered)
         assert slowest <= deadline + 3 * own_s, (slowest, deadline, own_s)
         assert answers("ok") - ok_before == BURST and answers("refused") == refused_before
-        assert sample("mmrag_admission_wait_seconds_count") - waits_before == BURST
+        assert sample("mmrag_admission_wait_seconds_count", {"tenant": "default"}) - waits_before == BURST
 
         # 2. A tiny deadline (twice one question's own time; the burst's work is ten times that): some wait, the
         # rest are refused at once. Once the whole burst has arrived, one more client is refused, waits out its

@@ -170,7 +170,7 @@ async def test_a_client_that_leaves_mid_stream_stops_its_engine_work(long_answer
     url, services = long_answers
     scheduler, llm = services.scheduler, inprocess_engine.llm
     cancelled = lambda: services.metrics.registry.get_sample_value("mmrag_answers_total",  # noqa: E731
-                                                                   {"outcome": "cancelled"}) or 0.0
+                                                                   {"outcome": "cancelled", "tenant": "default"}) or 0.0
     cancelled_before, disconnected_before = cancelled(), services.admission.stats.disconnected
     before = generated_tokens()
     seen: list[str] = []

@@ -50,7 +50,7 @@ async def test_clients_that_leave_cancel_their_plans_and_vllm_aborts_them(long_a
     url, services = long_answers
     scheduler, llm = services.scheduler, inprocess_engine.llm
     before = generated_tokens()
-    cancelled_before = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "cancelled"})
+    cancelled_before = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "cancelled", "tenant": "default"})
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         asks = [asyncio.create_task(client.post("/v1/ask", headers=AUTH,
                                                 json={"question": f"What does figure {i} of the report show?"}))
@@ -70,7 +70,7 @@ async def test_clients_that_leave_cancel_their_plans_and_vllm_aborts_them(long_a
     # after the question's task has ended: waited for as an event, never raced.
     await wait_for(lambda: scheduler.waiting == 0 and scheduler.in_flight == 0, "every plan out of the scheduler")
     assert left >= CLIENTS - 2 and services.admission.stats.disconnected == left
-    cancelled_after = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "cancelled"})
+    cancelled_after = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "cancelled", "tenant": "default"})
     assert cancelled_after - cancelled_before == left
     cancelled = scheduler.stats.cancelled_running + scheduler.stats.cancelled_queued
     assert scheduler.stats.cancelled_running >= 1 and scheduler.stats.cancelled_queued >= 1, cancelled

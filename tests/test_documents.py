@@ -55,18 +55,18 @@ async def test_an_upload_is_stored_by_content_under_a_safe_name_and_ingested_as_
     out = r.json()
     stored = list((settings.data_dir / "uploads").glob("*/*"))
     assert [p.relative_to(settings.data_dir).as_posix() for p in stored] == [
-        f"uploads/{out['sha256'][:16]}/evil_name.png"]
+        f"uploads/{out['sha256'][:16]}/etc_evil_name.png"]
     assert stored[0].read_bytes() == body and out["bytes"] == len(body)
-    assert out["job"]["paths"] == ["evil_name.png"]  # no server folder in what the client sees
+    assert out["job"]["paths"] == ["etc_evil_name.png"]  # no server folder in what the client sees
     job = await _done(http, out["job"]["id"])
     assert job["status"] == "done" and job["report"]["failed"] == [] and job["report"]["pages"] == 1, job
     listed = {d["doc_id"]: d for d in await _all_documents(http)}
-    assert listed[out["doc_id"]]["doc"] == "evil_name.png"
+    assert listed[out["doc_id"]]["doc"] == "etc_evil_name.png"
 
     deleted = await http.delete(f"/v1/documents/{out['doc_id']}")
     # The same pixels are a page of the corpus, so its feature entry stays for that page.
     assert deleted.status_code == 200, deleted.text
-    assert deleted.json() == {"doc_id": out["doc_id"], "doc": "evil_name.png", "pages": 1}  # its own index only
+    assert deleted.json() == {"doc_id": out["doc_id"], "doc": "etc_evil_name.png", "pages": 1}  # its own index only
     assert not stored[0].exists() and out["doc_id"] not in {d["doc_id"] for d in await _all_documents(http)}
 
 

@@ -57,6 +57,9 @@ NOT_TRIGGERED = {
     "vision_queue_full": "the vision service's queue full (test_vision_service.py)",
     "too_many_pixels": "images of more pixels than a request may decode (serving/pixels.py, tested with it)",
     "pixels_in_flight": "the pixel budget spent by other requests (serving/pixels.py, tested with it)",
+    "rate_limited": "a tenant over its requests_per_s (test_tenant_quotas.py)",
+    "quota_exceeded": "a tenant over its documents or bytes quota (test_tenant_quotas.py)",
+    "request_timeout": "a body sent slower than MMRAG_HTTP_BODY_TIMEOUT_S (test_tenant_quotas.py)",
 }
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from bench.figures.evaluate import match
 from core.figures import FigureRegion, iou, union_box
 from devkit.pdfbuild import PageBuilder
-from ingestion.figures import _cluster, detect_figures, figure_text
+from ingestion.figures import FigureBudgetError, _cluster, detect_figures, figure_text
 
 
 def close(a, b, tol=2.0) -> bool:
@@ -290,3 +290,19 @@ def test_the_key_measurement_detects_and_crops_each_drawn_figure_again_where_it_
     assert keys["vector"]["of"] == len(PLACEMENTS) and keys["all"]["of"] == 2 * len(PLACEMENTS)
     assert keys["vector, rewritten"]["same"] == 1 and keys["vector, moved"]["same"] == moved  # alone, moved
     assert keys["vector, scaled"]["same"] == 0  # a drawing on the page itself, shown smaller: other pixels
+
+
+def test_a_page_over_the_object_bound_raises_before_walking_them():
+    """Issue 41, item 2: a page of a huge content stream (200,000 tiny paths: 7 s a page) is refused by the figure
+    step from its object count alone; one within the bound is walked as ever."""
+    b = PageBuilder()
+    for k in range(1500):
+        x, y = 102 + (k * 97) % 396, 102 + (k * 61) % 296
+        b.rect((x, y, x + 1.5, y + 1.5), fill=True)
+    page = b.open()
+    with pytest.raises(FigureBudgetError, match="1500 drawing objects, over 1000"):
+        detect_figures(page, max_objects=1000)
+    assert len(detect_figures(page, max_objects=2000)) == 1
+    with pytest.raises(FigureBudgetError, match="took over"):  # the time budget, checked as the walk goes
+        detect_figures(page, budget_s=1e-9)
+

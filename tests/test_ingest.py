@@ -17,6 +17,8 @@ import torch
 from PIL import Image
 
 from core.keys import ImageKey
+from devkit.pdfbuild import PageBuilder, join_pages
+from ingestion import figures
 from core.settings import Settings
 from adapters.embed import TextEmbedder
 from adapters.qdrant import PageIndex
@@ -315,3 +317,31 @@ def test_cli_says_what_to_do_when_the_qdrant_folder_is_held(tmp_path, sample_cor
         holder.close()
     assert result.returncode == 2
     assert "MMRAG_QDRANT_URL" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_ingested_page_over_the_bound_keeps_its_image_and_text_and_reports_its_figures_skipped(
+        tmp_path, tiny_model, encoder, text_embedder, monkeypatch):
+    """Issue 41, item 2: the page over the figure step's bound is indexed with its image and text, its figures
+    skipped and said in the report; the other page's figures are found as ever."""
+    heavy, light = PageBuilder(), PageBuilder()
+    heavy.body(72, 3)
+    for k in range(300):
+        x, y = 102 + (k * 97) % 396, 302 + (k * 61) % 196
+        heavy.rect((x, y, x + 1.5, y + 1.5), fill=True)
+    light.body(72, 3)
+    light.chart((120, 150, 480, 400))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "two.pdf").write_bytes(join_pages([heavy.bytes(), light.bytes()]))
+    monkeypatch.setattr(figures, "MAX_PAGE_OBJECTS", 200)
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder, figures=True)
+    try:
+        report = ing.run([tmp_path / "docs"])
+        assert not report.failed and report.pages == 2
+        (skipped,) = report.to_json()["figures_skipped"]
+        assert skipped["doc"] == "two.pdf" and skipped["page"] == 1 and "drawing objects, over 200" in skipped["why"]
+        pages = [p for p in points_by_id(ing.index).values() if p.get("figure") is None]
+        assert sorted(p["page"] for p in pages) == [1, 2]
+        assert report.figures >= 1  # the light page's chart
+    finally:
+        close(ing)
+

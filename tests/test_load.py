@@ -40,7 +40,7 @@ async def test_1000_concurrent_questions_are_answered_or_refused_with_429_none_5
     limit, max_sub = admission.limit, api_server["settings"].max_sub_questions
     raise_open_files_limit(4 * N + 1024)
     registry = services.metrics.registry
-    refused_before = registry.get_sample_value("mmrag_answers_total", {"outcome": "refused"})
+    refused_before = registry.get_sample_value("mmrag_answers_total", {"outcome": "refused", "tenant": "default"})
     process = psutil.Process()
     rss_before = process.memory_info().rss
     peak = {"questions": 0, "plans": 0, "rss": rss_before}
@@ -65,7 +65,7 @@ async def test_1000_concurrent_questions_are_answered_or_refused_with_429_none_5
     assert set(counts) <= {200, 429} and counts.get(200, 0) >= limit, counts
     refused = [r for s, _, r in results if s == 429]
     assert refused, "1,000 at once must exceed the bound"
-    assert registry.get_sample_value("mmrag_answers_total", {"outcome": "refused"}) - refused_before == len(refused)
+    assert registry.get_sample_value("mmrag_answers_total", {"outcome": "refused", "tenant": "default"}) - refused_before == len(refused)
     for r in refused:
         assert int(r["retry_after"]) >= 1 and r["error"]["type"] == "overloaded" and "Retry-After" in r["error"]["fix"]
     # Bounded: never more questions than the limit, never more plans than they can hold; all drained.

@@ -84,18 +84,27 @@ def test_a_completion_that_produced_no_token_has_no_ttft_to_observe(registry, me
 
 
 def test_answers_are_counted_by_outcome_and_every_latency_is_observed(registry, metrics):
-    assert value(registry, "mmrag_answers_total", outcome="ok") == 0  # both series exist before the first answer
-    assert value(registry, "mmrag_answers_total", outcome="error") == 0
+    d = {"tenant": "default"}
+    assert value(registry, "mmrag_answers_total", outcome="ok", **d) == 0  # the series exist before the first answer
+    assert value(registry, "mmrag_answers_total", outcome="error", **d) == 0
 
     metrics.record_answer("ok", 2.5)
     metrics.record_answer("ok", 0.7)
     metrics.record_answer("error", 30.0)
 
-    assert value(registry, "mmrag_answers_total", outcome="ok") == 2
-    assert value(registry, "mmrag_answers_total", outcome="error") == 1
-    assert value(registry, "mmrag_request_latency_seconds_count") == 3
-    assert value(registry, "mmrag_request_latency_seconds_sum") == pytest.approx(33.2)
-    assert value(registry, "mmrag_request_latency_seconds_bucket", le="1.0") == 1
+    assert value(registry, "mmrag_answers_total", outcome="ok", **d) == 2
+    assert value(registry, "mmrag_answers_total", outcome="error", **d) == 1
+    assert value(registry, "mmrag_request_latency_seconds_count", **d) == 3
+    assert value(registry, "mmrag_request_latency_seconds_sum", **d) == pytest.approx(33.2)
+    assert value(registry, "mmrag_request_latency_seconds_bucket", le="1.0", **d) == 1
+    # By tenant (the tenants file's names, set at start-up: their series exist at once too).
+    metrics.set_tenants(["acme"])
+    assert value(registry, "mmrag_answers_total", outcome="refused", tenant="acme") == 0
+    metrics.record_answer("refused", tenant="acme")
+    metrics.record_admission_wait(0.02, tenant="acme")
+    assert value(registry, "mmrag_answers_total", outcome="refused", tenant="acme") == 1
+    assert value(registry, "mmrag_admission_wait_seconds_count", tenant="acme") == 1
+    assert value(registry, "mmrag_answers_total", outcome="refused", **d) == 0
 
 
 # --- scheduler ---------------------------------------------------------------------------------------------
@@ -172,7 +181,7 @@ def test_every_configured_tier_outcome_and_pooling_has_a_series_at_zero_before_a
         assert value(registry, "mmrag_tier_image_tokens_per_request_count", tier=name) == 0
         assert value(registry, "mmrag_tier_image_tokens_per_request_bucket", tier=name, le="+Inf") == 0
     for outcome in ANSWER_OUTCOMES:
-        assert value(registry, "mmrag_answers_total", outcome=outcome) == 0
+        assert value(registry, "mmrag_answers_total", outcome=outcome, tenant="default") == 0
     for pooled in ("true", "false"):
         assert value(registry, "mmrag_pooling_image_tokens_total", pooled=pooled) == 0
 
@@ -360,6 +369,6 @@ def test_instrumented_app_serves_http_metrics_except_for_metrics_and_healthz(reg
                 if "handler" in lab}
     assert handlers == {"/items/{item_id}"}
     assert samples["mmrag_http_request_duration_highr_seconds_count"] == [({}, 3.0)]  # no handler label; 3, not 5
-    assert samples["mmrag_answers_total"] == [({"outcome": "ok"}, 1.0), ({"outcome": "error"}, 0.0),
-                                              ({"outcome": "refused"}, 0.0), ({"outcome": "cancelled"}, 0.0)]
+    assert samples["mmrag_answers_total"] == [({"outcome": o, "tenant": "default"}, v) for o, v in (
+        ("ok", 1.0), ("error", 0.0), ("refused", 0.0), ("cancelled", 0.0))]
     assert "/metrics" not in {r.path for r in app.routes if getattr(r, "include_in_schema", False)}

@@ -329,3 +329,24 @@ async def test_an_overdue_plan_that_leaves_the_queue_lets_the_plans_it_held_back
     await asyncio.gather(running, small)
     with pytest.raises(asyncio.CancelledError):
         await big
+
+
+async def test_a_tenant_with_a_long_queue_does_not_hold_another_tenants_plan_behind_it():
+    """Issue 41: plans of different tenants (cache salts) share no prefix; among them the tenant with the fewest
+    plans in flight goes first, so B's twenty queued plans do not run before A's one."""
+    from dataclasses import replace
+
+    eng = RecordingEngine()
+    s = scheduler(eng, max_concurrency=2, max_wait_ms=10**9)
+    flood = [asyncio.create_task(s.submit(replace(plan(f"b{i}", f"B{i}"), cache_salt="b"))) for i in range(20)]
+    await settle()
+    assert eng.started == ["b0", "b1"] and s.waiting == 18
+    mine = asyncio.create_task(s.submit(replace(plan("a0", "A0"), cache_salt="a")))
+    await settle()
+    await eng.finish("b0")
+    assert eng.started[-1] == "a0"  # the freed slot: A's, ahead of B's eighteen
+    await eng.finish("a0")
+    assert mine.result().text == "a0"
+    for name in [f"b{i}" for i in range(1, 20)]:
+        await eng.finish(name)
+    assert [t.result().text for t in flood] == [f"b{i}" for i in range(20)]

@@ -1,5 +1,5 @@
-"""Load shedding by expected wait: a bound on questions in flight, a short FIFO queue behind it, and a client
-that leaves cancels its question.
+"""Load shedding by expected wait: a bound on questions in flight, shared fairly between tenants, a short queue
+behind it (first come first served within a tenant), and a client that leaves cancels its question.
 
 Up to ``max_questions_in_flight`` questions are answered at once. One more waits its turn, first come first
 served, in a queue of at most ``admission_queue`` — but only while its expected wait is at most
@@ -22,11 +22,12 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from core.settings import DEFAULT_TENANT
 from serving.api.errors import ApiError
 
 T = TypeVar("T")
@@ -99,6 +100,7 @@ class Ticket:
     arrived: float
     deadline: float
     admitted_at: float | None = None  # when it got its slot
+    tenant: str = DEFAULT_TENANT
 
     @property
     def admitted(self) -> bool:
@@ -112,59 +114,141 @@ class Refusal:
     retry_after_s: int
 
 
-class AdmissionQueue:
-    """The rules, without asyncio: who gets a slot now, who waits (FIFO), who is refused and until when.
+@dataclass(slots=True, frozen=True)
+class Share:
+    """A tenant's claim on the slots (the tenants file, serving/api/tenants.TenantQuota): its ``weight`` against
+    the other active tenants', and at most ``cap`` questions in flight (None: the bound's)."""
+    weight: float = 1.0
+    cap: int | None = None
 
-    A freed slot passes straight to the queue's head, so the queue is non-empty only while every slot is taken,
-    and a newcomer never overtakes a waiter.
+
+class AdmissionQueue:
+    """The rules, without asyncio: who gets a slot now, who waits, who is refused and until when.
+
+    **Fair share between tenants.** A tenant is active while it has questions in flight or waiting. Its fair
+    share of the ``limit`` slots is ``limit * weight / (sum of the active tenants' weights, its own included)``.
+    Each tenant waits in a queue of its own; a freed slot goes to the waiting tenant furthest below its share
+    (fewest in flight per weight; between equals, the oldest waiter), so a tenant with many questions never
+    queues another's behind its own. A free slot is taken at once by a tenant under its guaranteed share (its
+    weight over every known tenant's, :meth:`guaranteed`); beyond it (borrowing what idle tenants do not use) a
+    tenant leaves a few slots free, one for each tenant of ``tenants`` with nothing in flight (at most a quarter
+    of the slots), so another tenant's first question finds a slot at once instead of waiting for one of the
+    borrower's to finish. A tenant never has more than
+    its ``cap`` in flight. The waiting room is shared the same way: a tenant may hold ``queue`` times its share
+    of the weights in waiters (one at least). One tenant (no tenants file): one FIFO queue, no slot kept free.
 
     The expected wait. From the measured rate ``R`` (questions leaving per second), a question's time in the
     server is ``S = limit / R`` (Little's law on a full server, the only one with a queue). Each slot frees when
     its question's ``S`` is up (``max(0, S - age)``), then serves the next waiter for ``S`` more: the k-th waiter
     gets the k-th slot to free. Why not simply ``(k + 1) / R``: that spreads departures evenly, true in a steady
     stream, but in a burst every question in flight started together, none leaves for about ``S``, and the
-    first waiters would be promised a wait ``limit`` times too short. In a steady stream the two agree.
+    first waiters would be promised a wait ``limit`` times too short. In a steady stream the two agree. A
+    tenant's waiter counts ahead of it its own earlier waiters and, of each other tenant's, those the fair order
+    serves first (:meth:`ahead_of`).
     """
 
     def __init__(self, limit: int, *, queue: int, max_wait_s: float, rate: ServiceRate,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, shares: Mapping[str, Share] | None = None,
+                 tenants: Sequence[str] = ()) -> None:
         if limit < 1:
             raise ValueError(f"max_questions_in_flight must be at least 1, not {limit}")
         if queue < 0 or max_wait_s < 0:
             raise ValueError(f"admission_queue and admission_max_wait_s must be at least 0, not {queue}, {max_wait_s}")
         self.limit, self.queue, self.max_wait_s = limit, queue, max_wait_s
         self.rate, self._clock = rate, clock
+        self.shares = dict(shares or {})
+        self.tenants = tuple(dict.fromkeys([*tenants, *self.shares]))  # the ones a slot is kept free for
         self.running: list[Ticket] = []
-        self.waiting: deque[Ticket] = deque()
+        self._queues: dict[str, deque[Ticket]] = {}
+        self._in_flight: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self.running)
 
-    def arrive(self) -> Ticket | Refusal:
+    @property
+    def waiting(self) -> list[Ticket]:
+        """Every waiter, oldest first."""
+        return sorted((t for q in self._queues.values() for t in q), key=lambda t: t.arrived)
+
+    def in_flight_of(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    def waiting_of(self, tenant: str) -> int:
+        return len(self._queues.get(tenant, ()))
+
+    def share(self, tenant: str) -> float:
+        """``tenant``'s fair share of the slots, now: its weight over the active tenants' (itself among them)."""
+        active = {t for t, n in self._in_flight.items() if n} | {t for t, q in self._queues.items() if q} | {tenant}
+        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in active)
+
+    def guaranteed(self, tenant: str) -> float:
+        """Slots ``tenant`` takes whoever else is busy: its weight over every known tenant's and active one's."""
+        everyone = {*self.tenants, *(t for t, n in self._in_flight.items() if n),
+                    *(t for t, q in self._queues.items() if q), tenant}
+        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in everyone)
+
+    def kept_free(self, tenant: str) -> int:
+        """Slots a tenant at or over its share leaves free: one per other tenant with nothing in flight or
+        waiting, at most a quarter of the slots."""
+        idle = sum(1 for t in self.tenants if t != tenant and not self.in_flight_of(t) and not self.waiting_of(t))
+        return min(idle, self.limit // 4)
+
+    def arrive(self, tenant: str = DEFAULT_TENANT) -> Ticket | Refusal:
         now = self._clock()
-        if self.in_flight < self.limit:
-            return self._start(Ticket(now, now))
-        ahead = len(self.waiting)
-        if ahead < self.queue and self.expected_wait_s(ahead) <= self.max_wait_s:
-            ticket = Ticket(now, now + self.max_wait_s)
-            self.waiting.append(ticket)
+        if not self.waiting_of(tenant) and self._may_start(tenant):
+            return self._start(Ticket(now, now, tenant=tenant))
+        mine, room = self.waiting_of(tenant), self.queue_room(tenant)
+        ahead = self.ahead_of(tenant)
+        if mine < room and self.expected_wait_s(ahead) <= self.max_wait_s:
+            ticket = Ticket(now, now + self.max_wait_s, tenant=tenant)
+            self._queues.setdefault(tenant, deque()).append(ticket)
             return ticket
-        why = (f"the queue holds {ahead}, the most MMRAG_ADMISSION_QUEUE allows" if ahead >= self.queue else
+        if self._capped(tenant):
+            held = (f"tenant {tenant!r} has {self.in_flight_of(tenant)} questions being answered, the most its "
+                    "questions_in_flight in the tenants file allows")
+        elif len(self.tenants) > 1 and self.in_flight_of(tenant) >= self.share(tenant):
+            held = (f"tenant {tenant!r} has {self.in_flight_of(tenant)} questions being answered, its fair share "
+                    f"of the {self.limit} this server takes at once")
+        else:
+            held = f"{self.in_flight} questions are being answered, the most this server takes at once"
+        why = (f"the queue holds {mine}, the most MMRAG_ADMISSION_QUEUE allows"
+               + ("" if room == self.queue else f" for this tenant ({room} of {self.queue}, its share)")
+               if mine >= room else
                f"the expected wait, {self.expected_wait_s(ahead):.1f} s ({ahead} queued ahead, a question "
                f"taking {self.question_s():.1f} s), is over MMRAG_ADMISSION_MAX_WAIT_S ({self.max_wait_s:g} s)")
-        return Refusal(f"{self.in_flight} questions are being answered, the most this server takes at once, and "
-                       f"{why}", self.retry_after_s())
+        return Refusal(f"{held}, and {why}", self.retry_after_s(tenant))
 
-    def release(self, ticket: Ticket) -> Ticket | None:
-        """``ticket``'s question left its slot: the slot passes to the queue's head (returned), or is freed."""
+    def release(self, ticket: Ticket) -> list[Ticket]:
+        """``ticket``'s question left its slot: the slot passes to the waiter the fair order picks, or is freed.
+        The waiters started (returned) are usually one or none; more when the tenant leaving raised the others'
+        shares."""
         self.running.remove(ticket)
+        self._in_flight[ticket.tenant] -= 1
         self.rate.finish()
-        return self._start(self.waiting.popleft()) if self.waiting else None
+        started = []
+        while (turn := self._next()) is not None:
+            started.append(turn)
+        return started
 
     def leave(self, ticket: Ticket) -> None:
         """A waiter gives up its place (its client left, or its deadline came)."""
-        self.waiting.remove(ticket)
+        self._queues[ticket.tenant].remove(ticket)
+
+    def queue_room(self, tenant: str) -> int:
+        """Waiters ``tenant`` may hold: all of MMRAG_ADMISSION_QUEUE alone, its share of the weights with others."""
+        if not self.queue:
+            return 0
+        return max(1, math.floor(self.queue * self.share(tenant) / self.limit))
+
+    def ahead_of(self, tenant: str, mine: int | None = None) -> int:
+        """Waiters served before ``tenant``'s next one (or its ``mine``-th, 0-based), the fair order holding:
+        its own before it, and of each other tenant's the ones their weight gives them meanwhile."""
+        mine = self.waiting_of(tenant) if mine is None else mine
+        own = self._weight(tenant)
+        others = sum(min(len(q), math.ceil((mine + 1) * self._weight(t) / own))
+                     for t, q in self._queues.items() if t != tenant)
+        return mine + others
 
     def question_s(self) -> float:
         """A question's time in the server, full: ``limit`` in flight, ``R`` leaving per second."""
@@ -180,20 +264,48 @@ class AdmissionQueue:
                        [max(0.0, each - (now - t.admitted_at)) for t in self.running])
         return frees[ahead % self.limit] + (ahead // self.limit) * each
 
-    def retry_after_s(self) -> int:
+    def retry_after_s(self, tenant: str = DEFAULT_TENANT) -> int:
         """Whole seconds until one more would be queued, questions leaving as estimated and nobody new arriving:
-        the queue is shorter than MMRAG_ADMISSION_QUEUE once the waiter ``queue`` places from its end has a
-        slot, and the newcomer's slot frees when it would have now, so its wait shrinks by the time it stayed
-        away. Waiting it out, a client finds a place if the estimate holds."""
-        ahead = len(self.waiting)
-        until = max(self.expected_wait_s(ahead) - self.max_wait_s, self.expected_wait_s(ahead - self.queue))
+        the queue is shorter than the tenant's room once the waiter ``room`` places from its end has a slot,
+        and the newcomer's slot frees when it would have now, so its wait shrinks by the time it stayed away.
+        Waiting it out, a client finds a place if the estimate holds."""
+        mine, room = self.waiting_of(tenant), self.queue_room(tenant)
+        head = self.ahead_of(tenant, mine - room) if mine - room >= 0 else -1
+        until = max(self.expected_wait_s(self.ahead_of(tenant)) - self.max_wait_s, self.expected_wait_s(head))
         return max(1, math.ceil(until))
+
+    def _weight(self, tenant: str) -> float:
+        return self.shares.get(tenant, _EQUAL).weight
+
+    def _capped(self, tenant: str) -> bool:
+        cap = self.shares.get(tenant, _EQUAL).cap
+        return cap is not None and self.in_flight_of(tenant) >= cap
+
+    def _may_start(self, tenant: str) -> bool:
+        free = self.limit - self.in_flight
+        if free <= 0 or self._capped(tenant):
+            return False
+        return self.in_flight_of(tenant) < self.guaranteed(tenant) or free > self.kept_free(tenant)
+
+    def _next(self) -> Ticket | None:
+        """Start the waiter the fair order picks among the tenants that may start one, if any."""
+        ready = [t for t, q in self._queues.items() if q and self._may_start(t)]
+        if not ready:
+            return None
+        # Fewest in flight per weight once started (so weights 3:1 settle at 6:2 of 8, not swing between 5:3 and
+        # 6:2); between equals, the oldest waiter.
+        tenant = min(ready, key=lambda t: ((self.in_flight_of(t) + 1) / self._weight(t), self._queues[t][0].arrived))
+        return self._start(self._queues[tenant].popleft())
 
     def _start(self, ticket: Ticket) -> Ticket:
         ticket.admitted_at = self._clock()
         self.running.append(ticket)
+        self._in_flight[ticket.tenant] = self.in_flight_of(ticket.tenant) + 1
         self.rate.start()
         return ticket
+
+
+_EQUAL = Share()
 
 
 @dataclass(slots=True)
@@ -213,16 +325,19 @@ class Watched(Protocol):
 class Admission:
     """:class:`AdmissionQueue` on the event loop: waiting for a turn, the deadline, and clients that leave.
 
-    ``record(outcome, seconds)`` is told how each question ended: ok | error (with its time in the server,
-    queueing included), refused | cancelled (without): the answers metric. ``record_wait(seconds)``: how long
-    each admitted question waited for its slot (0 when one was free)."""
+    ``record(outcome, seconds, tenant)`` is told how each question ended: ok | error (with its time in the
+    server, queueing included), refused | cancelled (without): the answers metric. ``record_wait(seconds,
+    tenant)``: how long each admitted question waited for its slot (0 when one was free). ``shares`` and
+    ``tenants``: the fair share between tenants (:class:`AdmissionQueue`)."""
 
     def __init__(self, limit: int, *, queue: int = 0, max_wait_s: float = 0.0, rate: ServiceRate | None = None,
                  clock: Clock = time.monotonic,
-                 record: Callable[[str, float | None], None] = lambda outcome, s: None,
-                 record_wait: Callable[[float], None] = lambda s: None) -> None:
+                 record: Callable[[str, float | None, str], None] = lambda outcome, s, tenant: None,
+                 record_wait: Callable[[float, str], None] = lambda s, tenant: None,
+                 shares: Mapping[str, Share] | None = None, tenants: Sequence[str] = ()) -> None:
         rate = rate or ServiceRate(prior_per_s=max(limit, 1) / PRIOR_QUESTION_S, clock=clock)
-        self.rules = AdmissionQueue(limit, queue=queue, max_wait_s=max_wait_s, rate=rate, clock=clock)
+        self.rules = AdmissionQueue(limit, queue=queue, max_wait_s=max_wait_s, rate=rate, clock=clock,
+                                    shares=shares, tenants=tenants)
         self._clock, self._record, self._record_wait = clock, record, record_wait
         self._turns: dict[Ticket, asyncio.Future[None]] = {}
         self.stats = AdmissionStats()
@@ -240,15 +355,15 @@ class Admission:
         return len(self.rules.waiting)
 
     @asynccontextmanager
-    async def admit(self, watched: Watched | None = None) -> AsyncIterator[None]:
+    async def admit(self, watched: Watched | None = None, tenant: str = DEFAULT_TENANT) -> AsyncIterator[None]:
         """A slot for the question: at once, after its turn in the queue, or a 429. ``watched`` tells when its
         client leaves while it waits (then it leaves the queue and ClientGone is raised)."""
-        place = self.rules.arrive()
+        place = self.rules.arrive(tenant)
         if isinstance(place, Refusal):
-            raise self._refuse(place)
+            raise self._refuse(place, tenant)
         if not place.admitted:
             await self._turn(place, watched)
-        self._record_wait(self._clock() - place.arrived)
+        self._record_wait(self._clock() - place.arrived, tenant)
         self.stats.admitted += 1
         outcome = "error"
         try:
@@ -260,7 +375,7 @@ class Admission:
         finally:
             self._release(place)
             if outcome != "cancelled":
-                self._record(outcome, self._clock() - place.arrived)
+                self._record(outcome, self._clock() - place.arrived, tenant)
 
     async def _turn(self, ticket: Ticket, watched: Watched | None) -> None:
         """Until the ticket is handed a slot; ClientGone if its client leaves first, 429 at its deadline."""
@@ -282,14 +397,15 @@ class Admission:
         if gone is not None and gone.done():
             gone.exception()  # read; a receive that failed means the client is gone too
             self.stats.disconnected += 1
-            self._record("cancelled", None)
+            self._record("cancelled", None, ticket.tenant)
             raise ClientGone(CLIENT_CLOSED, "client_closed_request",
                              "the client disconnected while its question waited; it left the queue")
         self.stats.expired += 1
         waited = self._clock() - ticket.arrived
         raise self._refuse(Refusal(
             f"the question waited {waited:.1f} s for one of the {self.limit} places, the most "
-            "MMRAG_ADMISSION_MAX_WAIT_S allows: questions left slower than estimated", self.rules.retry_after_s()))
+            "MMRAG_ADMISSION_MAX_WAIT_S allows: questions left slower than estimated",
+            self.rules.retry_after_s(ticket.tenant)), ticket.tenant)
 
     def _give_up(self, ticket: Ticket, turn: asyncio.Future[None]) -> None:
         self._turns.pop(ticket, None)
@@ -299,22 +415,22 @@ class Admission:
             self.rules.leave(ticket)
 
     def _release(self, ticket: Ticket) -> None:
-        turn = self.rules.release(ticket)
-        if turn is not None:
+        for turn in self.rules.release(ticket):
             self._turns.pop(turn).set_result(None)
 
-    def _refuse(self, refusal: Refusal) -> ApiError:
+    def _refuse(self, refusal: Refusal, tenant: str) -> ApiError:
         self.stats.refused += 1
-        self._record("refused", None)
+        self._record("refused", None, tenant)
         return ApiError(
             429, "overloaded", refusal.reason,
             "retry after the Retry-After seconds; operators: add engine replicas, or raise "
             "MMRAG_MAX_QUESTIONS_IN_FLIGHT (answered at once), MMRAG_ADMISSION_QUEUE (waiting) or "
-            "MMRAG_ADMISSION_MAX_WAIT_S (the longest wait)",
+            "MMRAG_ADMISSION_MAX_WAIT_S (the longest wait), or a tenant's weight or questions_in_flight "
+            "(`mmrag tenant quota`)",
             headers={"Retry-After": str(refusal.retry_after_s)},
         )
 
-    async def until_disconnect(self, request: Watched, work: Awaitable[T]) -> T:
+    async def until_disconnect(self, request: Watched, work: Awaitable[T], tenant: str = DEFAULT_TENANT) -> T:
         """``await work``, cancelled if the client disconnects first (then a 499 nobody reads)."""
         task = asyncio.ensure_future(work)
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -328,7 +444,7 @@ class Admission:
                     await task
         if task.cancelled():
             self.stats.disconnected += 1
-            self._record("cancelled", None)
+            self._record("cancelled", None, tenant)
             raise ClientGone(CLIENT_CLOSED, "client_closed_request",
                              "the client disconnected; its question was cancelled")
         return task.result()

@@ -152,8 +152,8 @@ async def _admitted(services: Services, watched: Request | _Leaving, question: Q
     MMRAG_ADMISSION_MAX_WAIT_S, else 429 (serving/api/admission.py); cancelled, its plans and engine requests with
     it, when ``watched`` (the request, or a stream's :class:`_Leaving`) says the client left. Admission counts
     every outcome in the answers metric."""
-    async with services.admission.admit(watched):
-        return await services.admission.until_disconnect(watched, answer(services, question, emit))
+    async with services.admission.admit(watched, services.tenant):
+        return await services.admission.until_disconnect(watched, answer(services, question, emit), services.tenant)
 
 
 async def _stream(request: Request, services: Services, question: Question, render: Render) -> StreamingResponse:

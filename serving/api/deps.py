@@ -37,6 +37,7 @@ def require_api_key(services: ServicesDep,
                "send `Authorization: Bearer <MMRAG_API_KEY>` (or the X-API-Key header)")
         raise ApiError(401, "unauthorized", "missing or wrong API key", fix,
                        headers={"WWW-Authenticate": "Bearer"})  # a 401 names its scheme (RFC 9110 §11.6.1)
+    services.rates.take(tenant)  # 429 past the tenant's requests_per_s, before any work
     return tenant
 
 

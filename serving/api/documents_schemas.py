@@ -56,6 +56,8 @@ class Upload(_Response):
     doc: str = Field(description="Its file name on the server (sanitised from the upload's), as citations name it.")
     bytes: int = Field(description="Size of the stored file.")
     sha256: str = Field(description="SHA-256 of the file's bytes.")
+    renamed_from: str | None = Field(None, description="The name asked for, when another of the tenant's "
+                                     "documents (other bytes) had it: `doc` then carries a `-N` before its suffix.")
     job: Job = Field(description="The ingest job: poll GET /v1/ingest/{job.id}.")
 
 

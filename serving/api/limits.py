@@ -1,9 +1,12 @@
 """Request limits: refuse large bodies before reading them (413, with the limit in the message; a question's
-images may add to it), and text that is not Unicode (a lone surrogate from a JSON ``\\ud800`` escape: valid JSON, but no UTF-8 encodes it)."""
+images may add to it), text that is not Unicode (a lone surrogate from a JSON ``\\ud800`` escape: valid JSON, but
+no UTF-8 encodes it), and a tenant's requests beyond its rate (429, :class:`RequestRates`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,3 +171,35 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+class RequestRates:
+    """Each tenant's API requests a second (the tenants file's ``requests_per_s``; serving/api/tenants.py): a
+    token bucket per tenant holding at most one second's worth (a burst of ``rate`` requests, at least one),
+    refilled continuously. A request over it is refused at once with 429, before any work, and a Retry-After
+    of when the next token comes. Tenants without a rate are never counted."""
+
+    def __init__(self, rates: Mapping[str, float], clock: Callable[[], float] = time.monotonic) -> None:
+        self.rates = {t: r for t, r in rates.items() if r}
+        self._clock = clock
+        self._tokens = {t: max(1.0, r) for t, r in self.rates.items()}
+        self._at = dict.fromkeys(self.rates, self._clock())
+
+    def take(self, tenant: str) -> None:
+        rate = self.rates.get(tenant)
+        if rate is None:
+            return
+        now = self._clock()
+        burst = max(1.0, rate)
+        tokens = min(burst, self._tokens[tenant] + (now - self._at[tenant]) * rate)
+        self._at[tenant] = now
+        if tokens < 1.0:
+            self._tokens[tenant] = tokens
+            wait = (1.0 - tokens) / rate
+            raise ApiError(429, "rate_limited",
+                           f"tenant {tenant!r} is over its {rate:g} requests a second (requests_per_s in the "
+                           "tenants file)",
+                           "retry after the Retry-After seconds, or spread the requests out; operators: raise it "
+                           f"with `mmrag tenant quota {tenant} --requests-per-s N`",
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        self._tokens[tenant] = tokens - 1.0

@@ -14,6 +14,7 @@ from serving.api import errors
 from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
 from serving.api.routers import ask, documents, health, ingest, openai, ui
 from serving.api.services import Services
+from serving.api.slow_clients import BodyReadTimeout
 from serving.api.startup import warm_at_startup
 from serving.metrics import Metrics, VllmFromGlobalRegistry
 
@@ -38,6 +39,7 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
     app = FastAPI(title="mmrag", version="0.1.0", lifespan=lifespan, dependencies=[Depends(reject_invalid_text)],
                   description="Questions over figure-heavy documents, answered by a VLM with page citations.")
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, allowances=body_allowances(settings))
+    app.add_middleware(BodyReadTimeout, seconds=settings.http_body_timeout_s)
     errors.install(app, errors.ServerPaths.of(settings))
     metrics.instrument_app(app)
     for module in (health, ask, documents, ingest, openai, ui):

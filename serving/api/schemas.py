@@ -351,6 +351,9 @@ class IngestReport(_Response):
     unchanged_files: int = Field(description="Files skipped: same bytes and settings as already indexed.")
     ocr_pages: int = Field(description="Pages whose text came from OCR.")
     stage_seconds: dict[str, float] = Field(description="Seconds per stage (render, text, ocr, encode, embed, index).")
+    figures_skipped: list[dict[str, Any]] = Field(default=[], description="Pages kept with their image and text "
+                                                  "but no figures: over the figure step's object count or time "
+                                                  "budget (`doc`, `page`, `why`).")
 
 
 class IngestJob(_Response):

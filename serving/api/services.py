@@ -22,6 +22,8 @@ from ingestion.loaders import decode_image, image_content_hash, image_header_siz
 from core.scope import TenantScope
 from rag.pipeline import Pipeline
 from serving.api.admission import Admission
+from serving.api.limits import RequestRates
+from serving.api.renders import Renders
 from serving.api.conversations import QuestionImage, TenantConversations
 from serving.api.tenants import TenantKeys
 from serving.ingest_jobs import TenantJobs
@@ -148,6 +150,8 @@ class Services:
     keys: TenantKeys
     scope: TenantScope  # the tenant's, as the wiring built it (core/scope.py)
     tenants: dict[str, Services] = field(default_factory=dict)  # every tenant's view, by name
+    rates: RequestRates = field(default_factory=lambda: RequestRates({}))  # each tenant's requests a second
+    renders: Renders = field(default_factory=Renders)  # page images, fair between tenants, kept once made
     warm_report: WarmReport | None = None
     owns_engine: bool = True  # tests inject the session engine and close it themselves
     _drain_task: asyncio.Task | None = field(default=None, repr=False)
@@ -164,6 +168,7 @@ class Services:
         if self._drain_task is not None:
             self._drain_task.cancel()
         self.jobs.shutdown()
+        self.renders.close()
         self.metrics.unregister()
         await self.qdrant.close()
         if self.owns_engine:

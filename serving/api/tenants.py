@@ -2,6 +2,9 @@
 
 The tenants file (MMRAG_TENANTS_FILE) is JSON, ``{"acme": ["sha256:<hex>", ...], ...}``: each tenant's keys as
 SHA-256 digests, never the keys themselves (`mmrag tenant add` prints a new key once and stores its digest). A
+tenant with a share or quotas is an object instead, ``{"acme": {"keys": [...], "weight": 2,
+"questions_in_flight": 8, "requests_per_s": 5, "documents": 100, "pages": 5000, "bytes": 1000000000}}``
+(:class:`TenantQuota`; every field but ``keys`` optional, `mmrag tenant quota` sets them). A
 plain digest, not a password hash (bcrypt, scrypt): the keys are 256 random bits that `secrets` drew, so there is
 no dictionary to try and nothing for a slow hash to slow down. A presented key is hashed and compared with every
 stored digest by ``hmac.compare_digest``, all of them whatever matched, so the time taken says neither whether a
@@ -51,12 +54,55 @@ def new_key() -> str:
 
 
 @dataclass(slots=True, frozen=True)
+class TenantQuota:
+    """One tenant's share of what the tenants share, and its bounds (the tenants file; None: no bound of its
+    own). ``weight``: its share of the questions in flight against the other active tenants' (a tenant of
+    weight 2 gets twice one of weight 1 when both want more than there is; serving/api/admission.py).
+    ``questions_in_flight``: at most this many at once, whatever is free. ``requests_per_s``: its API requests
+    a second, bursts of up to one second's worth (429 beyond). ``documents``, ``pages``, ``bytes``: what it may
+    keep indexed and stored (413 for an upload too large for what is left, 403 at the count)."""
+
+    weight: float = 1.0
+    questions_in_flight: int | None = None
+    requests_per_s: float | None = None
+    documents: int | None = None
+    pages: int | None = None
+    bytes: int | None = None
+
+    @classmethod
+    def parse(cls, tenant: str, data: dict, where: str) -> TenantQuota:
+        fields = {"weight": float, "questions_in_flight": int, "requests_per_s": float, "documents": int,
+                  "pages": int, "bytes": int}
+        unknown = set(data) - set(fields) - {"keys"}
+        if unknown:
+            raise TenantsFileError(f"{where}: tenant {tenant!r} has unknown fields {sorted(unknown)}; the fields "
+                                   f"are keys, {', '.join(fields)}")
+        values = {}
+        for name, kind in fields.items():
+            value = data.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                    kind is int and value != int(value)):
+                raise TenantsFileError(f"{where}: tenant {tenant!r}: {name} must be a positive "
+                                       f"{'whole number' if kind is int else 'number'}, not {value!r}")
+            values[name] = kind(value)
+        return cls(**values)
+
+    def as_json(self) -> dict:
+        default = TenantQuota()
+        return {name: getattr(self, name) for name in self.__slots__ if getattr(self, name) != getattr(default, name)}
+
+
+@dataclass(slots=True, frozen=True)
 class TenantKeys:
     """Digest → tenant, for every key of every tenant; ``open`` when no key is required (no tenants file and
-    no MMRAG_API_KEY: every caller is the default tenant)."""
+    no MMRAG_API_KEY: every caller is the default tenant). ``quotas``: the tenants file's shares and bounds, by
+    tenant (none: weight 1, no bounds)."""
 
     digests: tuple[tuple[str, str], ...]
     open: bool = False
+    quotas: tuple[tuple[str, TenantQuota], ...] = ()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TenantKeys:
@@ -64,8 +110,12 @@ class TenantKeys:
             if not settings.api_key:
                 return cls((), open=True)
             return cls(((key_digest(settings.api_key), DEFAULT_TENANT),))
-        return cls(tuple((digest, tenant) for tenant, digests in read_tenants(settings.tenants_file).items()
-                         for digest in digests))
+        entries = read_tenants_file(settings.tenants_file)
+        return cls(tuple((digest, tenant) for tenant, (digests, _) in entries.items() for digest in digests),
+                   quotas=tuple((tenant, quota) for tenant, (_, quota) in entries.items()))
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return dict(self.quotas).get(tenant, TenantQuota())
 
     @property
     def tenants(self) -> list[str]:
@@ -84,7 +134,13 @@ class TenantKeys:
 
 
 def read_tenants(path: Path) -> dict[str, list[str]]:
-    """The tenants file, checked: a JSON object of tenant name → list of ``sha256:<64 hex>`` digests."""
+    """The tenants file's keys, checked: tenant name → list of ``sha256:<64 hex>`` digests."""
+    return {tenant: digests for tenant, (digests, _) in read_tenants_file(path).items()}
+
+
+def read_tenants_file(path: Path) -> dict[str, tuple[list[str], TenantQuota]]:
+    """The tenants file, checked: tenant name → (its key digests, its :class:`TenantQuota`). A tenant is a list
+    of ``sha256:<64 hex>`` digests, or an object with them as ``keys`` and its share and bounds."""
     fix = f"rewrite it with `mmrag tenant add <name>` (MMRAG_TENANTS_FILE={path})"
     try:
         data = json.loads(path.read_text())
@@ -95,40 +151,60 @@ def read_tenants(path: Path) -> dict[str, list[str]]:
         raise TenantsFileError(f"cannot read the tenants file {path}: {exc}; {fix}") from exc
     if not isinstance(data, dict):
         raise TenantsFileError(f"the tenants file {path} is not a JSON object of tenant → key digests; {fix}")
-    for tenant, digests in data.items():
+    entries = {}
+    for tenant, entry in data.items():
         try:
             check_tenant(tenant)
         except ValueError as exc:
             raise TenantsFileError(f"{path}: {exc}") from None
+        quota = TenantQuota.parse(tenant, entry, str(path)) if isinstance(entry, dict) else TenantQuota()
+        digests = entry.get("keys", []) if isinstance(entry, dict) else entry
         if not isinstance(digests, list) or not all(_is_digest(d) for d in digests):
             raise TenantsFileError(f"{path}: tenant {tenant!r} must map to a list of 'sha256:<64 hex>' key digests "
-                                   f"(never plain keys); {fix}")
-    return data
+                                   f"(never plain keys), or to an object with them as \"keys\"; {fix}")
+        entries[tenant] = (digests, quota)
+    return entries
 
 
 def add_key(path: Path, tenant: str) -> str:
     """A new key for ``tenant`` (added if new), its digest written to the tenants file; the key, shown once."""
     check_tenant(tenant)
-    data = read_tenants(path) if path.exists() else {}
+    data = read_tenants_file(path) if path.exists() else {}
     key = new_key()
-    data.setdefault(tenant, []).append(key_digest(key))
+    digests, quota = data.get(tenant, ([], TenantQuota()))
+    data[tenant] = ([*digests, key_digest(key)], quota)
     _write(path, data)
     return key
 
 
+def set_quota(path: Path, tenant: str, changes: dict[str, float | int], *, clear: bool = False) -> TenantQuota:
+    """``tenant``'s share and bounds with ``changes`` (on none of its old ones if ``clear``), checked and
+    written back."""
+    data = read_tenants_file(path)
+    if tenant not in data:
+        raise TenantsFileError(f"no tenant {tenant!r} in {path}: add it with `mmrag tenant add {tenant}`")
+    digests, quota = data[tenant]
+    quota = TenantQuota.parse(tenant, {**({} if clear else quota.as_json()), **changes}, str(path))
+    data[tenant] = (digests, quota)
+    _write(path, data)
+    return quota
+
+
 def remove_tenant(path: Path, tenant: str) -> bool:
     """Drop a tenant's keys (its collection stays: `mmrag index reset --tenant` empties it)."""
-    data = read_tenants(path)
+    data = read_tenants_file(path)
     if data.pop(tenant, None) is None:
         return False
     _write(path, data)
     return True
 
 
-def _write(path: Path, data: dict[str, list[str]]) -> None:
+def _write(path: Path, data: dict[str, tuple[list[str], TenantQuota]]) -> None:
     """Atomically and durably (a key printed once must not be lost), readable by its owner only: the digests
-    are not secrets, but nobody else needs them."""
-    write_atomically(path, json.dumps(data, indent=2, sort_keys=True), prefix=".tenants-", mode=0o600)
+    are not secrets, but nobody else needs them. A tenant without a share or bounds of its own stays a list."""
+    plain = {tenant: {"keys": digests, **quota.as_json()} if quota.as_json() else digests
+             for tenant, (digests, quota) in data.items()}
+    write_atomically(path, json.dumps(plain, indent=2, sort_keys=True), prefix=".tenants-", mode=0o600)
 
 
 def _is_digest(value: object) -> bool:

@@ -30,6 +30,11 @@ class EngineConfig:
     # The standard tier's (min_pixels, max_pixels): vLLM's processor resizes pixels under them unless a request
     # names another tier's (serving/engine/images.py processor_kwargs). None: the checkpoint's processor config.
     image_pixels: tuple[int, int] | None = None
+    # Prompt tokens one engine step takes, prefill chunks and decodes together (MMRAG_MAX_BATCHED_TOKENS). None:
+    # vLLM's platform default (2048 for `vllm serve` on CPU, 4096 in-process). Smaller steps let a new prompt's
+    # first token in sooner beside long prefills (chunked prefill); larger ones prefill more per step
+    # (BENCHMARKS.md, issue 40: 512 on 2 cores).
+    max_num_batched_tokens: int | None = None
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
@@ -50,6 +55,8 @@ class EngineConfig:
         )
         if self.block_size:
             kwargs["block_size"] = self.block_size
+        if self.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.image_pixels:
             kwargs["mm_processor_kwargs"] = self.processor_size()
         if not self.caching:
@@ -76,6 +83,8 @@ class EngineConfig:
             flags.append("--trust-request-mm-kwargs")
         if self.block_size:
             flags += ["--block-size", str(self.block_size)]
+        if self.max_num_batched_tokens:
+            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         return flags
 
 

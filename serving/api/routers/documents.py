@@ -47,7 +47,8 @@ PAGE_ERRORS = {**UNKNOWN_PAGE, **INDEX_DOWN, **INVALID_REQUEST}
 
 UPLOAD_ERRORS = {
     413: "The file is over MMRAG_MAX_UPLOAD_BYTES, or the body over that plus MMRAG_MAX_REQUEST_BYTES "
-         "(`request_too_large`).",
+         "(`request_too_large`), or over what the tenant's `bytes` quota leaves (`quota_exceeded`).",
+    403: "The tenant holds as many documents or pages as its quota allows (`quota_exceeded`).",
     415: "The file's bytes are not a PDF, PNG, JPEG, WebP or TIFF (`unsupported_type`).",
     400: "The body is not valid multipart/form-data (`bad_request`), or a tier is not configured "
          "(`unknown_tier`).",
@@ -83,11 +84,52 @@ async def upload(request: Request, services: TenantDep,
                                          "to encode its pages in too, beside MMRAG_INGEST_TIERS.")) -> dict:
     for tier in tiers:
         check_tier(tier, services.settings)
-    path, size, sha = await asyncio.to_thread(_store_upload, file.file, file.filename or "", services.jobs.uploads,
-                                              services.settings.max_upload_bytes)
+    quota = services.keys.quota(services.tenant)
+    await check_documents_quota(services, quota)
+    uploads, limit = services.jobs.uploads, services.settings.max_upload_bytes
+    if quota.bytes is not None:
+        used = await asyncio.to_thread(stored_bytes, uploads)
+        if used >= quota.bytes:
+            raise _over_bytes(services.tenant, quota.bytes, used)
+        limit = min(limit, quota.bytes - used)
+    try:
+        path, size, sha, renamed = await asyncio.to_thread(_store_upload, file.file, file.filename or "", uploads,
+                                                           limit)
+    except ApiError as exc:
+        if exc.status == 413 and limit < services.settings.max_upload_bytes:  # the quota's room, not the file bound
+            raise _over_bytes(services.tenant, quota.bytes, quota.bytes - limit) from None
+        raise
     job = services.jobs.submit_upload(path, tiers)
     return {"doc_id": doc_id_for(str(path)), "doc": path.name, "bytes": size, "sha256": sha,
-            "job": public_job(request, job)}
+            "renamed_from": renamed, "job": public_job(request, job)}
+
+
+async def check_documents_quota(services, quota) -> None:
+    """403 when the tenant already holds its quota's documents or pages (a new file would add more)."""
+    if quota.documents is None and quota.pages is None:
+        return
+    pages = await services.pages.pages()
+    documents = len({p.doc_id for p in pages})
+    for what, held, bound in (("documents", documents, quota.documents), ("pages", len(pages), quota.pages)):
+        if bound is not None and held >= bound:
+            raise ApiError(403, "quota_exceeded", f"tenant {services.tenant!r} holds {held} {what}, its quota "
+                           f"({what} in the tenants file)", "delete documents it no longer needs (DELETE "
+                           f"/v1/documents/{{doc_id}}); operators: `mmrag tenant quota {services.tenant} "
+                           f"--{what} N`")
+
+
+def _over_bytes(tenant: str, quota: int, used: int) -> ApiError:
+    return ApiError(413, "quota_exceeded", f"the file is over what tenant {tenant!r}'s quota of {quota} bytes "
+                    f"stored leaves ({max(0, quota - used)} bytes; {used} stored)",
+                    "delete documents it no longer needs (DELETE /v1/documents/{doc_id}), or upload a smaller "
+                    f"file; operators: `mmrag tenant quota {tenant} --bytes N`")
+
+
+def stored_bytes(uploads: Path) -> int:
+    """Bytes of the uploads a tenant keeps: its ``<sha>/<name>`` files (another tenant's folders, under the
+    default tenant's ``tenants/``, are not its own)."""
+    return sum(f.stat().st_size for f in uploads.glob("*/*")
+               if f.is_file() and f.parent.name != "tenants" and not f.name.startswith("."))
 
 
 @router.delete("/documents/{doc_id}", summary="Delete a document: its pages, and the feature entries no other "
@@ -101,9 +143,12 @@ async def delete(doc_id: str, services: TenantDep) -> DeletedDocument:
     return DeletedDocument(**dataclasses.asdict(deleted))
 
 
-def _store_upload(src: BinaryIO, client_name: str, uploads: Path, max_bytes: int) -> tuple[Path, int, str]:
+def _store_upload(src: BinaryIO, client_name: str, uploads: Path,
+                  max_bytes: int) -> tuple[Path, int, str, str | None]:
     """Copy the upload to ``uploads/<sha256 prefix>/<safe name>``: at most ``max_bytes``, of a format ingestion
-    reads (sniffed from its bytes, not its name). The client's name only names the file, never a folder."""
+    reads (sniffed from its bytes, not its name). The client's name only names the file, never a folder. A name
+    another of the tenant's documents (other bytes) has already gets ``-2``, ``-3``, ... before its suffix, so
+    citations tell them apart; the name it was asked for is returned then (else None)."""
     digest, size = hashlib.sha256(), 0
     # Its name comes from its bytes: written under a temp name first, removed if it is refused half-way.
     with atomic_file(uploads, prefix=".upload-") as tmp:
@@ -124,16 +169,32 @@ def _store_upload(src: BinaryIO, client_name: str, uploads: Path, max_bytes: int
         sha = digest.hexdigest()
         folder = uploads / sha[:16]
         folder.mkdir(exist_ok=True)
-        path = folder / _safe_name(client_name, fmt)
+        asked = _safe_name(client_name, fmt)
+        name = _unique_name(uploads, folder, asked)
+        path = folder / name
         tmp.commit(path)  # the same bytes under the same name: the same file, so the same document
-    return path, size, sha
+    return path, size, sha, (asked if name != asked else None)
+
+
+def _unique_name(uploads: Path, folder: Path, name: str) -> str:
+    """``name``, or with the first ``-N`` no other document of the tenant has (the same bytes keep theirs)."""
+    taken = {f.name for f in uploads.glob("*/*") if f.parent != folder and f.parent.name != "tenants"}
+    if (folder / name).exists() or name not in taken:
+        return name
+    stem, suffix = Path(name).stem, Path(name).suffix
+    return next(n for i in range(2, len(taken) + 3) if (n := f"{stem}-{i}{suffix}") not in taken)
 
 
 def _safe_name(client_name: str, fmt: str) -> str:
-    """A file name from the client's (its last part only, in letters, digits, ``._-``), with a suffix that
-    matches the sniffed format, so that ingestion's name-vs-content check holds."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(client_name.replace("\\", "/")).stem).strip("._")[:100]
-    suffix = Path(client_name).suffix.lower()
+    """A file name from the client's (in letters, digits, ``._-``; every other run of characters, separators
+    included, one ``_``), with a suffix that matches the sniffed format, so that ingestion's name-vs-content
+    check holds. Never a folder: no separator survives. A browser sends the base name only (RFC 7578 §4.2), so
+    keeping every part costs nothing there, and a name with markup in it stays recognisable
+    (``<img src=x><script>alert(1)</script>.pdf`` is ``img_src_x_script_alert_1_script.pdf``, not ``script.pdf``)."""
+    suffix = Path(client_name.replace("\\", "/")).suffix
+    stem = client_name[:len(client_name) - len(suffix)]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")[:100]
+    suffix = suffix.lower()
     if SUPPORTED_FORMATS.get(suffix) != fmt:
         suffix = next(s for s, f in SUPPORTED_FORMATS.items() if f == fmt)
     return f"{stem or 'upload'}{suffix}"
@@ -213,12 +274,13 @@ async def page_image(
     found = await _page(services, page_id)
     if figure is not None:
         box = _figure_box(found, figure, kind)
-    path = Path(found.path)
+    path, renders = Path(found.path), services.renders
+    key = renders.key(services.tenant, path, found.page, box, figure is None)
     if box is None:  # the page as is: the bytes it always was
-        png = await asyncio.to_thread(_render_png, path, found.page, services.settings)
+        png = await renders.png(services.tenant, key, lambda: _render_png(path, found.page, services.settings))
     else:  # a figure's box is the page's own (clamped to it when drawn); the client's must lie on the page
-        png = await asyncio.to_thread(_render_outlined_png, path, found.page, services.settings, box,
-                                      on_page=figure is None)
+        png = await renders.png(services.tenant, key, lambda: _render_outlined_png(
+            path, found.page, services.settings, box, on_page=figure is None))
     return Response(png, media_type="image/png")
 
 
