@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,10 +153,12 @@ class FairQueue:
             if not queue:
                 del self._queues[job.tenant]
 
-    def take(self) -> Job | None:
-        if not self._queues:
+    def take(self, *, besides: Collection[str] = ()) -> Job | None:
+        """The next job in round-robin order (of a tenant not in ``besides``), or None."""
+        heads = {t: q[0].submitted_at for t, q in self._queues.items() if t not in besides}
+        if not heads:
             return None
-        tenant = next_tenant({t: q[0].submitted_at for t, q in self._queues.items()}, self._served)
+        tenant = next_tenant(heads, self._served)
         self._turns += 1
         self._served[tenant] = self._turns
         queue = self._queues[tenant]
@@ -185,6 +187,11 @@ class _Deletion:
 class IngestJobs:
     """Ingest jobs on ``workers`` threads, taken from per-tenant FIFO queues round-robin (:class:`FairQueue`),
     their state persisted in ``state`` (a JobStore file).
+
+    Fair between pages, not only between jobs: between two page batches of a job, a worker first runs any job
+    another tenant has queued (round-robin, one tenant at a time on the worker's stack, its own batches yielding
+    likewise), then goes on with the paused job. A tenant's one-page upload so waits for at most one batch of
+    another tenant's 500-page PDF, not for the whole PDF.
 
     Jobs a killed server left queued or running are queued again at start-up: ingestion is idempotent (an
     unchanged, fully indexed file is skipped; a half-done one is redone), so a resumed job ends with the index
@@ -230,6 +237,7 @@ class IngestJobs:
         # The event loop takes it, so no one holding it may wait for the loop (an index call through LoopBridge).
         self._lock = threading.Condition(threading.RLock())
         self._queue = FairQueue()
+        self._paused = threading.local()  # per worker: the tenants whose jobs it holds paused (_serve_others)
         self._deletions: list[_Deletion] = []
         self._deferred: set[ImageKey] = set()  # entries a deletion kept because a lease held them
         self._retry_at = 0.0
@@ -495,14 +503,33 @@ class IngestJobs:
     def _next_job(self) -> Job | None:
         with self._lock:
             while not self._closed:
-                job = self._queue.take()
-                if job is not None and job.status == "queued":
+                job = self._take()
+                if job is not None:
+                    return job
+                self._lock.wait()
+            return None
+
+    def _take(self, besides: Collection[str] = ()) -> Job | None:
+        """A queued job (of a tenant not in ``besides``) marked running, or None. Under the lock."""
+        with self._lock:
+            while not self._closed and (job := self._queue.take(besides=besides)) is not None:
+                if job.status == "queued":  # a cancelled one was left in the queue: skip it
                     job.status = "running"  # taken and marked under the lock: a cancel sees one or the other
                     self._db.save(job)
                     return job
-                if job is None:
-                    self._lock.wait()
             return None
+
+    def _serve_others(self, paused: Job) -> None:
+        """Between two batches of ``paused`` (its progress callback): run every job other tenants have queued,
+        those whose jobs this worker already holds paused excepted, before ``paused`` goes on."""
+        stack = self._paused.stack = getattr(self._paused, "stack", [])
+        stack.append(paused.tenant)
+        try:
+            while (other := self._take(besides=stack)) is not None:
+                log.info("ingest %s (tenant %s) runs between two batches of %s", other.id, other.tenant, paused.id)
+                self._run(other)
+        finally:
+            stack.pop()
 
     def _run(self, job: Job) -> None:
         log.info("ingest %s started: %s%s", job.id, ", ".join(job.paths), " (recursive)" if job.recursive else "")
@@ -514,6 +541,7 @@ class IngestJobs:
                 raise JobCancelled
             if self._closed:
                 raise ShuttingDown
+            self._serve_others(job)
 
         try:
             which = (job.tenant, tuple(job.tiers))

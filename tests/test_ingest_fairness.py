@@ -331,3 +331,25 @@ def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_nev
         assert {j.id for j in jobs.list(limit=10, offset=0)[0]} == {submitted[-1].id, running.id, queued.id}
     finally:
         jobs.shutdown()
+
+
+def test_another_tenants_job_runs_between_two_batches_of_a_long_one(tmp_path):
+    """Issue 41: one worker, tenant b's job of 1000 batches running; a's one-batch job, submitted then, runs at
+    b's next batch boundary and is done while b's is still running (it used to wait for all of b's 1000)."""
+    scopes = {t: TenantScope(tenant=t, collection=f"pages-{t}", cache_salt=t, root=tmp_path, uploads=tmp_path / t)
+              for t in ("a", "b", "default")}
+    ingestors = {"a": _BatchedIngestor(batches=1), "b": _BatchedIngestor(batches=1000)}
+    (tmp_path / "doc.pdf").write_bytes(b"%PDF-")
+    jobs = IngestJobs(scopes.__getitem__, lambda tenant, tiers: ingestors[tenant], state=tmp_path / "jobs.sqlite3",
+                      make_index=None, store=None, referenced=None, tiers=Tiers({}))
+    try:
+        long = jobs.submit(["doc.pdf"], recursive=False, tenant="b")
+        assert ingestors["b"].started.wait(10)
+        short = jobs.submit(["doc.pdf"], recursive=False, tenant="a")
+        with jobs._lock:  # woken by the jobs' own condition; 30 s is a hang guard only
+            assert jobs._lock.wait_for(lambda: jobs.get(short.id, "a").status in FINISHED, timeout=30)
+        assert jobs.get(short.id, "a").status == "done" and jobs.get(short.id, "a").report["pages"] == 1
+        assert jobs.get(long.id, "b").status == "running" and not ingestors["b"].returned.is_set()
+        assert jobs.get(long.id, "b").progress["pages_done"] < 1000
+    finally:
+        jobs.shutdown()
