@@ -13,6 +13,7 @@ import io
 import json
 import os
 import socket
+import statistics
 import uuid
 
 import httpx
@@ -20,7 +21,6 @@ import pytest
 from PIL import Image, ImageDraw
 from typer.testing import CliRunner
 
-from serving.api.admission import Ticket
 from serving.api.slow_clients import header_timeout_protocol
 from serving.api.tenants import TenantQuota, TenantsFileError, add_key, read_tenants, read_tenants_file, set_quota
 from tests.conftest import serving
@@ -123,13 +123,25 @@ async def _ingested(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
 
 
 async def test_a_tenant_flooding_the_server_leaves_another_tenants_question_no_queue_to_wait_in(quota_server):
-    """B sends three times the in-flight bound at once; once B holds every slot it may (all but the one kept
-    for A) and has waiters, A's question is admitted at once and answered; B's all are answered too."""
+    """B sends ten times the in-flight bound at once; once B holds every place it may (all but the one kept for
+    A) and has waiters, each of A's questions (one at a time, as a user asks) is admitted at once and answered;
+    B's are all answered too. A's latency alone and beside the flood is printed (measured, never asserted: the
+    engine batch is shared)."""
     services = quota_server["app"].state.services
-    rules = services.admission.rules
+    rules, registry = services.admission.rules, services.metrics.registry
     http = quota_server["http"]
     await _ingested(http["a"], "a.png", _png("a"))
     await _ingested(http["b"], "b.png", _png("b"))
+
+    async def ask_a(n: int) -> list[float]:
+        took = []
+        for i in range(n):
+            r = await http["a"].post("/v1/ask", json={"question": f"What does a show? {i}"})
+            assert r.status_code == 200, r.text
+            took.append(r.elapsed.total_seconds())
+        return took
+
+    alone = await ask_a(3)
     flooded = asyncio.Event()
     arrive = rules.arrive
 
@@ -142,22 +154,27 @@ async def test_a_tenant_flooding_the_server_leaves_another_tenants_question_no_q
     rules.arrive = watched
     try:
         flood = [asyncio.create_task(http["b"].post("/v1/ask", json={"question": f"What does b show? {i}"}))
-                 for i in range(3 * LIMIT)]
+                 for i in range(10 * LIMIT)]
         await asyncio.wait_for(flooded.wait(), 300)
-        assert rules.in_flight_of("b") == LIMIT - 1 and rules.in_flight_of("a") == 0  # one slot kept for A
-        before = services.metrics.registry.get_sample_value("mmrag_admission_wait_seconds_sum", {"tenant": "a"})
-        mine = await http["a"].post("/v1/ask", json={"question": "What does a show?"})
-        assert mine.status_code == 200, mine.text
-        waited = services.metrics.registry.get_sample_value("mmrag_admission_wait_seconds_sum", {"tenant": "a"})
-        assert waited - (before or 0.0) <= 0.1  # admitted at once: no queue behind B's
+        assert rules.in_flight_of("b") == LIMIT - 1 and rules.in_flight_of("a") == 0  # one place kept for A
+        waits = lambda: (registry.get_sample_value("mmrag_admission_wait_seconds_sum", {"tenant": "a"}),  # noqa: E731
+                         registry.get_sample_value("mmrag_admission_wait_seconds_count", {"tenant": "a"}))
+        (sum_before, n_before), beside = waits(), []
+        while rules.waiting_of("b") and len(beside) < 5:  # A asks while B still has questions waiting
+            beside += await ask_a(1)
+        (sum_after, n_after) = waits()
+        assert n_after - n_before == len(beside) >= 1
+        assert sum_after - sum_before <= 0.1 * len(beside)  # each admitted at once: no queue behind B's
         answers = await asyncio.gather(*flood)
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200][:2]
     finally:
         rules.arrive = arrive
-    ok = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "ok", "tenant": "b"})
-    assert ok >= 3 * LIMIT
-    assert isinstance(rules.arrive("a"), Ticket)  # the rules are idle again: a slot at once
-    rules.release(rules.running[-1])
+    ok = registry.get_sample_value("mmrag_answers_total", {"outcome": "ok", "tenant": "b"})
+    assert ok >= 10 * LIMIT
+    print(f"\nA alone: {statistics.median(alone):.2f} s p50 over {len(alone)}; beside B's {10 * LIMIT} questions: "
+          f"{statistics.median(beside):.2f} s p50 over {len(beside)} "
+          f"({statistics.median(beside) / statistics.median(alone):.1f}x); A's admission wait "
+          f"{(sum_after - sum_before) / len(beside) * 1000:.1f} ms mean")
 
 
 async def test_a_tenant_over_its_requests_a_second_gets_429_and_the_others_do_not(quota_server):
