@@ -110,14 +110,21 @@ async def quota_server(engine_settings, ingested, inprocess_engine, tmp_path_fac
                 await client.aclose()
 
 
-async def _ingested(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
+async def _ingested(server: dict, tenant: str, name: str, body: bytes) -> dict:
+    """``body`` uploaded as ``tenant`` and ingested: woken by the jobs' own condition, which each status change
+    notifies (300 s is a hang guard only), then the job as the API reports it."""
+    http = server["http"][tenant]
     r = await http.post("/v1/documents", files={"file": (name, body, "image/png")})
     assert r.status_code == 202, r.text
-    job = r.json()["job"]
-    for _ in range(6000):  # as a client polls; a hang guard of 5 min, not a speed check
-        if (status := (await http.get(f"/v1/ingest/{job['id']}")).json())["status"] not in ("queued", "running"):
-            break
-        await asyncio.sleep(0.05)
+    job_id, jobs = r.json()["job"]["id"], server["app"].state.services.jobs.jobs
+
+    def finished() -> bool:
+        with jobs._lock:
+            return jobs._lock.wait_for(lambda: jobs.get(job_id, tenant).status not in ("queued", "running"),
+                                       timeout=300)
+
+    assert await asyncio.to_thread(finished)
+    status = (await http.get(f"/v1/ingest/{job_id}")).json()
     assert status["status"] == "done", status
     return r.json()
 
@@ -130,8 +137,8 @@ async def test_a_tenant_flooding_the_server_leaves_another_tenants_question_no_q
     services = quota_server["app"].state.services
     rules, registry = services.admission.rules, services.metrics.registry
     http = quota_server["http"]
-    await _ingested(http["a"], "a.png", _png("a"))
-    await _ingested(http["b"], "b.png", _png("b"))
+    await _ingested(quota_server, "a", "a.png", _png("a"))
+    await _ingested(quota_server, "b", "b.png", _png("b"))
 
     async def ask_a(n: int) -> list[float]:
         took = []
@@ -200,9 +207,9 @@ async def test_storage_quotas_refuse_with_the_quota_named(quota_server):
 
     small = http["small"]
     rate = quota_server["app"].state.services.rates
-    rate.rates["small"] = 1000.0  # this test is about documents: lift its rate for the polling below
+    rate.rates["small"] = 1000.0  # this test is about documents: lift its rate for the requests below
     try:
-        await _ingested(small, "one.png", _png("small"))
+        await _ingested(quota_server, "small", "one.png", _png("small"))
         refused = await small.post("/v1/documents", files={"file": ("two.png", _png("small"), "image/png")})
         assert refused.status_code == 403, refused.text
         error = refused.json()["error"]
@@ -235,7 +242,7 @@ async def test_upload_names_stay_recognisable_and_unique_within_a_tenant(quota_s
 async def test_page_images_are_rendered_once_and_a_tenants_renders_hold_at_most_its_share(quota_server):
     services = quota_server["app"].state.services
     http = quota_server["http"]["a"]
-    doc = await _ingested(http, "render.png", _png("render"))
+    doc = await _ingested(quota_server, "a", "render.png", _png("render"))
     page_id = next(d for d in (await http.get("/v1/documents")).json()["documents"]
                    if d["doc_id"] == doc["doc_id"])["pages"][0]["page_id"]
     renders = services.renders

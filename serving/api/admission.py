@@ -179,20 +179,17 @@ class AdmissionQueue:
 
     def share(self, tenant: str) -> float:
         """``tenant``'s fair share of the slots, now: its weight over the active tenants' (itself among them)."""
-        active = {t for t, n in self._in_flight.items() if n} | {t for t, q in self._queues.items() if q} | {tenant}
-        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in active)
+        return self._share_among(tenant, self._active())
 
     def guaranteed(self, tenant: str) -> float:
         """Slots ``tenant`` takes whoever else is busy: its weight over every known tenant's and active one's."""
-        everyone = {*self.tenants, *(t for t, n in self._in_flight.items() if n),
-                    *(t for t, q in self._queues.items() if q), tenant}
-        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in everyone)
+        return self._share_among(tenant, self._active() | set(self.tenants))
 
     def kept_free(self, tenant: str) -> int:
         """Slots a tenant at or over its share leaves free: one per other tenant with nothing in flight or
         waiting, at most a quarter of the slots."""
-        idle = sum(1 for t in self.tenants if t != tenant and not self.in_flight_of(t) and not self.waiting_of(t))
-        return min(idle, self.limit // 4)
+        idle = set(self.tenants) - self._active() - {tenant}
+        return min(len(idle), self.limit // 4)
 
     def arrive(self, tenant: str = DEFAULT_TENANT) -> Ticket | Refusal:
         now = self._clock()
@@ -273,6 +270,13 @@ class AdmissionQueue:
         head = self.ahead_of(tenant, mine - room) if mine - room >= 0 else -1
         until = max(self.expected_wait_s(self.ahead_of(tenant)) - self.max_wait_s, self.expected_wait_s(head))
         return max(1, math.ceil(until))
+
+    def _active(self) -> set[str]:
+        """The tenants with questions in flight or waiting."""
+        return {t for t, n in self._in_flight.items() if n} | {t for t, q in self._queues.items() if q}
+
+    def _share_among(self, tenant: str, others: set[str]) -> float:
+        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in others | {tenant})
 
     def _weight(self, tenant: str) -> float:
         return self.shares.get(tenant, _EQUAL).weight

@@ -126,10 +126,14 @@ def _over_bytes(tenant: str, quota: int, used: int) -> ApiError:
 
 
 def stored_bytes(uploads: Path) -> int:
-    """Bytes of the uploads a tenant keeps: its ``<sha>/<name>`` files (another tenant's folders, under the
-    default tenant's ``tenants/``, are not its own)."""
-    return sum(f.stat().st_size for f in uploads.glob("*/*")
-               if f.is_file() and f.parent.name != "tenants" and not f.name.startswith("."))
+    """Bytes of the uploads a tenant keeps (:func:`_stored`)."""
+    return sum(f.stat().st_size for f in _stored(uploads))
+
+
+def _stored(uploads: Path) -> list[Path]:
+    """The tenant's stored uploads, ``<sha>/<name>`` (another tenant's, under the default's ``tenants/``, not)."""
+    return [f for f in uploads.glob("*/*")
+            if f.is_file() and f.parent.name != "tenants" and not f.name.startswith(".")]
 
 
 @router.delete("/documents/{doc_id}", summary="Delete a document: its pages, and the feature entries no other "
@@ -178,7 +182,7 @@ def _store_upload(src: BinaryIO, client_name: str, uploads: Path,
 
 def _unique_name(uploads: Path, folder: Path, name: str) -> str:
     """``name``, or with the first ``-N`` no other document of the tenant has (the same bytes keep theirs)."""
-    taken = {f.name for f in uploads.glob("*/*") if f.parent != folder and f.parent.name != "tenants"}
+    taken = {f.name for f in _stored(uploads) if f.parent != folder}
     if (folder / name).exists() or name not in taken:
         return name
     stem, suffix = Path(name).stem, Path(name).suffix
