@@ -135,7 +135,7 @@ def detect_figures(page: pdfium.PdfPage, *, textpage: pdfium.PdfTextPage | None 
     graphics = [b for b in graphics if area(b) < PAGE_SHARE * page_area]
     if time.monotonic() - started > budget_s:
         raise FigureBudgetError(f"walking its objects took over {budget_s:g} s")
-    for box in _cluster(graphics, GAP_PT):
+    for box in _cluster(graphics, GAP_PT, deadline=started + budget_s):
         if min(box[2] - box[0], box[3] - box[1]) < THIN_PT or not _is_figure_sized(box, page_area):
             continue
         regions.append(_Region(box, "vector"))
@@ -300,14 +300,16 @@ def _gap(a: Box, b: Box) -> float:
 # --- regions -----------------------------------------------------------------------------------------------
 
 
-def _cluster(boxes: list[Box], gap: float) -> list[Box]:
+def _cluster(boxes: list[Box], gap: float, *, deadline: float | None = None) -> list[Box]:
     """Union of boxes that touch within ``gap``, transitively: a sweep down the page with union-find.
 
     The boxes still in reach of the sweep are kept in columns ``gap`` wide, each box in every column it spans, so a
     box is compared only with those in the columns within ``gap`` of it: linear in the boxes for a page of many
     small marks (32,000 marks of a scatter plot: 3.9 s compared with every box in reach, 0.6 s in columns). A box
     is dropped from a column once the sweep has passed its bottom by more than ``gap``: no later box, which starts
-    lower, can reach it."""
+    lower, can reach it. Boxes that each span the page (thousands of large overlapping shapes) are in every
+    column and meet each other in each: :class:`FigureBudgetError` once ``deadline`` (time.monotonic) passes,
+    checked at each box."""
     parent = list(range(len(boxes)))
 
     def find(i: int) -> int:
@@ -319,6 +321,8 @@ def _cluster(boxes: list[Box], gap: float) -> list[Box]:
     width = max(gap, 1.0)
     columns: dict[int, list[int]] = {}
     for i in sorted(range(len(boxes)), key=lambda i: boxes[i][1]):
+        if deadline is not None and time.monotonic() > deadline:
+            raise FigureBudgetError(f"grouping its {len(boxes)} drawn shapes took over the page's time budget")
         x0, y0, x1, y1 = boxes[i]
         for c in range(int((x0 - gap) // width), int((x1 + gap) // width) + 1):
             column = columns.get(c)

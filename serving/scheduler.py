@@ -386,25 +386,26 @@ class Scheduler:
             self.stats.fcfs_fallbacks += 1
         elif rest:
             rest = [rest[i] for i in self._order([w.path for w in rest])]
-        if len({w.plan.cache_salt for w in rest}) > 1:
-            # Fair share between tenants (each its own salt, so no prefix of one helps another): the tenant with
-            # the fewest plans in flight first, each tenant's in policy order (stable).
-            rest.sort(key=lambda w: self._running[w.plan.cache_salt])
         if self.config.short_image_tokens:
             rest.sort(key=lambda w: not w.short)  # stable: the short queue first, each in policy order
+        offered = [(w, True) for w in overdue] + [(w, False) for w in rest]
+        if len({w.plan.cache_salt for w in self._queue}) > 1:
+            # Fair share between tenants (each its own salt, so no prefix of one helps another): the tenant with
+            # the fewest plans in flight first, each tenant's own in the order above (stable). Overdue plans too:
+            # under one tenant's flood its plans are all overdue, and arrival order would queue another tenant's
+            # plan behind every one of them (max_wait_ms guards a policy's order within a tenant, not this).
+            offered.sort(key=lambda o: self._running[o[0].plan.cache_salt])
         hold = False  # an overdue plan waits for the budget: nothing younger overtakes it
-        for w in overdue:
-            why = self.admission.block(w, overdue=True, hold=hold)
+        for w, is_overdue in offered:
+            why = self.admission.block(w, overdue=is_overdue, hold=hold)
             if why is None:
-                self.stats.fairness_overrides += 1
+                self.stats.fairness_overrides += is_overdue
                 return w
-            hold = hold or why is Block.BUDGET
-        for w in rest:
-            why = self.admission.block(w, hold=hold)
-            if why is None:
-                return w
-            self.stats.long_held += why is Block.LONG_SLOT
-            self.stats.gated += why is Block.GATED
+            if is_overdue:
+                hold = hold or why is Block.BUDGET
+            else:
+                self.stats.long_held += why is Block.LONG_SLOT
+                self.stats.gated += why is Block.GATED
         return None
 
     def _order(self, paths: list[Path]) -> list[int]:

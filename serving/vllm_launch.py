@@ -31,7 +31,7 @@ from serving.engine.lifeline import (
     tie_engine_cores_to_this_process,
 )
 # ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.
-from serving.readiness import ServerStartError, answers_200, wait_until_ready
+from serving.readiness import ServerStartError, answers_200, wait_until_ready  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 

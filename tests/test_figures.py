@@ -306,3 +306,19 @@ def test_a_page_over_the_object_bound_raises_before_walking_them():
     with pytest.raises(FigureBudgetError, match="took over"):  # the time budget, checked as the walk goes
         detect_figures(page, budget_s=1e-9)
 
+
+def test_thousands_of_large_overlapping_shapes_are_stopped_by_the_time_budget_while_grouped():
+    """Issue 41, item 2: a page of 3,000 large overlapping shapes is under the object bound and quick to walk,
+    but each shape meets every other in each column it spans (hundreds of millions of comparisons, minutes): the
+    grouping checks the page's deadline at each shape and gives up with the figure step's budget error."""
+    b = PageBuilder()
+    for k in range(3000):
+        x, y = 40 + k % 37, 40 + k % 53
+        b.rect((x, y, x + 480, y + 640), fill=True)
+    with pytest.raises(FigureBudgetError, match="took over"):
+        detect_figures(b.open(), budget_s=1.0)
+    boxes = [(float(k), 0.0, k + 300.0, 300.0) for k in range(100)]
+    with pytest.raises(FigureBudgetError, match="grouping its 100 drawn shapes took over"):
+        _cluster(boxes, 6.0, deadline=0.0)
+    assert _cluster(boxes, 6.0, deadline=None) == [(0.0, 0.0, 399.0, 300.0)]  # no deadline: grouped as ever
+

@@ -22,7 +22,7 @@ from ingestion import figures
 from core.settings import Settings
 from adapters.embed import TextEmbedder
 from adapters.qdrant import PageIndex
-from ingestion.pipeline import Ingestor
+from ingestion.pipeline import Ingestor, IngestReport
 from adapters.store import DiskFeatureStore
 from mmrag.wiring import feature_store
 from adapters.vision import VisionEncoder
@@ -345,3 +345,59 @@ def test_an_ingested_page_over_the_bound_keeps_its_image_and_text_and_reports_it
     finally:
         close(ing)
 
+
+def test_a_job_is_told_between_two_pages_of_one_batch_so_a_cancel_or_another_tenant_waits_one_page(
+        tmp_path, tiny_model, encoder, text_embedder):
+    """Issue 41, item 2: the progress callback (where a job stops when cancelled and runs other tenants' queued
+    jobs) runs between two pages' loads, not only after each batch: five pages in one batch of eight are five
+    calls before the batch is encoded, and a callback that raises after the second page stops the file there, its
+    earlier version still indexed as it was."""
+    pages = []
+    for k in range(5):
+        page = PageBuilder()
+        page.body(72, 2)
+        page.chart((120, 150 + 20 * k, 480, 400))
+        pages.append(page.bytes())
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "five.pdf").write_bytes(join_pages(pages))
+    ing = make_ingestor(tmp_path / "data", tiny_model, encoder, text_embedder, vision_batch_size=8)
+    try:
+        calls = []
+        report = ing.run([tmp_path / "docs"], progress=lambda files, total, done: calls.append((files, done)))
+        assert report.pages == 5 and not report.failed
+        assert calls[:5] == [(0, 0)] * 4 + [(0, 5)]  # before pages 2..5 are loaded, then after the batch
+
+        class Stop(Exception):
+            pass
+
+        def stop_after_two(files: int, total: int, done: int) -> None:
+            stop_after_two.calls += 1
+            if stop_after_two.calls == 2:
+                raise Stop
+        stop_after_two.calls = 0
+        before = points_by_id(ing.index)
+        (tmp_path / "docs" / "five.pdf").write_bytes(join_pages(pages[::-1]))  # changed: ingested again
+        with pytest.raises(Stop):
+            ing.ingest_file(tmp_path / "docs" / "five.pdf", IngestReport(),
+                            on_batch=lambda done: stop_after_two(0, 1, done))
+        assert stop_after_two.calls == 2 and points_by_id(ing.index) == before
+    finally:
+        close(ing)
+
+
+def test_a_batch_holds_at_most_its_pixels_and_a_page_over_them_is_a_batch_of_its_own():
+    """Issue 41: the pages held at once are bounded by their decoded pixels (MMRAG_MAX_IMAGE_PIXELS), not only by
+    MMRAG_VISION_BATCH_SIZE: a multi-frame TIFF's 7000x7000 frames go one by one."""
+    from core.keys import ContentHash
+    from core.pages import RenderedPage
+    from ingestion.pipeline import batches
+
+    def page(side: int) -> RenderedPage:
+        return RenderedPage(doc_id="d", doc="d.tif", path="d.tif", page=1, image=Image.new("1", (side, side)),
+                            content_hash=ContentHash(f"{side:064x}"))
+
+    sides = [100, 100, 7000, 100, 7000, 7000, 100, 100, 100]
+    got = [[p.image.width for p in b] for b in batches(iter(page(s) for s in sides), 4, 7000 * 7000)]
+    assert got == [[100, 100], [7000], [100], [7000], [7000], [100, 100, 100]]
+    assert [len(b) for b in batches(iter(page(100) for _ in range(9)), 4, 50_000_000)] == [4, 4, 1]
+    assert [len(b) for b in batches(iter(page(s) for s in sides), 4)] == [4, 4, 1]  # no bound: by count

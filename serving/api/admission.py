@@ -359,19 +359,21 @@ class Admission:
         return len(self.rules.waiting)
 
     @asynccontextmanager
-    async def admit(self, watched: Watched | None = None, tenant: str = DEFAULT_TENANT) -> AsyncIterator[None]:
-        """A slot for the question: at once, after its turn in the queue, or a 429. ``watched`` tells when its
-        client leaves while it waits (then it leaves the queue and ClientGone is raised)."""
+    async def admit(self, watched: Watched | None = None, tenant: str = DEFAULT_TENANT) -> AsyncIterator[float]:
+        """A slot for the question: at once, after its turn in the queue, or a 429; yields the seconds it waited.
+        ``watched`` tells when its client leaves while it waits (then it leaves the queue and ClientGone is
+        raised)."""
         place = self.rules.arrive(tenant)
         if isinstance(place, Refusal):
             raise self._refuse(place, tenant)
         if not place.admitted:
             await self._turn(place, watched)
-        self._record_wait(self._clock() - place.arrived, tenant)
+        waited = self._clock() - place.arrived
+        self._record_wait(waited, tenant)
         self.stats.admitted += 1
         outcome = "error"
         try:
-            yield
+            yield waited
             outcome = "ok"
         except ClientGone:
             outcome = "cancelled"  # recorded by until_disconnect

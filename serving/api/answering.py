@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -151,9 +151,12 @@ async def _admitted(services: Services, watched: Request | _Leaving, question: Q
     """The answer, admitted: when full it waits its turn while its expected wait is within
     MMRAG_ADMISSION_MAX_WAIT_S, else 429 (serving/api/admission.py); cancelled, its plans and engine requests with
     it, when ``watched`` (the request, or a stream's :class:`_Leaving`) says the client left. Admission counts
-    every outcome in the answers metric."""
-    async with services.admission.admit(watched, services.tenant):
-        return await services.admission.until_disconnect(watched, answer(services, question, emit), services.tenant)
+    every outcome in the answers metric; the answer's timings start with the seconds it waited there."""
+    async with services.admission.admit(watched, services.tenant) as waited:
+        answered = await services.admission.until_disconnect(watched, answer(services, question, emit),
+                                                             services.tenant)
+    answered.extra["timings"] = {"admission_s": round(waited, 4), **answered.extra.get("timings", {})}
+    return answered
 
 
 async def _stream(request: Request, services: Services, question: Question, render: Render) -> StreamingResponse:

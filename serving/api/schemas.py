@@ -203,6 +203,9 @@ class Timings(_Response):
     """Where the answer's time went, in seconds of wall time, stage by stage (a stage that did not run is
     absent: no pages found; one prompt, so no sub-answers; or one sub-answer and so no synthesis)."""
 
+    admission_s: float | None = Field(default=None, description="Waiting for a place among the questions in "
+                                      "flight (MMRAG_MAX_QUESTIONS_IN_FLIGHT, the tenant's fair share of them): 0 "
+                                      "when one was free.")
     decompose_s: float = Field(description="Splitting the question (a model request, or the rules).")
     retrieve_s: float = Field(description="The batched Qdrant search of every sub-question.")
     answer_s: float | None = Field(default=None, description="The joint prompt, or a split answer's parts side by "
