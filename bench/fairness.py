@@ -182,7 +182,7 @@ class PeakWatch:
     """The peak over a phase: VmHWM after a reset, or (where resets are refused) VmRSS sampled every 0.2 s."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.resets = pid, reset_peak(pid)
+        self.pid, self.resets = pid, False  # reset as the phase begins (__aenter__)
         self.sampled = 0.0
         self._task: asyncio.Task | None = None
 
@@ -546,14 +546,12 @@ async def _phases(inputs: FairnessInputs, s: Server) -> dict:
             "ingest_peak_over_idle_mib": round(ingest_mem_kind.peak - s.idle_mib),
             "ingest_growth_mib": round(ingest_mem_kind.peak - ingest_mem_kind.start)}
         log(f"fairness: {kind}: {inputs_memory[kind]}")
-    phases_memory = {name: round(w.peak - s.idle_mib) for name, w in
-                     (("a_alone", alone_mem), ("b_flood", flood_mem), ("b_pathological_pdf", ingest_mem),
-                      ("b_slow_renders", render_mem))}
-    phases_growth = {name: round(w.peak - w.start) for name, w in
-                     (("a_alone", alone_mem), ("b_flood", flood_mem), ("b_pathological_pdf", ingest_mem),
-                      ("b_slow_renders", render_mem))}
-    peaks = list(phases_memory.values()) + [max(v["ask_peak_over_idle_mib"], v["ingest_peak_over_idle_mib"])
-                                            for v in inputs_memory.values()]
+    phases = {"a_alone": alone_mem, "b_flood": flood_mem, "b_pathological_pdf": ingest_mem,
+              "b_slow_renders": render_mem}
+    phases_memory = {name: round(w.peak - s.idle_mib) for name, w in phases.items()}
+    phases_growth = {name: round(w.peak - w.start) for name, w in phases.items()}
+    worst = max([*phases_memory.values(), *(max(v["ask_peak_over_idle_mib"], v["ingest_peak_over_idle_mib"])
+                                            for v in inputs_memory.values())])
     a_beside = questions_phase["a_beside_b"]
     met = {"a_latency_ratio": ratio is not None and ratio <= TARGETS["a_latency_ratio"],
            "a_admission_wait_p99_s": a_beside["admission_wait_p99_s"] is not None
@@ -562,9 +560,10 @@ async def _phases(inputs: FairnessInputs, s: Server) -> dict:
            "a_upload_indexed_s": a_job["status"] == "done" and a_indexed_s <= TARGETS["a_upload_indexed_s"],
            "a_render_s": render_phase["a_beside_b_max_s"] is not None
            and render_phase["a_beside_b_max_s"] <= TARGETS["a_render_s"],
-           "memory_over_idle_mib": max(peaks) <= MEMORY_BOUND_MIB}
+           "memory_over_idle_mib": worst <= MEMORY_BOUND_MIB}
     return {"spec": asdict(spec), "questions": questions_phase, "ingest": ingest_phase, "renders": render_phase,
             "memory": {"idle_mib": round(s.idle_mib), "bound_over_idle_mib": MEMORY_BOUND_MIB,
+                       "worst_over_idle_mib": worst,
                        "peak_reset": alone_mem.resets, "phases_over_idle_mib": phases_memory,
                        "phases_growth_mib": phases_growth, "end_mib": round(memory_mib(s.pid)["VmRSS"]),
                        "inputs": inputs_memory},
@@ -590,8 +589,8 @@ def fairness_table(result: dict) -> str:
         ("A's page image beside B's renders (max; alone p50)",
          f"{r['a_beside_b_max_s']} s; {r['a_alone_p50_s']} s", f"<= {TARGETS['a_render_s']} s", mark("a_render_s")),
         ("API process peak over idle (worst phase or input)",
-         f"{max([*m['phases_over_idle_mib'].values(), *(max(v['ask_peak_over_idle_mib'], v['ingest_peak_over_idle_mib']) for v in m['inputs'].values())])} MiB"
-         f" (idle {m['idle_mib']} MiB)", f"<= {MEMORY_BOUND_MIB} MiB", mark("memory_over_idle_mib")),
+         f"{m['worst_over_idle_mib']} MiB (idle {m['idle_mib']} MiB)", f"<= {MEMORY_BOUND_MIB} MiB",
+         mark("memory_over_idle_mib")),
     ]
     lines = ["| measure | measured | target | |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]

@@ -66,9 +66,7 @@ def test_asks_are_summarised_and_each_target_is_marked_against_its_measure():
                             "a_beside_b": summary, "b": {"answered": 9, "refused": 1, "seconds": 45, "loops": 200}},
               "ingest": {"a_upload_indexed_s": 12.0, "b_cancelled_in_s": 1.0},
               "renders": {"a_beside_b_max_s": 0.3, "a_alone_p50_s": 0.02, "b_render_p50_s": 5.0},
-              "memory": {"phases_over_idle_mib": {"b_flood": 100}, "idle_mib": 900,
-                         "inputs": {"x": {"ask_peak_over_idle_mib": MEMORY_BOUND_MIB + 1,
-                                          "ingest_peak_over_idle_mib": 0}}},
+              "memory": {"idle_mib": 900, "worst_over_idle_mib": MEMORY_BOUND_MIB + 1},
               "met": {"a_latency_ratio": True, "a_admission_wait_p99_s": False, "a_refused": False,
                       "a_upload_indexed_s": False, "a_render_s": True, "memory_over_idle_mib": False}}
     table = fairness_table(result)
