@@ -130,6 +130,7 @@ from llama_index.llms.openai_like import OpenAILike
 from llama_index.vector_stores.qdrant import QdrantVectorStore
 from pydantic import PrivateAttr
 
+from adapters.checkpoint import checkpoint_fingerprint, fingerprint_name
 from bench.corpus import BenchCorpus
 from bench.workload import zipf_probabilities
 from core.engine import Completion, Engine, PromptPlan, Usage
@@ -1026,12 +1027,19 @@ def llamaindex_context_window(config: EngineConfig, top_k: int) -> int:
     return config.max_model_len + top_k * LLAMAINDEX_IMAGE_TOKENS
 
 
-def make_llm(url: str, model_path: Path, max_tokens: int, context_window: int) -> OpenAILike:
-    """The replica's OpenAI-compatible API; greedy, no retries (a failure must show, not be retried away). Every
-    completion decodes exactly ``max_tokens`` (vLLM's ``min_tokens``, as mmrag's MMRAG_ANSWER_FIXED_LENGTH): a
-    random-weight model's answers would otherwise stop at random lengths, and no side would answer at the length
-    asked."""
-    return OpenAILike(model=str(model_path), api_base=f"{url}/v1", api_key="unused", is_chat_model=True,
+def served_name(model_path: Path) -> str:
+    """The name a replica serves the checkpoint at ``model_path`` under, wherever its folder is: its fingerprint's
+    (serving/vllm_launch.serve_command gives every replica that name beside its path), so a replica started on
+    the same files from another folder (a link to them, say) answers to it too."""
+    return fingerprint_name(checkpoint_fingerprint(model_path))
+
+
+def make_llm(url: str, model_name: str, max_tokens: int, context_window: int) -> OpenAILike:
+    """The replica's OpenAI-compatible API (``model_name``: :func:`served_name`); greedy, no retries (a failure
+    must show, not be retried away). Every completion decodes exactly ``max_tokens`` (vLLM's ``min_tokens``, as
+    mmrag's MMRAG_ANSWER_FIXED_LENGTH): a random-weight model's answers would otherwise stop at random lengths,
+    and no side would answer at the length asked."""
+    return OpenAILike(model=model_name, api_base=f"{url}/v1", api_key="unused", is_chat_model=True,
                       context_window=context_window, max_tokens=max_tokens, temperature=0.0, timeout=900.0,
                       max_retries=0, additional_kwargs={"extra_body": {"min_tokens": max_tokens}})
 
@@ -1069,7 +1077,7 @@ async def stream_query(engine: BaseQueryEngine, question: str) -> tuple[AsyncStr
 
 async def run_llamaindex(inputs: E2EInputs, shared: Shared, length: int, side: str, retriever: BaseRetriever
                          ) -> tuple[dict, list[Outcome]]:
-    llm = make_llm(shared.replica_url, inputs.model_path, length,
+    llm = make_llm(shared.replica_url, served_name(inputs.model_path), length,
                    llamaindex_context_window(inputs.engine_config, inputs.spec.top_k))
     subq = side == LLAMAINDEX_SUBQ
     engine = sub_question_engine(retriever, llm) if subq else one_shot_engine(retriever, llm)
@@ -1288,7 +1296,8 @@ async def run_e2e(inputs: E2EInputs) -> dict:
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
             shared = Shared(questions, replica.url, client, {p.file: p.index for p in inputs.corpus.pages})
-            step_s, request_s = await measure_step(client, replica.url, str(inputs.model_path), spec.concurrency)
+            step_s, request_s = await measure_step(client, replica.url, served_name(inputs.model_path),
+                                                   spec.concurrency)
             progress = Progress(inputs.log, estimate_runs(spec, step_s, request_s, stand_in["fixed_tokens"],
                                                           repeat_misses))
             estimated_s = progress.total_estimate_s()

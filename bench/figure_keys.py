@@ -35,6 +35,7 @@ each answer length.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import time
@@ -407,6 +408,9 @@ class FigureBenchInputs:
     placements: tuple[int, ...] = PLACEMENTS
     seed: int = 0
     log: Callable[[str], None] = print
+    # An engine already running (a test session's, of the same model) to run on instead of starting one: it serves
+    # this bench's store and is left running. vLLM allows one in-process engine per process.
+    engine: InProcessEngine | None = None
 
 
 def _tokens(ingested: Ingested) -> dict[ImageKey, int]:
@@ -509,9 +513,14 @@ async def run_figure_bench(inputs: FigureBenchInputs) -> dict[str, Any]:
     asked = {k: make_questions(corpus, inputs.questions, inputs.zipf_s, inputs.seed, k) for k in inputs.placements}
     keys = Keys({}, _tokens(ingested))
     summary = ingest_summary(corpus, ingested)
-    inputs.log(f"figures: starting the engine ({inputs.engine_config.dtype}) ...")
+    features = FeatureProvider.unscoped(inputs.store)
     t = time.perf_counter()
-    engine = InProcessEngine.start(inputs.model, FeatureProvider.unscoped(inputs.store), inputs.engine_config)
+    if inputs.engine is None:
+        inputs.log(f"figures: starting the engine ({inputs.engine_config.dtype}) ...")
+        engine = InProcessEngine.start(inputs.model, features, inputs.engine_config)
+    else:
+        engine = copy.copy(inputs.engine)  # the same vLLM, serving this corpus' store
+        engine.features = features
     start_s = time.perf_counter() - t
     by_placements: dict[str, dict[str, Any]] = {}
     try:
@@ -524,7 +533,8 @@ async def run_figure_bench(inputs: FigureBenchInputs) -> dict[str, Any]:
                 for name, (level, _) in CONFIGS.items()} for length in inputs.lengths}
             by_placements[str(k)] = {"pages_asked": _pages_asked(questions), "by_length": by_length}
     finally:
-        await engine.close()
+        if inputs.engine is None:
+            await engine.close()
     machine = machine_info()
     return {
         "corpus": corpus.describe(), "ingest": summary,

@@ -35,8 +35,8 @@ vLLM (embeds) or the stored PNG and its decoded RGB (pixels); remote the base64 
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
-import os
 import shutil
 import statistics
 import time
@@ -66,7 +66,7 @@ from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
 from serving.engine.remote import RemoteEngine
 from serving.scheduler import Policy
-from serving.vllm_launch import DEV_MODE, ServerHandle, start_dev_replica as start_replica
+from serving.vllm_launch import DEV_MODE, start_dev_replica as start_replica
 
 # (name, keep_pixels, tokens): the three entry kinds ingestion can write.
 INGEST_KINDS = (("tokens", False, True), ("tokens_and_pixels", True, True), ("pixels_only", True, False))
@@ -94,6 +94,9 @@ class ImageInputBenchInputs:
     check_plans: int = CHECK_PLANS
     batch: int = 4  # pages per encoder call at ingest (as bench/corpus.encode_corpus)
     log: Callable[[str], None] = print
+    # An in-process engine already running (a test session's, of the same model) to run on instead of starting
+    # one: it serves this run's store under ``engine_config`` and is left running. vLLM allows one per process.
+    engine: InProcessEngine | None = None
 
 
 # --- ingest ------------------------------------------------------------------------------------------------
@@ -342,16 +345,21 @@ async def run_image_input(inputs: ImageInputBenchInputs) -> dict[str, Any]:
     starts: dict[str, float] = {}
     dtype = inputs.engine_config.dtype
 
-    inputs.log("starting the in-process engine ...")
     t = time.perf_counter()
-    engine = InProcessEngine.start(inputs.model, features, inputs.engine_config)
+    if inputs.engine is None:
+        inputs.log("starting the in-process engine ...")
+        engine = InProcessEngine.start(inputs.model, features, inputs.engine_config)
+    else:
+        engine = copy.copy(inputs.engine)  # the same vLLM, serving this run's store
+        engine.features, engine.config = features, inputs.engine_config
     starts["inprocess"] = round(time.perf_counter() - t, 1)
     try:
         dtype = str(engine.llm.vllm_config.model_config.dtype).removeprefix("torch.")
         served["inprocess"] = await _serve("inprocess", engine, inputs, plans, keys, bench,
                                            lambda: _reset_inprocess(engine), sizes)
     finally:
-        await engine.close()
+        if inputs.engine is None:
+            await engine.close()
         del engine
 
     if inputs.remote:

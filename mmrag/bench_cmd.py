@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -474,17 +475,28 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
                    placements: tuple[int, ...]) -> None:
     """`mmrag bench --figures`: the figure corpus ingested by the real Ingestor (figures on) under
     MMRAG_DATA_DIR/bench/figures, then page-level and figure-level keys on one engine (bench/figure_keys.py)."""
+    from bench.figure_keys import figures_table, run_figure_bench
+
+    started = _started()
+    inputs, spec = _figures_inputs(settings, tiny=tiny, depth=depth, charts=charts, questions=questions,
+                                   concurrency=concurrency, max_tokens=max_tokens, zipf=zipf, seed=seed,
+                                   placements=placements)
+    result = asyncio.run(run_figure_bench(inputs))
+    _report("figures", result, spec, inputs.model, started, json_out, figures_table)
+
+
+def _figures_inputs(settings, *, tiny: bool, depth: int | None, charts: int, questions: int, concurrency: int,
+                    max_tokens: int | None, zipf: float, seed: int, placements: tuple[int, ...]):
+    """What `mmrag bench --figures` runs on: its model, its figure corpus built and ingested (reused when it is
+    already), its options; and the model's spec. The bench starts its own engine (``engine`` None)."""
     from core.settings import Settings
     from bench import model as bench_model
-    from bench.figure_keys import (LENGTHS, FigureBenchInputs, FigureCorpusSpec, build_figure_corpus, figures_table,
-                                   ingest, run_figure_bench)
+    from bench.figure_keys import LENGTHS, FigureBenchInputs, FigureCorpusSpec, build_figure_corpus, ingest
     from bench.runner import default_engine_config
     from mmrag import wiring
 
     if charts < 2 or questions < 1:
         raise typer.BadParameter("--figures needs --charts >= 2 and --questions >= 1")
-    t_start = time.perf_counter()
-    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
@@ -506,17 +518,11 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
     ingested = ingest(corpus, run_ingest)
     err.print(f"figures: {len(ingested.by_place)} pages ingested ({ingested.seconds:.0f} s"
               f"{', reused' if ingested.reused else ''})")
-    result = asyncio.run(run_figure_bench(FigureBenchInputs(
+    return FigureBenchInputs(
         model=model, corpus=corpus, ingested=ingested, store=wiring.feature_store(ingest_settings),
         engine_config=default_engine_config(), questions=questions, zipf_s=zipf, concurrency=concurrency,
         lengths=(max_tokens,) if max_tokens else LENGTHS, placements=placements, seed=seed,
-        log=lambda m: err.print(escape(m)))))
-    total_s = round(time.perf_counter() - t_start, 1)
-    data = {"figures": result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
-            "meta": _run_meta(result["machine"], started_utc, total_s)}
-    _write_json(json_out, data)
-    typer.echo(figures_table(result))
-    err.print(f"total {total_s:.0f} s on {result['machine']['cpu']} ({result['machine']['dtype']})")
+        log=lambda m: err.print(escape(m))), spec
 
 
 def _bench_image_input(settings, *, tiny: bool, depth: int | None, pages: int, questions: int, concurrency: int,
@@ -525,17 +531,29 @@ def _bench_image_input(settings, *, tiny: bool, depth: int | None, pages: int, q
     under MMRAG_DATA_DIR/bench/image-input, then one workload in the embeds and the pixels form through the
     in-process engine and a `vllm serve` replica (bench/image_input.py). ``remote`` False leaves the replica out
     (a smoke test's choice; the command always runs all four)."""
+    from bench.image_input import image_input_table, run_image_input
+
+    started = _started()
+    inputs, spec = _image_input_inputs(settings, tiny=tiny, depth=depth, pages=pages, questions=questions,
+                                       concurrency=concurrency, max_tokens=max_tokens, zipf=zipf, seed=seed,
+                                       remote=remote)
+    result = asyncio.run(run_image_input(inputs))
+    _report("image_input", result, spec, inputs.model, started, json_out, image_input_table)
+
+
+def _image_input_inputs(settings, *, tiny: bool, depth: int | None, pages: int, questions: int, concurrency: int,
+                        max_tokens: int, zipf: float, seed: int, remote: bool):
+    """What `mmrag bench --image-input` runs on: its model, the bench corpus, the workload, the engine config of
+    the standard policy; and the model's spec. The bench starts its own engine (``engine`` None)."""
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
-    from bench.image_input import ImageInputBenchInputs, engine_config_for, image_input_table, run_image_input
+    from bench.image_input import ImageInputBenchInputs, engine_config_for
     from bench.runner import default_engine_config
     from bench.workload import WorkloadSpec, make_workload
     from core.keys import ResolutionPolicy
 
     if pages < 2 or questions < 1:
         raise typer.BadParameter("--image-input needs --pages >= 2 and --questions >= 1")
-    t_start = time.perf_counter()
-    started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
@@ -544,17 +562,29 @@ def _bench_image_input(settings, *, tiny: bool, depth: int | None, pages: int, q
     policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels)
     workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
                                           max_tokens=max_tokens, seed=seed))
-    config = engine_config_for(default_engine_config(), policy)
-    result = asyncio.run(run_image_input(ImageInputBenchInputs(
-        model=model, corpus=corpus, workload=workload, policy=policy, engine_config=config,
+    return ImageInputBenchInputs(
+        model=model, corpus=corpus, workload=workload, policy=policy,
+        engine_config=engine_config_for(default_engine_config(), policy),
         root=root / "image-input" / f"{corpus.spec.folder_name}-{spec.folder_name}", remote=remote,
-        log=lambda m: err.print(escape(m)))))
-    total_s = round(time.perf_counter() - t_start, 1)
-    data = {"image_input": result,
-            "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
-            "meta": _run_meta(result["machine"], started_utc, total_s)}
+        log=lambda m: err.print(escape(m))), spec
+
+
+def _started() -> tuple[float, str]:
+    """When a bench run started: its clock (for total_s) and the UTC time its JSON's meta names."""
+    return time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _report(section: str, result: dict, spec, model, started: tuple[float, str], json_out: Path | None,
+            table: Callable[[dict], str]) -> None:
+    """A bench run's ending: its JSON (``section``: the result; the model; the run's meta) written to
+    ``json_out``, its table printed, its total time and machine told."""
+    from bench import model as bench_model
+
+    total_s = round(time.perf_counter() - started[0], 1)
+    data = {section: result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
+            "meta": _run_meta(result["machine"], started[1], total_s)}
     _write_json(json_out, data)
-    typer.echo(image_input_table(result))
+    typer.echo(table(result))
     err.print(f"total {total_s:.0f} s on {result['machine']['cpu']} ({result['machine']['dtype']})")
 
 

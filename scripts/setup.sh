@@ -50,6 +50,6 @@ fi
 
 echo "[setup] installing mmrag and the rest of its dependencies"
 $PIP install -q -c constraints.txt -e ".[dev,dashboards,ray]" "setuptools>=80.9,<81" 2> >(grep -v -e "is ignored" -e "dependency resolver" -e "requires torch" -e "requires setuptools" >&2)
-"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, ray.serve, selenium, mmrag"
+"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, ray.serve, selenium, xdist, mmrag"
 echo "$want_stamp" > "$STAMP"
 echo "[setup] done: $VENV"

@@ -20,6 +20,12 @@ import pytest
 
 from devkit.ports import free_port
 from serving.readiness import ServerStartError, wait_until_ready
+from tests.waiting import eventually
+
+# The lanes (make check / make test): their option, markers and guard are tests/lanes.py's hooks.
+from tests.lanes import (  # noqa: F401 - pytest's hooks, found by name in this module
+    pytest_addoption, pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport,
+    pytest_sessionfinish)
 
 
 @pytest.fixture(scope="session")
@@ -198,9 +204,13 @@ async def serving(app, **config) -> AsyncIterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
                                            **{"timeout_keep_alive": 3600, **config}))
     task = asyncio.get_running_loop().create_task(server.serve())
-    while not server.started:
-        assert not task.done(), task.exception()
-        await asyncio.sleep(0.05)
+
+    def started() -> bool:
+        if task.done():  # it will never start: fail with why
+            pytest.fail(f"uvicorn exited before it started: {task.exception()!r}")
+        return server.started
+
+    await eventually(started, timeout=60, what="uvicorn started")  # a hang guard
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

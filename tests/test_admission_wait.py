@@ -23,6 +23,7 @@ from serving.api.admission import (PRIOR_QUESTION_S, Admission, AdmissionQueue, 
 from serving.api.errors import ApiError
 from tests.burst import burst
 from tests.conftest import API_KEY
+from tests.waiting import eventually
 
 
 class Clock:
@@ -342,6 +343,34 @@ async def test_a_refusal_is_429_overloaded_with_retry_after_and_a_fix_naming_the
     assert seen.answers == ["refused", "ok"] and admission.stats.refused == 1
 
 
+async def test_every_arrival_is_counted_as_it_asks_while_a_slot_handed_over_is_not_yet_counted_as_admitted():
+    """What the burst test below counts arrivals by: ``stats.arrived``, in the step that places or refuses each
+    question. The sum of the other counts lags a hand-over by a turn of the event loop (a hand clock: nothing here
+    depends on time)."""
+    seen = Outcomes()
+    admission = seen.admission(1, Clock(), queue=1, max_wait_s=60.0)
+
+    async def ask() -> None:
+        async with admission.admit():
+            pass
+
+    async with admission.admit():
+        waiter = asyncio.create_task(ask())
+        await asyncio.sleep(0)  # it arrives, and waits
+        with pytest.raises(ApiError):  # the queue is full: refused as it arrives
+            async with admission.admit():
+                pass
+        stats = admission.stats
+        assert stats.arrived == 3 and (stats.admitted, admission.queued, stats.refused) == (1, 1, 1)
+    # The slot is handed over and the waiter has not run yet: out of the queue, not yet counted as admitted.
+    assert admission.queued == 0 and admission.in_flight == 1
+    assert stats.admitted + admission.queued + stats.refused == 2 and stats.arrived == 3
+    async with asyncio.timeout(5):  # a hang guard: it runs at its turn
+        await waiter
+    assert stats.admitted + admission.queued + stats.refused == stats.arrived == 3
+    assert seen.answers == ["refused", "ok", "ok"]
+
+
 async def test_a_waiter_cancelled_as_its_turn_comes_passes_the_slot_on():
     """Server shutdown cancels a waiting question's task; if the slot had just been handed to it, the slot is
     freed, not lost."""
@@ -381,24 +410,23 @@ async def ask_at_once(url: str, n: int) -> tuple[list[dict], float]:
 
 
 def arrived(admission: Admission) -> int:
-    stats = admission.stats
-    return stats.admitted + admission.queued + stats.refused
+    """Questions that asked for a place, counted in the step that placed or refused each. Not admitted + queued +
+    refused: a waiter handed a slot has left the queue but counts as admitted only once its task runs again, so
+    that sum dips at each hand-over; a probe taken for arrived on such a dip was then judged before it arrived."""
+    return admission.stats.arrived
 
 
 def refused_at_arrival(admission: Admission) -> int:
     return admission.stats.refused - admission.stats.expired
 
 
-async def until(condition, what: str, limit_s: float = 60.0) -> None:
-    """A hang guard, not a timing assertion."""
-    async with asyncio.timeout(limit_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 def waited(error: dict) -> bool:
     """A refusal at the deadline (the question waited), not at arrival."""
     return error["message"].startswith("the question waited")
+
+
+def refused_as_it_arrived(response: httpx.Response) -> bool:
+    return response.status_code == 429 and not waited(response.json()["error"])
 
 
 def not_ok(results: list[dict]) -> list[tuple]:
@@ -444,24 +472,35 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
 
         # 2. A tiny deadline (twice one question's own time; the burst's work is ten times that): some wait, the
         # rest are refused at once. Once the whole burst has arrived, one more client is refused, waits out its
-        # Retry-After, nobody else arriving, and is admitted, the burst still draining.
+        # Retry-After, nobody else arriving, and is admitted, the queue still draining.
         tiny = 2 * own_s
         admission = use(BURST, tiny)
         per_s_at_burst = rate.per_s()
         refused_before = answers("refused")
         tight_run = asyncio.create_task(ask_at_once(url, BURST))
-        await until(lambda: arrived(admission) == BURST, "the burst arrived")
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                     timeout=60) as client:
-            # One more at a time, until one is refused (those before it found a place as one left).
-            placed = []
-            for _ in range(10 * limit):  # a guard
+        await eventually(lambda: arrived(admission) == BURST, timeout=60, what="the burst arrived")
+        # No bound on connections: a probe placed holds one until it is answered, and a probe kept waiting for a
+        # connection would not arrive.
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                                     limits=httpx.Limits(max_connections=None)) as client:
+            # One more client, alone, refused as it arrives: sent once every probe before it has arrived, so
+            # nobody arrives after it. The burst drains meanwhile (its waiters may even have been served or have
+            # expired before this test saw its last arrival), so the queue may have room: then probes fill it, a
+            # wave of `limit` at once (one at a time, they may arrive no faster than questions leave), until a
+            # wave has one refused as it arrived: the queue is at its estimated capacity, and one more is sent
+            # alone. Each probe counts as it arrives (stats.arrived: exact), and each wave is judged once all of
+            # it has; the probes before the one refused alone are `placed` (refused or not).
+            placed, wave, probing_until = [], 1, time.monotonic() + 120  # a hang guard
+            while True:
+                assert time.monotonic() < probing_until, f"{len(placed)} probes sent, none refused alone in 120 s"
                 seen, refusals = arrived(admission), refused_at_arrival(admission)
-                ask = asyncio.create_task(client.post("/v1/ask", json=QUESTION))
-                await until(lambda: arrived(admission) > seen, "the probe arrived")
-                if refused_at_arrival(admission) > refusals:
+                asks = [asyncio.create_task(client.post("/v1/ask", json=QUESTION)) for _ in range(wave)]
+                await eventually(lambda: arrived(admission) == seen + wave, timeout=60, what="the probes arrived")
+                if refused_at_arrival(admission) > refusals and wave == 1:
+                    ask = asks[0]
                     break
-                placed.append(ask)
+                wave = 1 if refused_at_arrival(admission) > refusals else limit
+                placed += asks
             first = await ask
             assert first.status_code == 429, first.json()
             retry_after = int(first.headers["retry-after"])
@@ -501,7 +540,8 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
           f"({admission.stats.expired} at the deadline; at once: p50 {statistics.median(at_once) * 1000:.0f} ms, "
           f"max {at_once[-1]:.2f}s; Retry-After {sorted({r['retry_after'] for r in refused})}) in "
           f"{tight_wall:.1f}s; one more after the burst: 429, Retry-After {waits}, then {retry.status_code} "
-          f"in {retry_s:.2f}s ({len(placed)} probes found a place before)")
+          f"in {retry_s:.2f}s ({sum(not refused_as_it_arrived(r) for r in placed)} of {len(placed)} probes sent "
+          f"before found a place)")
     # Quick: the same server loop took in both, so compare with what was answered, not a wall-clock number.
     assert statistics.median(at_once) < statistics.median(r["s"] for r in answered)
     assert max(r["s"] for r in answered) <= tiny + 3 * own_s  # its wait, within the deadline, and its own work
@@ -511,3 +551,6 @@ async def test_a_burst_of_300_waits_its_turn_and_past_a_tiny_deadline_is_refused
     assert len(waits) <= 2, waits  # admitted after at most one more wait than the first Retry-After
     assert answers("refused") - refused_before == len(refused) + len(waits) + placed.count(429)
     assert admission.in_flight == 0 and admission.queued == 0
+    # Every question that reached it: the burst, the probes before the first refused alone, it, each retry.
+    stats = admission.stats
+    assert stats.arrived == stats.admitted + stats.refused == BURST + len(placed) + 1 + len(waits)

@@ -10,11 +10,9 @@ second.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +24,7 @@ import yaml
 from core.payload import EncoderScope
 from mmrag import wiring
 from tests.conftest import copy_corpus, free_port, serving
+from tests.waiting import eventually
 
 PROMETHEUS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 RULES = PROMETHEUS_DIR / "alerts.yml"
@@ -114,14 +113,14 @@ async def prometheus(config: str, workdir: Path) -> AsyncIterator[httpx.AsyncCli
         stdout=subprocess.DEVNULL, stderr=log.open("wb"),
     )
     client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    async def ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        return (await client.get("/-/ready")).status_code == 200
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if (await client.get("/-/ready")).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, f"prometheus: {log.read_text()[-2000:]}"
-            await asyncio.sleep(0.2)
+        await eventually(ready, timeout=30, what=f"prometheus ready ({log})", ignoring=(httpx.TransportError,))
         yield client
     finally:
         await client.aclose()
@@ -147,6 +146,7 @@ async def mismatch_rule(prom: httpx.AsyncClient) -> dict:
     return rule
 
 
+@pytest.mark.server
 async def test_a_real_prometheus_fires_the_mismatch_alert_after_a_salt_change(engine_settings, ingested, tmp_path):
     rules = tmp_path / "alerts.yml"
     shipped_rules_firing_after_1s(rules)
@@ -157,15 +157,18 @@ async def test_a_real_prometheus_fires_the_mismatch_alert_after_a_salt_change(en
         async with prometheus(config, tmp_path) as prom:
             # Until the alert fires for the changed API and the rule has been evaluated since the kept API's
             # first scrape (a rule evaluated at T sees the samples scraped up to T).
-            deadline, kept_since = time.monotonic() + 60, None
-            while True:
+            kept_since = None
+
+            async def fired() -> tuple[dict, list[dict]]:
+                nonlocal kept_since
                 rule = await mismatch_rule(prom)
                 firing = [a for a in rule["alerts"] if a["state"] == "firing"]
                 kept_since = kept_since or await last_scrape(prom, "salt-kept")
-                if firing and kept_since and datetime.fromisoformat(rule["lastEvaluation"]).timestamp() > kept_since:
-                    break
-                assert time.monotonic() < deadline, f"no {MISMATCH} firing within 60 s: {rule}"
-                await asyncio.sleep(0.5)
+                assert firing and kept_since, rule
+                assert datetime.fromisoformat(rule["lastEvaluation"]).timestamp() > kept_since, (kept_since, rule)
+                return rule, firing
+
+            rule, firing = await eventually(fired, timeout=60, what=f"{MISMATCH} firing")
             (served,) = await query(prom, 'mmrag_indexed_pages{job="salt-kept"}')
 
     assert [a["labels"]["job"] for a in rule["alerts"]] == ["salt-changed"]  # nothing pending for the kept API

@@ -148,7 +148,7 @@ def hexkey(i: int) -> str:
     return hashlib.sha256(f"k{i}".encode()).hexdigest()
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", pytest.param("redis", marks=pytest.mark.server)])
 def store(request, tmp_path):
     if request.param == "disk":
         return DiskAnswerStore(tmp_path / "answers")

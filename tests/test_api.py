@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import API_KEY
+from tests.waiting import ingest_finished
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -109,11 +109,7 @@ async def test_ingest_jobs_add_documents_while_serving(http, api_server, sample_
     shutil.copy(slide, api_server["root"] / "new_slide.png")
     (api_server["root"] / "broken.pdf").write_bytes(b"%PDF-1.7 broken")
     job = (await http.post("/v1/ingest", json={"paths": ["."]}, headers=AUTH)).json()
-    for _ in range(600):
-        status = (await http.get(f"/v1/ingest/{job['id']}", headers=AUTH)).json()
-        if status["status"] in ("done", "failed"):
-            break
-        await asyncio.sleep(0.1)
+    status = await _wait_for_job(http, job["id"])
     assert status["status"] == "done", status
     assert status["report"]["pages"] == 1 and [f["path"] for f in status["report"]["failed"]][0].endswith("broken.pdf")
     docs = (await http.get("/v1/documents", headers=AUTH)).json()["documents"]
@@ -152,12 +148,8 @@ async def test_job_ids_are_unique_and_the_bearer_scheme_is_case_insensitive(http
 
 
 async def _wait_for_job(http, job_id: str) -> dict:
-    for _ in range(600):
-        status = (await http.get(f"/v1/ingest/{job_id}", headers=AUTH)).json()
-        if status["status"] in ("done", "failed"):
-            return status
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"ingest job {job_id} did not finish: {status}")
+    """The job once finished (60 s: a hang guard)."""
+    return await ingest_finished(http, job_id, timeout=60, headers=AUTH)
 
 
 async def test_openapi_docs_list_the_endpoints(http):

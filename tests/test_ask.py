@@ -66,6 +66,7 @@ def test_cli_errors_name_the_fix_without_a_traceback(args, message, engine_setti
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.engine
 def test_cli_ask_prints_one_json_object(engine_settings, ingested):
     result = run_cli("ask", "What is on this page?", "--pages", "operations_manual.pdf:1", "--max-tokens", "4",
                      "--json", settings=engine_settings)

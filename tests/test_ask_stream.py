@@ -15,8 +15,9 @@ import pytest
 from serving.engine.remote import Told
 from tests.conftest import API_KEY
 from tests.test_cancel import MAX_TOKENS as LONG  # answer tokens where a client leaves: finishing would show
-from tests.test_cancel import generated_tokens, long_answers, wait_for  # noqa: F401 - long_answers is a fixture
+from tests.test_cancel import WAIT_S, generated_tokens, long_answers  # noqa: F401 - long_answers is a fixture
 from tests.test_remote_engine import keys, plan, remote  # noqa: F401 - keys is a fixture
+from tests.waiting import eventually
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TWO_PART = "What was the Q3 revenue of the Nordic division and what is the retry limit?"
@@ -33,7 +34,7 @@ async def decodes_alone(url: str) -> float:
     assert r.status_code == 200, r.text
     own = r.json()["usage"]["completion_tokens"]
     # vLLM counts an engine step's tokens as it hands them out; a hang guard, not a timing assertion.
-    await wait_for(lambda: generated_tokens() - before >= own, "the probe's tokens counted")
+    await eventually(lambda: generated_tokens() - before >= own, timeout=WAIT_S, what="the probe's tokens counted")
     return generated_tokens() - before - own
 
 
@@ -184,8 +185,9 @@ async def test_a_client_that_leaves_mid_stream_stops_its_engine_work(long_answer
                 if seen.count("token") >= 3:
                     break  # leave while the answer is being generated: the response is closed here
     assert "done" not in seen
-    await wait_for(lambda: services.admission.in_flight == 0, "question cancelled")
-    await wait_for(lambda: llm.output_processor.get_num_unfinished_requests() == 0, "vLLM request aborted")
+    await eventually(lambda: services.admission.in_flight == 0, timeout=WAIT_S, what="question cancelled")
+    await eventually(lambda: llm.output_processor.get_num_unfinished_requests() == 0, timeout=WAIT_S,
+                     what="vLLM request aborted")
     assert scheduler.in_flight == 0 and scheduler.waiting == 0
     assert scheduler.stats.cancelled_running >= 1
     assert services.admission.stats.disconnected == disconnected_before + 1

@@ -42,11 +42,16 @@ MIXED = {"mixed", "mixed_tiered", "mixed_standard", "mixed_pooled"}
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def bench_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One `mmrag bench --quick --tiny` run with the full run's floors and the mixed-resolution configurations
-    named too (--configs brings in what --quick leaves out): one process and one engine start for the tests below."""
+    named too (--configs brings in what --quick leaves out): one process, its two engine starts, for the tests below.
+    The session's tiny model is the bench's --tiny model, linked where the bench looks for it."""
+    from bench.model import TINY_SPEC
+
     tmp_path = tmp_path_factory.mktemp("bench")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    (tmp_path / "data" / "models").mkdir(parents=True)
+    (tmp_path / "data" / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
     # Its own short TMPDIR (socket paths stay under 108 bytes): what the two engine starts leave there is seen.
     with tempfile.TemporaryDirectory(prefix="mmrag-t-", dir="/tmp") as tmpdir:
         env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1", "TMPDIR": tmpdir}

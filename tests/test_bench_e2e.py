@@ -5,9 +5,13 @@ through (timings mean nothing there).
 The real run is the smallest that reaches everything: 3 questions (one of each class, bench/e2e.CLASS_CYCLE), 6
 pages, 2 in flight, one answer length of 8 tokens (with a single length, the mmrag variants, the repeats run and
 every target run at that length: bench/e2e.py, "the reference length"), 9 repeated asks. It calls the command's
-own function (`_bench_e2e`) in this process: `mmrag ingest`, one `vllm serve` replica and a fresh `mmrag serve` per
-mmrag run are child processes as in a user's run; the driver, the floor's pipeline and the llama-index pipelines
-run here. The session's tiny model is the bench's --tiny model, linked where the bench looks for it.
+own function (`_bench_e2e`) in this process: `mmrag ingest` and `mmrag serve` are child processes as in a user's
+run; the driver, the floor's pipeline and the llama-index pipelines run here. What a user's run starts afresh the
+test takes from the session where it can, everything else as the bench does it: the session's tiny model is the
+bench's --tiny model, linked where the bench looks for it; the session's `vllm serve` replica (vllm_server, the
+same flags but for speed) is the bench's one replica (SessionReplica); and the three mmrag runs with the same
+settings (mmrag, mmrag_split, mmrag_joint: only their requests differ) share one `mmrag serve` (ServeReuse), the
+floor reading a copy of its index, so a run starts three servers where a user's starts five.
 """
 
 from __future__ import annotations
@@ -256,18 +260,100 @@ def _engine_config():
 # --- one real run ------------------------------------------------------------------------------------------------
 
 
+class SessionReplica:
+    """The session's `vllm serve` replica (conftest's vllm_server) in the place of the one the bench would start:
+    the same checkpoint and the engine flags the prompts and the reports depend on (what differs, the dtype, the
+    batch's sequences and the processor's pixel bounds spelled out as the model's own, changes only speed), in
+    dev mode (its cache resets). The session stops it, not the bench."""
+
+    def __init__(self, url: str, model: Path, config) -> None:
+        self.url, self.model, self.config = url, model, config
+
+    def __call__(self, model_path: Path, config, log_path: Path, *, port: int) -> SessionReplica:
+        from adapters.checkpoint import checkpoint_fingerprint
+
+        assert checkpoint_fingerprint(model_path) == checkpoint_fingerprint(self.model)
+        same = ("block_size", "kv_cache_gib", "max_model_len", "max_images_per_prompt", "enforce_eager", "caching",
+                "image_input", "max_num_batched_tokens")
+        assert {f: getattr(config, f) for f in same} == {f: getattr(self.config, f) for f in same}
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
+class ServeReuse:
+    """`start_mmrag_serve` that keeps each `mmrag serve` running when the bench stops it, and hands it to the next
+    run with the very same settings (mmrag, mmrag_split and mmrag_joint differ only in their requests): one start
+    where the bench makes three. That run's replica is reset as ever, but not warmed again (the first run's start
+    warmed it). Another setting stops the kept server and starts one; so does the end of the run."""
+
+    def __init__(self, start) -> None:
+        self.start = start
+        self.kept: tuple[dict, object] | None = None
+        self.starts = 0
+
+    def __call__(self, env: dict[str, str], log_path: Path, timeout_s: float = 600):
+        if self.kept is None or self.kept[0] != env:
+            self.close()
+            self.kept = (env, self.start(env, log_path, timeout_s))
+            self.starts += 1
+        return _Kept(self.kept[1])
+
+    def close(self) -> None:
+        if self.kept is not None:
+            self.kept[1].stop()
+            self.kept = None
+
+
+class _Kept:
+    def __init__(self, handle) -> None:
+        self.url = handle.url
+
+    def stop(self) -> None:
+        pass  # ServeReuse stops it
+
+
+def floor_on_a_copy(floor_pipeline):
+    """The floor's pipeline over a copy of mmrag's data folder: Qdrant local mode lets one process open a folder,
+    and the kept `mmrag serve` holds mmrag's."""
+    import shutil
+
+    def build(env: dict[str, str]):
+        data = Path(env["MMRAG_DATA_DIR"])
+        copy = data.with_name(f"{data.name}-floor")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(data / "qdrant", copy / "qdrant")
+        shutil.copytree(data / "features", copy / "features", ignore=shutil.ignore_patterns(".leases"))
+        return floor_pipeline({**env, "MMRAG_DATA_DIR": str(copy)})
+
+    return build
+
+
 @pytest.fixture(scope="module")
-def e2e_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def e2e_run(tiny_model: Path, vllm_server: str, engine_settings, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    import bench.e2e
     from bench.model import TINY_SPEC
     from core.settings import Settings
-    from mmrag.bench_cmd import _bench_e2e
+    from mmrag import bench_cmd, wiring
 
     data = tmp_path_factory.mktemp("bench-e2e")
     (data / "models").mkdir()
     (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
     out = data / "e2e.json"
-    _bench_e2e(Settings(data_dir=data), tiny=True, depth=None, quick=False, pages=6, questions=QUESTIONS,
-               concurrency=CONCURRENCY, max_tokens=LENGTH, zipf=1.0, seed=0, json_out=out, plot_out=data / "e2e.png")
+    serve = ServeReuse(bench.e2e.start_mmrag_serve)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench.e2e, "start_replica", SessionReplica(vllm_server, tiny_model,
+                                                              wiring.engine_config(engine_settings)))
+        mp.setattr(bench.e2e, "start_mmrag_serve", serve)
+        mp.setattr(bench_cmd, "_floor_pipeline", floor_on_a_copy(bench_cmd._floor_pipeline))
+        try:
+            bench_cmd._bench_e2e(Settings(data_dir=data), tiny=True, depth=None, quick=False, pages=6,
+                                 questions=QUESTIONS, concurrency=CONCURRENCY, max_tokens=LENGTH, zipf=1.0, seed=0,
+                                 json_out=out, plot_out=data / "e2e.png")
+        finally:
+            serve.close()
+    assert serve.starts == 3  # mmrag's settings (three runs), the model decomposer's, the repeats run's
     return {"data": json.loads(out.read_text()), "png": data / "e2e.png"}
 
 

@@ -1,49 +1,65 @@
 """`mmrag bench --figures --tiny`: page-level against figure-level keys on one engine (issue 26); timings mean nothing.
 
-One real run in a subprocess (vLLM allows one in-process engine per process; the bench starts it once for both
-levels): the figure corpus built with pdfium, ingested by the real Ingestor with figures on, each question answered
+One real run, in process, as `mmrag bench --figures --tiny` runs it (mmrag/bench_cmd._bench_figures) but on the
+session's engine (vLLM allows one in-process engine per process; the bench serves both levels on one engine
+anyway): the figure corpus built with pdfium, ingested by the real Ingestor with figures on, each question answered
 joint (one prompt) and split (a prompt per image) at both levels through the scheduler. The session's tiny model
 is the bench's --tiny model, linked where the bench looks for it, so it is not built again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, ROUNDS, SPLIT, FigureCorpusSpec,
-                               build_figure_corpus, make_questions)
+                               build_figure_corpus, figures_table, make_questions, run_figure_bench)
 from bench.model import TINY_SPEC
+from mmrag.bench_cmd import _figures_inputs, _report, _started
 
-ROOT = Path(__file__).resolve().parent.parent
 CHARTS, QUESTIONS, LENGTH = 4, 8, 4
+CONCURRENCY, ZIPF, SEED = 4, 1.0, 0  # the command's defaults
 PLACEMENTS = ("2", "3")  # the sweep's points: pages each chart is asked through
 FIELDS = ("questions", "prompts", "questions_per_s", "ttft_p50_s", "image_hit_rate", "position_oracle_hit_rate",
           "image_tokens", "cached_image_tokens", "image_tokens_per_prompt", "distinct_image_keys",
           "vision_forwards_at_ingest", "wall_s")
 
 
+def _own_settings(**values):
+    """Settings from only these values (a session's MMRAG_* variables, its Redis or Qdrant URL say, must not
+    reach the bench's ingest), as the command's own process sees them; an emulated ISA stays."""
+    from core.settings import Settings
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k in [k for k in os.environ if k.startswith("MMRAG_") and k != "MMRAG_EMULATE_ISA"]:
+            mp.delenv(k)
+        return Settings(**values)
+
+
 @pytest.fixture(scope="module")
-def figures_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+async def figures_run(inprocess_engine, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What `mmrag bench --figures --tiny --charts 4 --questions 8 --max-tokens 4 --placements 2,3 --json F`
+    writes to F (its "figures" section) and prints: the command's own steps (mmrag/bench_cmd.py), its run on the
+    session's engine instead of one of its own."""
     data = tmp_path_factory.mktemp("bench-figures")
     (data / "models").mkdir()
     (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
+    started = _started()
+    inputs, spec = _figures_inputs(_own_settings(data_dir=data), tiny=True, depth=None, charts=CHARTS,
+                                   questions=QUESTIONS, concurrency=CONCURRENCY, max_tokens=LENGTH, zipf=ZIPF,
+                                   seed=SEED, placements=tuple(int(k) for k in PLACEMENTS))
+    result = await run_figure_bench(dataclasses.replace(inputs, engine=inprocess_engine,
+                                                        engine_config=inprocess_engine.config))
     out = data / "figures.json"
-    # Only this run's settings (a session's MMRAG_REDIS_URL must not take its store); an emulated ISA stays.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_") or k == "MMRAG_EMULATE_ISA"}
-    env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmrag.bench_cmd", "--figures", "--tiny", "--charts", str(CHARTS), "--questions",
-         str(QUESTIONS), "--max-tokens", str(LENGTH), "--placements", ",".join(PLACEMENTS), "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    return {"data": json.loads(out.read_text())["figures"], "stdout": proc.stdout}
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        _report("figures", result, spec, inputs.model, started, out, figures_table)
+    return {"data": json.loads(out.read_text())["figures"], "stdout": printed.getvalue()}
 
 
 def levels(run: dict, placements: str = PLACEMENTS[0]) -> dict[str, dict]:

@@ -1,55 +1,52 @@
 """`mmrag bench --image-input`: the two deployment forms (MMRAG_IMAGE_INPUT) measured on one workload; smoke size on
 the tiny model, whose timings mean nothing: what is checked is the structure and what must hold in any run.
 
-One real run in a subprocess (vLLM allows one in-process engine per process), through the command's own function
-with ``remote=False``: the corpus ingested three ways, then both forms on the in-process engine. The `vllm serve`
-half (the bench starts its own replica: ~50 s on 2 cores for the tiny model alone) is left out to keep this test
-under a minute and a half; the command always runs it, and tests/test_image_input.py checks both forms over a
+One real run, in process, as the command runs it (mmrag/bench_cmd._bench_image_input) with ``remote=False`` and on
+the session's engine (vLLM allows one in-process engine per process): the corpus ingested three ways, then both
+forms on the in-process engine. The `vllm serve` half (the bench starts its own replica: ~50 s on 2 cores for the
+tiny model alone) is left out; the command always runs it, and tests/test_image_input.py checks both forms over a
 replica. The session's tiny model is the bench's --tiny model, linked where the bench looks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench.model import TINY_SPEC
+from tests.test_bench_figures import _own_settings
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES, QUESTIONS, LENGTH = 4, 3, 4
-RUN = """
-import sys
-from pathlib import Path
-from core.settings import Settings
-from mmrag.bench_cmd import _bench_image_input
-_bench_image_input(Settings(), tiny=True, depth=None, pages={pages}, questions={questions}, concurrency=2,
-                   max_tokens={length}, zipf=1.0, seed=0, json_out=Path(sys.argv[1]), remote=False)
-"""
-
-
-def _env(data: Path) -> dict[str, str]:
-    # Only this run's settings (a session's MMRAG_REDIS_URL must not take its store); an emulated ISA stays.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMRAG_") or k == "MMRAG_EMULATE_ISA"}
-    env.update(MMRAG_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
-    return env
+CONCURRENCY, ZIPF, SEED = 2, 1.0, 0
 
 
 @pytest.fixture(scope="module")
-def image_input_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+async def image_input_run(inprocess_engine, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What `mmrag bench --image-input --tiny` (pages=4, questions=3, concurrency=2, max_tokens=4, no replica)
+    writes to its JSON file and prints: the command's own steps (mmrag/bench_cmd.py), its run on the session's
+    engine (the command's engine config: the standard policy's processor bounds, over the session engine's)."""
+    from bench.image_input import engine_config_for, image_input_table, run_image_input
+    from mmrag.bench_cmd import _image_input_inputs, _report, _started
+
     data = tmp_path_factory.mktemp("bench-image-input")
     (data / "models").mkdir()
     (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
-    out = data / "image_input.json"
-    code = RUN.format(pages=PAGES, questions=QUESTIONS, length=LENGTH)
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=_env(data), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    return {"data": json.loads(out.read_text()), "stdout": proc.stdout}
+    started = _started()
+    inputs, spec = _image_input_inputs(_own_settings(data_dir=data), tiny=True, depth=None, pages=PAGES,
+                                       questions=QUESTIONS, concurrency=CONCURRENCY, max_tokens=LENGTH, zipf=ZIPF,
+                                       seed=SEED, remote=False)
+    result = await run_image_input(dataclasses.replace(
+        inputs, engine=inprocess_engine, engine_config=engine_config_for(inprocess_engine.config, inputs.policy)))
+    out = data / "image-input.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        _report("image_input", result, spec, inputs.model, started, out, image_input_table)
+    return {"data": json.loads(out.read_text()), "stdout": printed.getvalue()}
 
 
 def test_both_forms_serve_the_same_plans_with_the_same_greedy_tokens(image_input_run):
@@ -110,7 +107,15 @@ def test_the_table_and_the_machine_are_reported(image_input_run):
     assert f"same_tokens: {str(r['same_tokens']).lower()}" in out
 
 
-def test_image_input_refuses_the_other_modes_options(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mmrag.bench_cmd", "--image-input", "--e2e", "--rate", "2",
-                           "--tiny"], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--image-input" in proc.stderr and "--e2e" in proc.stderr
+@pytest.mark.slow
+def test_image_input_refuses_the_other_modes_options(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mmrag.cli import app
+
+    # Only this run's settings (a session's MMRAG_REDIS_URL must not take its store); an emulated ISA stays.
+    for k in [k for k in os.environ if k.startswith("MMRAG_") and k != "MMRAG_EMULATE_ISA"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("MMRAG_DATA_DIR", str(tmp_path))
+    done = CliRunner().invoke(app, ["bench", "--image-input", "--e2e", "--rate", "2", "--tiny"])
+    assert done.exit_code != 0 and "--image-input" in done.stderr and "--e2e" in done.stderr

@@ -17,6 +17,7 @@ pytest.importorskip("ray", reason="ray[serve] is not installed: .venv/bin/pip in
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_replicas_bench_needs_two_replicas(tmp_path):
     env = {**os.environ, "MMRAG_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "mmrag", "bench", "--replicas", "1", "--tiny"], cwd=REPO, env=env,

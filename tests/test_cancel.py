@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.conftest import API_KEY, copy_corpus, serving
+from tests.waiting import eventually
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 1000
@@ -39,11 +40,7 @@ async def long_answers(engine_settings, ingested, inprocess_engine, tmp_path_fac
         yield url, app.state.services
 
 
-async def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
-    """A hang guard, not a timing assertion."""
-    async with asyncio.timeout(limit_s):
-        while not condition():
-            await asyncio.sleep(0.05)
+WAIT_S = 60.0  # each wait's hang guard, not a timing assertion
 
 
 async def test_clients_that_leave_cancel_their_plans_and_vllm_aborts_them(long_answers, inprocess_engine):
@@ -56,19 +53,22 @@ async def test_clients_that_leave_cancel_their_plans_and_vllm_aborts_them(long_a
                                                 json={"question": f"What does figure {i} of the report show?"}))
                 for i in range(CLIENTS)]
         # Leave once answers are being generated and more wait (decompositions done, plans in the engine).
-        await wait_for(lambda: scheduler.in_flight == services.settings.max_concurrency and scheduler.waiting > 0
-                       and generated_tokens() > before, "plans running, generating, and queued")
+        await eventually(lambda: scheduler.in_flight == services.settings.max_concurrency and scheduler.waiting > 0
+                         and generated_tokens() > before, timeout=WAIT_S,
+                         what="plans running, generating, and queued")
         running_at_leave = generated_tokens() - before
         for task in asks:
             task.cancel()
         await asyncio.gather(*asks, return_exceptions=True)
         left = sum(task.cancelled() for task in asks)  # an answer may have arrived before its client left
 
-    await wait_for(lambda: services.admission.in_flight == 0, "questions cancelled")
-    await wait_for(lambda: llm.output_processor.get_num_unfinished_requests() == 0, "vLLM requests aborted")
+    await eventually(lambda: services.admission.in_flight == 0, timeout=WAIT_S, what="questions cancelled")
+    await eventually(lambda: llm.output_processor.get_num_unfinished_requests() == 0, timeout=WAIT_S,
+                     what="vLLM requests aborted")
     # A running plan's slot is freed by its own task once vLLM has aborted it (serving/scheduler._run's finally),
     # after the question's task has ended: waited for as an event, never raced.
-    await wait_for(lambda: scheduler.waiting == 0 and scheduler.in_flight == 0, "every plan out of the scheduler")
+    await eventually(lambda: scheduler.waiting == 0 and scheduler.in_flight == 0, timeout=WAIT_S,
+                     what="every plan out of the scheduler")
     assert left >= CLIENTS - 2 and services.admission.stats.disconnected == left
     cancelled_after = services.metrics.registry.get_sample_value("mmrag_answers_total", {"outcome": "cancelled", "tenant": "default"})
     assert cancelled_after - cancelled_before == left

@@ -30,6 +30,7 @@ from mmrag import store_cmd
 from serving.api.conversations import (Conversations, ImagesExpiredError, QuestionImage,
                                         UnknownConversationError)
 from tests.conftest import API_KEY, copy_corpus, serving
+from tests.waiting import ingest_finished
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STREAMS = 8
@@ -66,9 +67,7 @@ async def upload(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
     r = await http.post("/v1/documents", files={"file": (name, body, "image/png")})
     assert r.status_code == 202, r.text
     out = r.json()
-    async with asyncio.timeout(120):
-        while (job := (await http.get(f"/v1/ingest/{out['job']['id']}")).json())["status"] in ("queued", "running"):
-            await asyncio.sleep(0.05)
+    job = await ingest_finished(http, out["job"]["id"], timeout=120)
     assert job["status"] == "done" and job["report"]["pages"] == 1, job
     doc = next(d for d in (await http.get("/v1/documents")).json()["documents"] if d["doc_id"] == out["doc_id"])
     page = (await http.get(f"/v1/pages/{doc['pages'][0]['page_id']}")).json()

@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,6 +24,7 @@ from core.keys import ResolutionPolicy
 from serving.metrics import Metrics
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
+from tests.waiting import eventually_sync
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -248,9 +248,13 @@ class _Store:
         self.stats = StoreStats()
 
 
+SCRAPES_OF_TRAFFIC = 5  # Prometheus scrapes every second: rates need two scrapes with traffic between them
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A real Prometheus scraping a live mmrag Metrics registry every second, after 5 s of steady traffic."""
+    """A real Prometheus scraping a live mmrag Metrics registry every second, after it has scraped steady traffic
+    SCRAPES_OF_TRAFFIC times."""
     exe = shutil.which("prometheus")
     if exe is None:
         pytest.skip("prometheus is not installed: apt-get install prometheus (make test does it as root)")
@@ -272,23 +276,33 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Clien
         stdout=subprocess.DEVNULL, stderr=(workdir / "prometheus.log").open("wb"),
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def running() -> None:
+        if proc.poll() is not None:
+            log = (workdir / "prometheus.log").read_text()[-2000:]
+            pytest.fail(f"prometheus exited with {proc.returncode}: {log}")
+
+    def scrapes() -> int:
+        """How many times Prometheus has scraped the app (0 before its first scrape)."""
+        running()
+        result = query(client, 'count_over_time(up{job="mmrag"}[1h])')
+        return int(float(result[0]["value"][1])) if result else 0
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if client.get("/-/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus did not start: {(workdir / 'prometheus.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-        # Prometheus applies discovered targets in 5 s batches: wait for its first scrape, then send traffic.
-        while not client.get("/api/v1/query", params={"query": "up"}).json()["data"]["result"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus never scraped: {(workdir / 'prometheus.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        feed(metrics, store, seconds=5.0)
+        eventually_sync(lambda: running() or client.get("/-/ready").status_code == 200, timeout=20,
+                        what="prometheus ready", ignoring=(httpx.TransportError,))
+        # Prometheus applies discovered targets in 5 s batches: wait for its first scrape, then send traffic until
+        # it has scraped that traffic SCRAPES_OF_TRAFFIC times.
+        first = eventually_sync(scrapes, timeout=20, what="prometheus's first scrape of the app")
+        stop = threading.Event()
+        feeder = threading.Thread(target=feed, args=(metrics, store, stop), daemon=True)
+        feeder.start()
+        try:
+            eventually_sync(lambda: scrapes() >= first + SCRAPES_OF_TRAFFIC, timeout=120,
+                            what=f"{SCRAPES_OF_TRAFFIC} scrapes of steady traffic")
+        finally:
+            stop.set()
+            feeder.join()
         yield client
     finally:
         client.close()
@@ -322,21 +336,23 @@ def _serve(app):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     server.thread = threading.Thread(target=server.run, daemon=True)
     server.thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not server.thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
+
+    def started() -> bool:
+        if not server.thread.is_alive():
+            pytest.fail("uvicorn did not start: its thread ended")
+        return server.started
+
+    eventually_sync(started, timeout=20, what="uvicorn started")
     return server
 
 
-def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
-    """Steady traffic with known proportions: 75% of image tokens cached, image share of computed prefill
-    (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, 3 of 5 answer-cache lookups hit, TTFT 0.2 s,
-    queue waits of 10 ms, a quarter of the KV capacity held by image tokens."""
+def feed(metrics: Metrics, store: _Store, stop: threading.Event) -> None:
+    """Steady traffic with known proportions, one record every 50 ms until ``stop`` is set: 75% of image tokens
+    cached, image share of computed prefill (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, 3 of 5
+    answer-cache lookups hit, TTFT 0.2 s, queue waits of 10 ms, a quarter of the KV capacity held by image
+    tokens."""
     stats = SchedulerStats()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while not stop.is_set():
         metrics.record_completion(Usage(prompt_tokens=1000, image_tokens=512, cached_tokens=600,
                                         cached_image_tokens=384, completion_tokens=8, ttft_s=0.2,
                                         image_input="embeds"))
@@ -353,7 +369,7 @@ def feed(metrics: Metrics, store: _Store, *, seconds: float) -> None:
         for hit in (True, True, False):
             store.stats.record_lookup(hit, nbytes=1024 if hit else 0)
         metrics.set_warm_set(pages=4, tokens=2048)
-        time.sleep(0.05)
+        stop.wait(0.05)  # the traffic's pace, as a live server records it (and a prompt end once stopped)
 
 
 def query(prometheus: httpx.Client, expr: str) -> list[dict]:
@@ -366,7 +382,7 @@ def query(prometheus: httpx.Client, expr: str) -> list[dict]:
 def test_every_dashboard_expression_evaluates_on_a_real_prometheus(prometheus):
     for expr in dashboard_expressions():
         result = query(prometheus, expr)
-        assert result, f"{expr} returned no series after 5 s of traffic"
+        assert result, f"{expr} returned no series after {SCRAPES_OF_TRAFFIC} scrapes of traffic"
 
 
 @pytest.mark.parametrize(("panel", "expected"), [

@@ -5,7 +5,6 @@ share; the listing paginates."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from adapters.store import DiskFeatureStore
 from core.keys import ImageKey
 from tests.conftest import API_KEY, copy_corpus, serving
+from tests.waiting import ingest_finished
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -35,12 +35,7 @@ async def docs_app(engine_settings, ingested, inprocess_engine, tmp_path_factory
 
 
 async def _done(http: httpx.AsyncClient, job_id: str) -> dict:
-    for _ in range(1200):
-        job = (await http.get(f"/v1/ingest/{job_id}")).json()
-        if job["status"] not in ("queued", "running"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"ingest job {job_id} did not finish: {job}")
+    return await ingest_finished(http, job_id, timeout=120)  # a hang guard
 
 
 async def _all_documents(http: httpx.AsyncClient) -> list[dict]:

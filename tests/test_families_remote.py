@@ -56,7 +56,9 @@ def stored(model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def engine(model, stored, tmp_path_factory):
+def replica(model, tmp_path_factory):
+    """The replica's process, started and not yet ready: it boots while ``stored`` encodes (``engine`` asks for
+    this fixture first)."""
     # The pixels form's replica (it takes each request's processor bounds: no image_pixels of its own); the embeds
     # form sends none, so one replica serves both.
     config = EngineConfig(block_size=BLOCK, kv_cache_gib=1, max_model_len=2048, max_images_per_prompt=2,
@@ -68,12 +70,17 @@ async def engine(model, stored, tmp_path_factory):
     finally:
         del os.environ["VLLM_SERVER_DEV_MODE"]
     try:
-        handle.wait_ready(timeout=300)
-        eng = RemoteEngine([handle.url], model, FeatureProvider.unscoped(stored[0]))
-        yield eng
-        await eng.close()
+        yield handle
     finally:
         handle.stop()
+
+
+@pytest.fixture(scope="module")
+async def engine(model, replica, stored):
+    replica.wait_ready(timeout=300)
+    eng = RemoteEngine([replica.url], model, FeatureProvider.unscoped(stored[0]))
+    yield eng
+    await eng.close()
 
 
 def _plan(key) -> PromptPlan:

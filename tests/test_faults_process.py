@@ -11,6 +11,7 @@ seconds the descendants took to go are printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ import pytest
 
 from tests.conftest import API_KEY, ENGINE_ENV, free_port
 from tests.test_ingest import cli_env
+from tests.waiting import eventually_sync
 
 REPO = Path(__file__).resolve().parents[1]
 MMRAG = Path(sys.executable).parent / "mmrag"
@@ -37,13 +39,11 @@ READY_GUARD_S = 900.0  # start-up on a shared 2-core machine: 20 s alone, minute
 
 def gone_after(procs: list[psutil.Process], limit_s: float = GONE_GUARD_S) -> tuple[float, list[str]]:
     """Seconds until every one of ``procs`` has exited (a zombie counts: it holds no memory), and the ones left
-    after ``limit_s``, as "pid name" strings."""
+    after ``limit_s`` (a hang guard), as "pid name" strings."""
     start = time.monotonic()
-    left = list(procs)
-    while left and time.monotonic() - start < limit_s:
-        left = [p for p in left if _alive(p)]
-        time.sleep(0.05)
-    return time.monotonic() - start, [f"{p.pid} {p.name()}" for p in left]
+    with contextlib.suppress(AssertionError):  # what is left is returned, for the caller's own message
+        eventually_sync(lambda: not any(_alive(p) for p in procs), timeout=limit_s, what="the processes gone")
+    return time.monotonic() - start, [f"{p.pid} {p.name()}" for p in procs if _alive(p)]
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -159,11 +159,10 @@ def test_a_tied_child_dies_with_its_parent_killed_9(tmp_path, method):
 def test_a_tied_child_outlives_the_thread_that_started_it(tmp_path):
     # PR_SET_PDEATHSIG would kill the child when the starting thread exits, although its process lives on.
     with parent(tmp_path, "fork", "thread") as (proc, child):
-        deadline = time.monotonic() + 30
-        while psutil.Process(proc.pid).num_threads() > 1:  # the starter thread has left the kernel too
-            assert time.monotonic() < deadline, "the starter thread did not exit"
-            time.sleep(0.05)
-        time.sleep(1.0)  # room for a wrongly sent parent-death signal to land
+        # The starter thread has left the kernel too.
+        eventually_sync(lambda: psutil.Process(proc.pid).num_threads() == 1, timeout=30,
+                        what="the starter thread exited")
+        time.sleep(1.0)  # room for a wrongly sent parent-death signal to land (scripts/test_waits.py: allowed)
         assert _alive(child), "the child died with the thread that started it, its parent process still living"
         proc.send_signal(signal.SIGKILL)
         assert gone_after([child])[1] == []
@@ -179,6 +178,7 @@ def test_a_child_that_ties_itself_after_its_parent_died_stops(tmp_path):
         assert gone_after([child])[1] == [], "a child whose parent was already gone stayed"
 
 
+@pytest.mark.slow
 def test_a_forked_engine_core_entry_dies_with_its_parent(tmp_path):
     with parent(tmp_path, "fork", "engine-core") as (proc, child):
         proc.send_signal(signal.SIGKILL)
@@ -203,12 +203,17 @@ def mmrag_serve(env: dict[str, str], log: Path) -> Iterator[tuple[subprocess.Pop
                                 stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
                           timeout=60)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"mmrag serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        return _ready(client)
+
     try:
-        deadline = time.monotonic() + READY_GUARD_S
-        while not _ready(client):
-            assert proc.poll() is None, f"mmrag serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"mmrag serve not ready:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
+        try:
+            eventually_sync(ready, timeout=READY_GUARD_S, what="mmrag serve ready (/readyz 200)")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log.read_text()[-3000:]}") from None
         yield proc, client
     finally:
         client.close()
@@ -226,10 +231,9 @@ def _ready(client: httpx.Client) -> bool:
 
 def wait_for_half_the_features(features: Path, expected) -> None:
     """Until an ingest in flight has written half the reference's feature entries: the moment to kill it."""
-    deadline = time.monotonic() + 600
-    while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
-        assert time.monotonic() < deadline, "the ingest job wrote too few features"
-        time.sleep(0.02)
+    half = len(expected[0]) // 2
+    eventually_sync(lambda: len(list(features.glob("??/*.safetensors"))) >= half, timeout=600,
+                    what=f"the ingest job wrote {half} feature entries")
 
 
 # `kill -9` of `mmrag serve` mid-ingest, its engine processes gone and the restart ending with the uninterrupted
@@ -350,6 +354,7 @@ def test_exit_promptly_skips_the_final_collection_and_its_noise_and_keeps_everyt
 # --- `mmrag engine serve`: the launcher killed, its `vllm serve` replica goes with it ----------------------------
 
 
+@pytest.mark.server
 def test_kill_9_of_the_engine_launcher_takes_its_vllm_replica_and_engine_core_down(tmp_path, tiny_model, reap,
                                                                                     sockets_tmpdir):
     port = free_port()

@@ -23,6 +23,7 @@ from adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStor
 from core.pages import EncodedImage
 from tests.conftest import copy_corpus, free_port, serving
 from tests.test_store import key, value
+from tests.waiting import eventually_sync
 
 QUESTION = {"question": "What is the retry limit of the ingest service?"}
 
@@ -52,17 +53,20 @@ class RedisProcess:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port, password=self.password)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client.ping()  # answers LOADING (BusyLoadingError) until the append-only file is replayed
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.proc.kill()
-                    raise RuntimeError(f"redis-server did not start within 60 s; see {self.workdir / 'redis.log'}")
-                time.sleep(0.05)
-        client.close()
+
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"redis-server exited with {self.proc.returncode}; see {self.workdir / 'redis.log'}")
+            return client.ping()  # answers LOADING (BusyLoadingError) until the append-only file is replayed
+
+        try:
+            eventually_sync(answers, timeout=60, what=f"redis-server started (see {self.workdir / 'redis.log'})",
+                            ignoring=(redis.ConnectionError,))
+        except BaseException:
+            self.proc.kill()
+            raise
+        finally:
+            client.close()
 
     def kill(self) -> None:
         self.proc.kill()
@@ -186,10 +190,15 @@ def test_no_torn_entry_is_read_after_redis_is_killed_during_writes(own_redis):
 
     writer = threading.Thread(target=write)
     writer.start()
-    deadline = time.monotonic() + 120
-    while len(acknowledged) < 3:
-        assert writer.is_alive() and time.monotonic() < deadline, f"the writer stopped: {failures}"
-        time.sleep(0.005)
+
+    def three_acknowledged() -> bool:
+        if len(acknowledged) >= 3:
+            return True
+        if not writer.is_alive():
+            pytest.fail(f"the writer stopped: {failures}")
+        return False
+
+    eventually_sync(three_acknowledged, timeout=120, what="three entries acknowledged")
     own_redis.kill()
     writer.join(timeout=60)
     assert isinstance(failures[0], FeatureStoreError) and "is unreachable" in str(failures[0]), failures

@@ -29,6 +29,7 @@ from serving.api import errors
 from serving.metrics import Metrics
 from tests.conftest import API_KEY, free_port
 from tests.test_api import _wait_for_job
+from tests.waiting import eventually
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {**AUTH, "content-type": "application/json"}
@@ -163,8 +164,13 @@ async def test_a_bug_is_a_500_in_the_error_shape_and_keeps_the_connection(tmp_pa
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical"))
     task = asyncio.get_running_loop().create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
+
+    def started() -> bool:
+        if task.done():
+            pytest.fail(f"uvicorn ended before it started: {task.exception()!r}")
+        return server.started
+
+    await eventually(started, timeout=60, what="uvicorn started")
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.config.port}") as client:
             r = await client.get("/bug")

@@ -36,7 +36,7 @@ def encoder(engine_settings) -> VisionEncoder:
 
 
 @pytest.fixture(scope="module")
-def pixel_pages(engine_settings, encoder, tmp_path_factory) -> dict:
+def pixel_pages(engine_settings, ingested, encoder, tmp_path_factory) -> dict:
     """Three sample pages stored in the pixels form: tokens and pixels (``both``), and pixels only (``bare``)."""
     from qdrant_client import QdrantClient
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from adapters.store import DiskFeatureStore
 from mmrag.wiring import feature_store
 from adapters.vision import VisionEncoder
 from mmrag.wiring import page_index
+from tests.waiting import eventually_sync
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -291,11 +291,15 @@ def test_a_run_killed_half_way_and_rerun_ends_with_the_uninterrupted_store(tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "mmrag", "ingest", str(sample_corpus)], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     features = killed / "features"
-    deadline = time.monotonic() + 300
-    while len(list(features.glob("??/*.safetensors"))) < len(expected[0]) // 2:
-        assert proc.poll() is None, "the run finished before it could be killed; make the corpus larger"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+
+    def half_written() -> bool:
+        if len(list(features.glob("??/*.safetensors"))) >= len(expected[0]) // 2:
+            return True
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed; make the corpus larger")
+        return False
+
+    eventually_sync(half_written, timeout=300, what="half the reference's feature entries written")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = snapshot(killed)
@@ -344,6 +348,7 @@ def test_an_ingested_page_over_the_bound_keeps_its_image_and_text_and_reports_it
         assert report.figures >= 1  # the light page's chart
     finally:
         close(ing)
+
 
 
 def test_a_job_is_told_between_two_pages_of_one_batch_so_a_cancel_or_another_tenant_waits_one_page(

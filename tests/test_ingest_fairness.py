@@ -9,11 +9,9 @@ seconds (the probe's 7000x7000 pages took 18 s each)."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import random
 import threading
-import time
 import uuid
 
 import httpx
@@ -30,6 +28,7 @@ from ingestion.pipeline import IngestReport
 from serving.api.tenants import add_key
 from serving.ingest_jobs import FairQueue, IngestJobs, Job, JobStore
 from tests.conftest import serving
+from tests.waiting import eventually, ingest_finished
 
 FINISHED = ("done", "failed", "cancelled")
 
@@ -81,28 +80,33 @@ async def _job(http: httpx.AsyncClient, job_id: str) -> dict:
     return (await http.get(f"/v1/ingest/{job_id}")).json()
 
 
-async def _until(http: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...], within_s: float = 120) -> dict:
-    deadline = time.monotonic() + within_s  # a hang guard, not a speed check
-    while (job := await _job(http, job_id))["status"] not in statuses:
-        assert time.monotonic() < deadline, job
-        await asyncio.sleep(0.02)
-    return job
+async def _running(http: httpx.AsyncClient, job_id: str) -> dict:
+    """The job once it runs (120 s: a hang guard, not a speed check)."""
+
+    async def running() -> dict:
+        job = await _job(http, job_id)
+        assert job["status"] == "running", job
+        return job
+
+    return await eventually(running, timeout=120, what=f"ingest job {job_id} running")
 
 
 async def _ingested(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
     out = await _upload(http, name, body)
-    job = await _until(http, out["job"]["id"], FINISHED)
+    job = await ingest_finished(http, out["job"]["id"], timeout=120)
     assert job["status"] == "done" and job["report"]["pages"] == 1, job
     doc = next(d for d in (await http.get("/v1/documents")).json()["documents"] if d["doc_id"] == out["doc_id"])
     page = (await http.get(f"/v1/pages/{doc['pages'][0]['page_id']}")).json()
     return {**out, "key": ImageKey.parse(page["image_key"])}
 
 
-async def _eventually(check, within_s: float = 10) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, "not within the deadline"
-        await asyncio.sleep(0.05)
+def _finished(jobs: IngestJobs, job_id: str, tenant: str = "default", *, timeout: float = 30) -> Job:
+    """The job once finished: woken by the jobs' own condition, which each status change to a finished one
+    notifies (``timeout`` is a hang guard only)."""
+    with jobs._lock:
+        assert jobs._lock.wait_for(lambda: jobs.get(job_id, tenant).status in FINISHED, timeout=timeout), \
+            jobs.get(job_id, tenant)
+    return jobs.get(job_id, tenant)
 
 
 def _job_of(tenant: str, n: int) -> Job:
@@ -160,7 +164,7 @@ async def test_a_delete_does_not_wait_for_another_tenants_ingest_and_a_new_tenan
     mine = await _ingested(a, "mine.png", _text_page(448))
     theirs = [await _upload(b, "long.png", _text_page(2000))]
     theirs += [await _upload(b, f"queued-{i}.png", _text_page(448)) for i in range(3)]
-    await _until(b, theirs[0]["job"]["id"], ("running",))
+    await _running(b, theirs[0]["job"]["id"])
 
     deleted = await a.delete(f"/v1/documents/{mine['doc_id']}")
     assert deleted.status_code == 200 and deleted.json() == {"doc_id": mine["doc_id"], "doc": "mine.png", "pages": 1}
@@ -168,8 +172,8 @@ async def test_a_delete_does_not_wait_for_another_tenants_ingest_and_a_new_tenan
     upload = await _upload(a, "next.png", _text_page(448))
     assert [(await _job(b, t["job"]["id"]))["status"] for t in theirs[1:]] == ["queued"] * 3
 
-    ours = await _until(a, upload["job"]["id"], FINISHED)
-    jobs = [await _until(b, t["job"]["id"], FINISHED) for t in theirs]
+    ours = await ingest_finished(a, upload["job"]["id"], timeout=120)
+    jobs = [await ingest_finished(b, t["job"]["id"], timeout=120) for t in theirs]
     assert ours["status"] == "done" and all(j["status"] == "done" for j in jobs), (ours, jobs)
     # One worker: a's job runs before b's queued ones, and (issue 41) between two batches of b's running job when
     # it comes before that job's last batch ends, so it finishes before or right after b0.
@@ -204,7 +208,8 @@ async def test_entries_kept_while_leased_go_once_the_lease_ends_unless_a_page_re
 
     again = await _ingested(b, "shown.png", shown)  # another tenant indexes the first page meanwhile
     answer.end()
-    await _eventually(lambda: jobs.deferred == 0)  # retried on the timer (MMRAG_DELETE_RETRY_S, 0.5 s here)
+    # Retried on the timer (MMRAG_DELETE_RETRY_S, 0.5 s here); 10 s is a hang guard.
+    await eventually(lambda: jobs.deferred == 0, timeout=10, what="no entry deferred")
     assert not store.contains(second["key"])  # nothing references it any more: gone
     assert store.contains(first["key"])  # b's page references it: kept, and no longer deferred
     r = await b.delete(f"/v1/documents/{again['doc_id']}")
@@ -242,19 +247,31 @@ async def test_an_ingest_leases_its_pages_keys_until_the_pages_are_indexed(fair_
         ingestor.index.client.close()
 
 
-class _BatchedIngestor:
-    """Stands in for the ingest pipeline (tested for real above): ``batches`` batches of 50 ms, calling
-    ``progress`` between them as Ingestor.run does, so the test knows where a job can stop."""
+GATE_GUARD_S = 60.0  # a gated batch waits this long at most for the test to let it run: a hang guard
 
-    def __init__(self, batches: int) -> None:
+
+class _BatchedIngestor:
+    """Stands in for the ingest pipeline (tested for real above): ``batches`` batches, calling ``progress``
+    between them as Ingestor.run does. A ``gated`` one runs each batch only once the test lets it (:meth:`let`),
+    so the test knows where the job is, on any machine: no batch takes time of its own."""
+
+    def __init__(self, batches: int, *, gated: bool = False) -> None:
         self.batches = batches
         self.started, self.returned = threading.Event(), threading.Event()
+        self.progressed = 0  # progress calls made
+        self._gate = threading.Semaphore(0) if gated else None
+
+    def let(self, batches: int) -> None:
+        """Let ``batches`` more batches run."""
+        self._gate.release(batches)
 
     def run(self, paths, *, recursive, root, progress) -> IngestReport:
         self.started.set()
         try:
             for i in range(self.batches):
-                time.sleep(0.05)
+                if self._gate is not None:
+                    assert self._gate.acquire(timeout=GATE_GUARD_S), "the test never let the next batch run"
+                self.progressed += 1
                 progress(0, 1, i + 1)
             return IngestReport(files=1, pages=self.batches)
         finally:
@@ -270,12 +287,14 @@ def test_a_job_running_at_shutdown_stops_at_its_next_batch_and_resumes_at_the_ne
                           store=None, referenced=None, tiers=Tiers({}))
 
     (tmp_path / "doc.pdf").write_bytes(b"%PDF-")
-    first = _BatchedIngestor(batches=1000)
+    first = _BatchedIngestor(batches=1000, gated=True)
     jobs = start(first)
     job = jobs.submit(["doc.pdf"], recursive=False)
     assert first.started.wait(10)
     jobs.shutdown()
-    assert first.returned.wait(2)  # at its next batch, not after its 1000 batches
+    first.let(1000)  # all of its batches may run now
+    assert first.returned.wait(GATE_GUARD_S)
+    assert first.progressed == 1  # it stopped at its next batch, not after its 1000 batches
     db = JobStore(state)
     [stored] = db.load()
     db.close()
@@ -284,10 +303,8 @@ def test_a_job_running_at_shutdown_stops_at_its_next_batch_and_resumes_at_the_ne
     second = _BatchedIngestor(batches=2)
     jobs = start(second)
     try:
-        deadline = time.monotonic() + 10
-        while (resumed := jobs.get(job.id)).status != "done":
-            assert time.monotonic() < deadline, resumed
-            time.sleep(0.02)
+        resumed = _finished(jobs, job.id, timeout=10)
+        assert resumed.status == "done", resumed
         assert resumed.resumed == 1 and resumed.report["pages"] == 2
     finally:
         jobs.shutdown()
@@ -304,16 +321,10 @@ def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_nev
         return IngestJobs(lambda tenant: scope, lambda tenant, tiers: ingestor, state=state, make_index=None,
                           store=None, referenced=None, tiers=Tiers({}), keep=keep)
 
-    def finished(jobs: IngestJobs, job: Job) -> Job:
-        # Woken by the jobs' own condition, which each status change notifies; 30 s is a hang guard only.
-        with jobs._lock:
-            assert jobs._lock.wait_for(lambda: jobs.get(job.id).status in FINISHED, timeout=30), jobs.get(job.id)
-        return jobs.get(job.id)
-
     jobs = start(_BatchedIngestor(batches=1), keep=2)
     try:
         submitted = [jobs.submit(["doc.pdf"], recursive=False) for _ in range(4)]
-        finished(jobs, submitted[-1])  # one worker: they finish in order
+        _finished(jobs, submitted[-1].id)  # one worker: they finish in order
         listed, total = jobs.list(limit=10, offset=0)
         assert total == 2 and [j.id for j in listed] == [j.id for j in submitted[:1:-1]]
         assert jobs.get(submitted[0].id) is None and jobs.get(submitted[1].id) is None
@@ -323,7 +334,7 @@ def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_nev
     assert [j.id for j in db.load()] == [j.id for j in submitted[2:]]
     db.close()
 
-    long = _BatchedIngestor(batches=1000)
+    long = _BatchedIngestor(batches=1000, gated=True)  # running until the end: no batch of it is let run
     jobs = start(long, keep=1)  # at start-up: the older of the two finished goes
     try:
         assert [j.id for j in jobs.list(limit=10, offset=0)[0]] == [submitted[-1].id]
@@ -333,6 +344,7 @@ def test_finished_jobs_past_the_kept_count_are_forgotten_and_unfinished_ones_nev
         assert {j.id for j in jobs.list(limit=10, offset=0)[0]} == {submitted[-1].id, running.id, queued.id}
     finally:
         jobs.shutdown()
+        long.let(1)  # its next batch: the shutdown stops it there
 
 
 def test_another_tenants_job_runs_between_two_batches_of_a_long_one(tmp_path):
@@ -340,7 +352,7 @@ def test_another_tenants_job_runs_between_two_batches_of_a_long_one(tmp_path):
     b's next batch boundary and is done while b's is still running (it used to wait for all of b's 1000)."""
     scopes = {t: TenantScope(tenant=t, collection=f"pages-{t}", cache_salt=t, root=tmp_path, uploads=tmp_path / t)
               for t in ("a", "b", "default")}
-    ingestors = {"a": _BatchedIngestor(batches=1), "b": _BatchedIngestor(batches=1000)}
+    ingestors = {"a": _BatchedIngestor(batches=1), "b": _BatchedIngestor(batches=1000, gated=True)}
     (tmp_path / "doc.pdf").write_bytes(b"%PDF-")
     jobs = IngestJobs(scopes.__getitem__, lambda tenant, tiers: ingestors[tenant], state=tmp_path / "jobs.sqlite3",
                       make_index=None, store=None, referenced=None, tiers=Tiers({}))
@@ -348,10 +360,12 @@ def test_another_tenants_job_runs_between_two_batches_of_a_long_one(tmp_path):
         long = jobs.submit(["doc.pdf"], recursive=False, tenant="b")
         assert ingestors["b"].started.wait(10)
         short = jobs.submit(["doc.pdf"], recursive=False, tenant="a")
-        with jobs._lock:  # woken by the jobs' own condition; 30 s is a hang guard only
-            assert jobs._lock.wait_for(lambda: jobs.get(short.id, "a").status in FINISHED, timeout=30)
+        ingestors["b"].let(1)  # b's next batch: at its end, before b's batch after it, a's job runs
+        _finished(jobs, short.id, "a")
         assert jobs.get(short.id, "a").status == "done" and jobs.get(short.id, "a").report["pages"] == 1
         assert jobs.get(long.id, "b").status == "running" and not ingestors["b"].returned.is_set()
         assert jobs.get(long.id, "b").progress["pages_done"] < 1000
+        assert ingestors["b"].progressed == 1  # at b's first batch boundary since a's job was queued
     finally:
         jobs.shutdown()
+        ingestors["b"].let(1)  # its next batch: the shutdown stops it there

@@ -8,20 +8,25 @@ the killed server) and the job side: each start of `mmrag serve` is a vLLM start
 from __future__ import annotations
 
 import sqlite3
-import time
+
+import pytest
 
 from serving.ingest_jobs import UNFINISHED, JobStore
 from tests.test_faults_process import (  # noqa: F401 - reap is a fixture
     engine_processes, gone_after, mmrag_serve, reap, serve_env, wait_for_half_the_features)
 from tests.test_ingest import assert_same_features, snapshot
+from tests.waiting import eventually_sync
+
+pytestmark = pytest.mark.server
 
 
 def _wait(client, job_id: str) -> dict:
-    deadline = time.monotonic() + 900  # a hang guard, not a speed check
-    while (job := client.get(f"/v1/ingest/{job_id}").json())["status"] in ("queued", "running", "cancelling"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.2)
-    return job
+    def finished() -> dict:
+        job = client.get(f"/v1/ingest/{job_id}").json()
+        assert job["status"] not in ("queued", "running", "cancelling"), job
+        return job
+
+    return eventually_sync(finished, timeout=900, what=f"ingest job {job_id} finished")  # a hang guard
 
 
 def test_kill_9_of_mmrag_serve_mid_job_leaves_no_engine_process_and_the_job_resumes_to_the_uninterrupted_index(

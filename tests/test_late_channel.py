@@ -7,9 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.embed import TextEmbedder
 from adapters.late import maxsim, mean_pool
-from adapters.qdrant import open_async_qdrant
 from core.settings import Settings
 from devkit.tiny_colqwen import ensure_tiny_colqwen2
 from retrieval.search import Channel

@@ -14,6 +14,7 @@ import pytest
 
 from serving.scheduler import KVResidency, Policy, Scheduler, SchedulerConfig
 from tests.test_scheduler import RecordingEngine, plan, settle
+from tests.waiting import eventually
 
 TOKENS = {"S": 64, "T": 64, "A4": 1024, "B4": 1024, "C4": 1024, "D4": 1024, "E4": 1024}
 
@@ -177,11 +178,13 @@ async def test_a_served_question_shows_image_tokens_by_tier_pooling_and_kv_share
         r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?"},
                             headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 200, r.text
-        for _ in range(50):  # the app drains the scheduler's stats once a second
+
+        async def drained() -> dict:  # the app drains the scheduler's stats once a second
             got = samples((await http.get("/metrics")).text)
-            if got.get(("mmrag_tier_image_tokens_per_request_count", (("tier", "standard"),)), 0) > 0:
-                break
-            await asyncio.sleep(0.2)
+            assert got.get(("mmrag_tier_image_tokens_per_request_count", (("tier", "standard"),)), 0) > 0
+            return got
+
+        got = await eventually(drained, timeout=30, what="the scheduler's stats drained to /metrics")
     # Indexed pages carry the standard tier's keys: the label is the tier's name (Settings.tier_table).
     assert got[("mmrag_tier_image_tokens_per_request_count", (("tier", "standard"),))] > 0
     assert got[("mmrag_pooling_image_tokens_total", (("pooled", "false"),))] > 0

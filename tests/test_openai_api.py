@@ -25,7 +25,8 @@ from tests.conftest import API_KEY
 from tests.test_ask_images import image_prefix_bound, new_figure
 from tests.test_ask_stream import decodes_alone
 from tests.test_cancel import MAX_TOKENS as LONG  # answer tokens where a client leaves: finishing would show
-from tests.test_cancel import generated_tokens, long_answers, wait_for  # noqa: F401 - long_answers is a fixture
+from tests.test_cancel import WAIT_S, generated_tokens, long_answers  # noqa: F401 - long_answers is a fixture
+from tests.waiting import eventually
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 RETRY = "What is the retry limit of the ingest service?"
@@ -121,8 +122,9 @@ async def test_a_client_that_closes_the_stream_stops_its_engine_work(long_answer
         if pieces >= 3:
             break
     await stream.close()  # leave while the answer is being generated
-    await wait_for(lambda: services.admission.in_flight == 0, "question cancelled")
-    await wait_for(lambda: llm.output_processor.get_num_unfinished_requests() == 0, "vLLM request aborted")
+    await eventually(lambda: services.admission.in_flight == 0, timeout=WAIT_S, what="question cancelled")
+    await eventually(lambda: llm.output_processor.get_num_unfinished_requests() == 0, timeout=WAIT_S,
+                     what="vLLM request aborted")
     assert services.admission.stats.disconnected == disconnected_before + 1
     spent = generated_tokens() - before
     assert 0 < spent < LONG / 2, spent  # finishing would have generated LONG tokens per plan

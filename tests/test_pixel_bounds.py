@@ -28,6 +28,7 @@ from serving.api.errors import ApiError
 from serving.pixels import PixelBudget, admit
 from tests.conftest import API_KEY, free_port
 from tests.test_vision_service import sample
+from tests.waiting import eventually
 
 SIDE = 7000  # 49 Mpx: under MMRAG_MAX_IMAGE_PIXELS (50M), as the reproduction's parts were
 # The service under test: one such image fits a request and the budget, two do not fit the budget.
@@ -106,9 +107,13 @@ async def test_an_admitted_7000px_image_is_served_under_the_ceiling_and_one_more
     idle = reset_peak(service["pid"])
     async with httpx.AsyncClient(timeout=120) as client:
         first = asyncio.create_task(client.post(f"{url}/v1/encode", files=parts(big_png, 1)))
-        while sample((await client.get(f"{url}/metrics")).text, "mmrag_vision_pixels_in_flight") == 0:
-            assert not first.done(), first.result().text
-            await asyncio.sleep(0.02)
+
+        async def admitted() -> bool:
+            if first.done():
+                pytest.fail(f"the first image was answered before it was seen in flight: {first.result().text}")
+            return sample((await client.get(f"{url}/metrics")).text, "mmrag_vision_pixels_in_flight") > 0
+
+        await eventually(admitted, timeout=120, what="the first image's pixels in flight")
         # 49M held of 60M: the same image again does not fit now, but would alone; so 429, not 413.
         refused = await client.post(f"{url}/v1/encode", files=parts(big_png, 1))
         served = await first

@@ -4,6 +4,7 @@ must return data through Prometheus' HTTP API."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from serving.dashboards import dashboard_expressions
 from tests.conftest import API_KEY, free_port
+from tests.waiting import eventually, eventually_sync
 
 CONFIG = """
 global:
@@ -40,16 +42,14 @@ def prometheus(api_server, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {proc.returncode} before it was ready")
+        return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "prometheus did not start"
-            time.sleep(0.2)
+        eventually_sync(ready, timeout=30, what="prometheus ready", ignoring=(httpx.TransportError,))
         yield url
     finally:
         proc.terminate()
@@ -78,15 +78,26 @@ async def test_every_dashboard_expression_has_data_while_traffic_flows(api_serve
                  "Which components appear in the system architecture?"]
     headers = {"Authorization": f"Bearer {API_KEY}"}
     missing: list[str] = dashboard_expressions()
+    waves = 0
+
+    async def scraped_after(t: float) -> bool:
+        """Prometheus has scraped the app since ``t`` (Unix seconds; Prometheus stamps a scrape with its start)."""
+        up = await query(prometheus, 'timestamp(up{job="mmrag"})')
+        return bool(up) and float(up[0]["value"][1]) > t
+
+    async def every_expression_has_data() -> bool:
+        # Traffic in waves, each one scraped before the next: rates need two scrapes with a change between them.
+        # Two new questions a wave (the engine works) and one asked before (an answer-cache hit).
+        nonlocal missing, waves
+        asked = [f"{questions[(waves + k) % 3]} (wave {waves})" for k in range(2)] + [questions[waves % 3]]
+        await asyncio.gather(*(client.post("/v1/ask", json={"question": q}, headers=headers) for q in asked))
+        waves += 1
+        sent = time.time()
+        await eventually(lambda: scraped_after(sent), timeout=30, what=f"a scrape after wave {waves}")
+        missing = [e for e in missing if not await query(prometheus, e)]
+        return not missing
+
     async with httpx.AsyncClient(base_url=api_server["url"], timeout=120) as client:
-        deadline = time.monotonic() + 90
-        i = 0
-        while missing and time.monotonic() < deadline:
-            # Traffic in waves: rates need two scrapes with a change between them.
-            # Two new questions a wave (the engine works) and one asked before (an answer-cache hit).
-            asked = [f"{questions[(i + k) % 3]} (wave {i})" for k in range(2)] + [questions[i % 3]]
-            await asyncio.gather(*(client.post("/v1/ask", json={"question": q}, headers=headers) for q in asked))
-            i += 1
-            await asyncio.sleep(1.0)
-            missing = [e for e in missing if not await query(prometheus, e)]
-    assert missing == [], f"dashboard expressions without data: {missing}"
+        with contextlib.suppress(AssertionError):  # the assertion below names what is missing
+            await eventually(every_expression_has_data, timeout=90, what="data for every dashboard expression")
+    assert missing == [], f"dashboard expressions without data after {waves} waves: {missing}"

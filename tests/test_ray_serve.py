@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -25,8 +26,7 @@ from mmrag import wiring  # noqa: E402
 from serving.ray.router import DEFAULT, PINNED  # noqa: E402
 from serving.routing import rendezvous_order  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-
-pytestmark = pytest.mark.engine
+from tests.waiting import eventually  # noqa: E402
 
 SHORT = SamplingSpec(max_tokens=2)
 # The tiny model's greedy answers hit EOS early; a grammar for many integers keeps each going to max_tokens,
@@ -123,6 +123,9 @@ async def test_two_replicas_serve_and_plans_sharing_a_leading_figure_land_on_the
     engine = ray_cluster["engine"]
     replicas = await engine.replica_ids()
     assert len(replicas) == 2
+    # One node: each replica's vLLM worker bound to its own share of the CPUs (serving/ray/deployments.py).
+    bound = await engine.handle.broadcast("cpu_binding").results_async()
+    assert all(bound) and len(set(bound)) == min(2, len(os.sched_getaffinity(0))), bound
     await engine.reset_prefix_cache()
     plans = [PromptPlan(images=(keys[i], keys[(i + j + 1) % len(keys)]), text=f"What is shown ({j})?",
                         sampling=SHORT) for i in range(4) for j in range(3)]
@@ -206,33 +209,9 @@ async def test_the_rest_app_answers_through_the_ray_replicas(ray_cluster, tmp_pa
         assert (await http.get("/readyz")).status_code == 200
 
 
-def test_the_vision_service_runs_as_a_second_deployment_behind_serves_proxy(ray_cluster, tmp_path_factory):
-    import io
-    from functools import partial
-
-    import httpx
-    from PIL import Image
-    from ray import serve
-
-    from serving.ray.app import VISION_APP, deploy_vision
-
-    # Its own data dir: the tokens it encodes go to a store the engine tests do not read.
-    settings = ray_cluster["settings"].model_copy(update={"data_dir": tmp_path_factory.mktemp("ray-vision")})
-    url = deploy_vision(wiring.ray_config(settings), partial(wiring.vision_app, settings))
-    info = httpx.get(f"{url}/v1/info", timeout=60)
-    assert info.status_code == 200 and info.json()["encoder_version"] == str(wiring.encoder_scope(
-        settings, wiring.resolve_model(settings)).version)
-    png = io.BytesIO()
-    Image.new("RGB", (224, 168), (200, 30, 90)).save(png, format="PNG")
-    answer = httpx.post(f"{url}/v1/encode", files=[("images", ("page.png", png.getvalue(), "image/png"))],
-                        timeout=120)
-    assert answer.status_code == 200, answer.text
-    key = answer.json()["images"][0]["key"]
-    assert wiring.feature_store(settings).contains(ImageKey.parse(key))  # written by the replica, read here
-    serve.delete(VISION_APP)  # its CPU goes back to the replacement engine replica of the next test
-
-
-async def test_a_replica_killed_mid_load_loses_no_request_and_is_replaced(ray_cluster, keys):
+@pytest.fixture(scope="module")
+async def killed_mid_load(ray_cluster, keys) -> dict:
+    """One engine replica killed with requests in flight on both: what the two tests after it check."""
     engine = ray_cluster["engine"]
     replicas = await engine.replica_ids()
     victim = replicas[0]
@@ -256,21 +235,58 @@ async def test_a_replica_killed_mid_load_loses_no_request_and_is_replaced(ray_cl
     await asyncio.wait_for(first.wait(), HANG_GUARD_S)
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
     done = await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD_S)
+    return {"victim": victim, "plans": plans, "streamed": streamed, "done": done}
 
+
+async def test_a_replica_killed_mid_load_loses_no_request(ray_cluster, killed_mid_load):
+    victim, plans, streamed, done = (killed_mid_load[k] for k in ("victim", "plans", "streamed", "done"))
     assert len(done) == len(plans) and all(isinstance(c, Completion) and c.token_ids for c in done)
-    assert engine.retries >= 1  # the victim had requests in flight: they were re-sent
+    assert ray_cluster["engine"].retries >= 1  # the victim had requests in flight: they were re-sent
     assert all(c.replica != victim for c in done if c.replica)  # none was answered by the dead replica
     # Answered exactly once: what each caller was told while streaming is its answer, no piece twice.
     assert all("".join(told) == c.text for told, c in zip(streamed, done))
 
-    # Ray replaces the dead replica; later plans route to live replicas only.
-    deadline = time.monotonic() + HANG_GUARD_S
-    while True:
+
+def test_the_vision_service_runs_as_a_second_deployment_behind_serves_proxy(ray_cluster, tmp_path_factory):
+    import io
+    from functools import partial
+
+    import httpx
+    from PIL import Image
+    from ray import serve
+
+    from serving.ray.app import VISION_APP, deploy_vision
+
+    # Between the kill and the replacement test (the fixture killed_mid_load is theirs): the vision replica starts
+    # while Ray replaces the killed engine replica, whose start is one process after another, one core busy.
+    # Its own data dir: the tokens it encodes go to a store the engine tests do not read.
+    settings = ray_cluster["settings"].model_copy(update={"data_dir": tmp_path_factory.mktemp("ray-vision")})
+    url = deploy_vision(wiring.ray_config(settings), partial(wiring.vision_app, settings))
+    info = httpx.get(f"{url}/v1/info", timeout=60)
+    assert info.status_code == 200 and info.json()["encoder_version"] == str(wiring.encoder_scope(
+        settings, wiring.resolve_model(settings)).version)
+    png = io.BytesIO()
+    Image.new("RGB", (224, 168), (200, 30, 90)).save(png, format="PNG")
+    answer = httpx.post(f"{url}/v1/encode", files=[("images", ("page.png", png.getvalue(), "image/png"))],
+                        timeout=120)
+    assert answer.status_code == 200, answer.text
+    key = answer.json()["images"][0]["key"]
+    assert wiring.feature_store(settings).contains(ImageKey.parse(key))  # written by the replica, read here
+    serve.delete(VISION_APP, _blocking=False)  # Serve removes it while the next test waits for the replacement
+
+
+async def test_the_killed_replica_is_replaced_and_later_plans_route_to_live_replicas(ray_cluster, keys,
+                                                                                    killed_mid_load):
+    engine, victim = ray_cluster["engine"], killed_mid_load["victim"]
+
+    # Ray replaces the dead replica (seen at its next health check, 2 s apart); later plans route to live
+    # replicas only.
+    async def replaced() -> list[str]:
         now = await engine.replica_ids()
-        if len(now) == 2 and victim not in now:
-            break
-        assert time.monotonic() < deadline, f"the killed replica was not replaced: {now}"
-        await asyncio.sleep(2)
+        assert len(now) == 2 and victim not in now, now
+        return now
+
+    now = await eventually(replaced, timeout=HANG_GUARD_S, what="the killed replica replaced")
     later = await run_all(engine, [PromptPlan(images=(k,), text="After the restart.", sampling=SHORT)
                                    for k in keys[:4]])
     assert {c.replica for c in later} <= set(now)
@@ -284,3 +300,12 @@ def test_a_local_cluster_announces_a_cpu_for_every_replica_on_a_small_host():
     config = RayServeConfig(address="", replicas=2, queue_bound=8, replica_cpus=1.0, replica_gpus=0.0,
                             max_ongoing_requests=16, http_host="127.0.0.1", http_port=8200, vision_max_replicas=2)
     assert local_cpus(config) >= 4
+
+
+def test_each_replica_on_one_node_gets_its_own_share_of_the_cpus():
+    from serving.ray.deployments import cpu_share
+
+    assert [cpu_share([0, 1], r, 2) for r in range(2)] == [[0], [1]]  # this 2-core host: a core each
+    assert [cpu_share(range(8), r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [cpu_share([3, 1], r, 3) for r in range(3)] == [[1], [3], [1]]  # more replicas than CPUs: shared
+    assert cpu_share(range(6), 1, 4) == [1]

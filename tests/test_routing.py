@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from core.engine import PromptPlan
 from core.settings import Settings
 from serving.routing import AffinityTable, choose_replica, prefix_path, rank_replicas, rendezvous_order, route_key
@@ -102,6 +104,7 @@ def test_the_table_forgets_the_least_recently_sent_prefixes_first():
     assert table.match(A, prefix_path(plan("f9"))) == 2
 
 
+@pytest.mark.slow
 def test_the_plain_serve_path_does_not_import_ray():
     # `mmrag serve` without --ray must not pay Ray's import time: Ray is imported inside serving/ray only.
     import subprocess

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from core.engine import PromptPlan
 from serving.scheduler import Policy, Scheduler, SchedulerConfig
 from tests.test_scheduler import RecordingEngine
+from tests.waiting import eventually
 
 MAX_WAIT_MS = 1000.0
 TOKENS = {"s1": 64, "s2": 96, "L1": 1024, "L2": 1536, "L3": 2048}
@@ -227,14 +228,24 @@ def test_the_scheduler_rules_hold_over_random_arrival_streams(config, stream):
 
 async def test_a_gated_plan_starts_when_its_wait_runs_out_with_no_other_event():
     """The timer behind ``wake``: a plan gated behind a long prefill goes when it becomes overdue, on the real
-    clock, though the leader's prefill never ends."""
+    clock, though the leader's prefill never ends. What the timer found is read as it fires, not at a moment
+    guessed on the clock: before it, only the leader had started, and the follower was gated."""
     eng = RecordingEngine()
     s = Scheduler(eng, SchedulerConfig(max_concurrency=2, max_wait_ms=50), image_tokens=tokens)
+    woken: list[tuple[list[str], int]] = []  # at each firing of the timer: the plans started, the gated count
+    wake = s.wake
+
+    def recording_wake() -> None:
+        woken.append((list(eng.started), s.stats.gated))
+        wake()
+
+    s.wake = recording_wake  # what the scheduler arms its (real) timer with
     leader = asyncio.create_task(s.submit(PromptPlan(images=("L1",), text="leader")))
     follower = asyncio.create_task(s.submit(PromptPlan(images=("L1", "s1"), text="follower")))
-    await asyncio.sleep(0.01)
-    assert eng.started == ["leader"] and s.stats.gated > 0
-    await asyncio.sleep(0.1)
+    await eventually(lambda: len(eng.started) == 2, timeout=60, what="the follower started")
+    assert woken, "the follower started, but not by the timer"
+    started_then, gated_then = woken[0]
+    assert started_then == ["leader"] and gated_then > 0
     assert eng.started == ["leader", "follower"] and s.stats.fairness_overrides == 1
     for name in ("leader", "follower"):
         await eng.finish(name)

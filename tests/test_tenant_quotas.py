@@ -149,19 +149,23 @@ async def test_a_tenant_flooding_the_server_leaves_another_tenants_question_no_q
         return took
 
     alone = await ask_a(3)
+    # Flooded once every one of B's questions has arrived: its waiting room is its share of the queue, and that
+    # share halves while A is active too (A's questions below). B's arrivals still coming in as A asks could find it
+    # full (seen: a run slow enough that A's first question came before B's 36th) — not what this test is about.
     flooded = asyncio.Event()
-    arrive = rules.arrive
+    arrive, flood_n, arrived = rules.arrive, 10 * LIMIT, []
 
     def watched(tenant="default"):
+        arrived.append(tenant)
         place = arrive(tenant)
-        if rules.waiting_of("b") >= LIMIT:
+        if arrived.count("b") == flood_n:
             flooded.set()
         return place
 
     rules.arrive = watched
     try:
         flood = [asyncio.create_task(http["b"].post("/v1/ask", json={"question": f"What does b show? {i}"}))
-                 for i in range(10 * LIMIT)]
+                 for i in range(flood_n)]
         await asyncio.wait_for(flooded.wait(), 300)
         assert rules.in_flight_of("b") == LIMIT - 1 and rules.in_flight_of("a") == 0  # one place kept for A
         waits = lambda: (registry.get_sample_value("mmrag_admission_wait_seconds_sum", {"tenant": "a"}),  # noqa: E731

@@ -8,12 +8,10 @@ them again."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import io
 import json
 import logging
-import time
 import uuid
 
 import httpx
@@ -25,6 +23,7 @@ from core.keys import ImageKey
 from core.settings import Settings
 from serving.api.tenants import TenantKeys, TenantsFileError, add_key, key_digest, read_tenants, remove_tenant
 from tests.conftest import serving
+from tests.waiting import ingest_finished
 
 TENANTS = ("acme", "globex")
 
@@ -75,15 +74,11 @@ async def tenant_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
                         await client.delete(f"/v1/documents/{d['doc_id']}")
 
 
-async def _job_while(http: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...], *, within_s: float = 120,
-                     every_s: float = 0.05) -> dict:
+async def _job_while(http: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...], *, within_s: float = 120
+                     ) -> dict:
     """The job once its status is none of ``statuses``; fails the test after ``within_s`` (a hang guard, not a
     speed check)."""
-    deadline = time.monotonic() + within_s
-    while (job := (await http.get(f"/v1/ingest/{job_id}")).json())["status"] in statuses:
-        assert time.monotonic() < deadline, f"still {job['status']} after {within_s} s: {job}"
-        await asyncio.sleep(every_s)
-    return job
+    return await ingest_finished(http, job_id, timeout=within_s, unfinished=statuses)
 
 
 async def _upload(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
@@ -334,7 +329,7 @@ async def test_server_side_ingest_reads_the_tenants_own_root_and_a_running_job_c
 
     job = (await http["acme"].post("/v1/ingest", json={"paths": ["."]})).json()
     assert job["paths"] == ["."], job  # shown relative to the tenant's root
-    state = await _job_while(http["acme"], job["id"], ("queued",), every_s=0.01)
+    state = await _job_while(http["acme"], job["id"], ("queued",))
     assert state["status"] == "running", state
     cancelled = (await http["acme"].post(f"/v1/ingest/{job['id']}/cancel")).json()
     assert cancelled["status"] in ("cancelling", "cancelled"), cancelled
@@ -344,7 +339,7 @@ async def test_server_side_ingest_reads_the_tenants_own_root_and_a_running_job_c
     batch = {p.name for p in folder.iterdir()}
     assert len(indexed & batch) < len(batch)  # it stopped before the end; what it indexed stays
     again = (await http["acme"].post("/v1/ingest", json={"paths": ["."]})).json()
-    state = await _job_while(http["acme"], again["id"], ("queued", "running"), within_s=300, every_s=0.1)
+    state = await _job_while(http["acme"], again["id"], ("queued", "running"), within_s=300)
     assert state["status"] == "done", state
     indexed = {d["doc"] for d in (await http["acme"].get("/v1/documents", params={"limit": 100})).json()["documents"]}
     assert batch <= indexed  # re-submitting finished the rest

@@ -306,9 +306,8 @@ def test_the_cli_refuses_an_unknown_tier_naming_the_configured_ones(args, engine
 
 
 async def test_a_document_may_ask_for_a_tier_and_its_deletion_takes_the_tiers_entries_too(http, api_server):
-    import asyncio
-
     from tests.test_tenants import _png
+    from tests.waiting import ingest_finished
 
     store = api_server["app"].state.services.store
     low = api_server["settings"].tier_table.policy("low")
@@ -321,8 +320,7 @@ async def test_a_document_may_ask_for_a_tier_and_its_deletion_takes_the_tiers_en
     r = await http.post("/v1/documents", files={"file": ("tiered.png", _png("tiered"), "image/png")},
                         data={"tiers": ["low"]})
     assert r.status_code == 202 and r.json()["job"]["tiers"] == ["low"], r.text
-    while (job := (await http.get(f"/v1/ingest/{r.json()['job']['id']}")).json())["status"] in ("queued", "running"):
-        await asyncio.sleep(0.05)
+    job = await ingest_finished(http, r.json()["job"]["id"], timeout=300)  # a hang guard
     assert job["status"] == "done" and job["report"]["encoded"] == 2, job  # standard, then low
     doc = next(d for d in (await http.get("/v1/documents", params={"limit": 1000})).json()["documents"]
                if d["doc_id"] == r.json()["doc_id"])

@@ -255,7 +255,7 @@ def test_store_gc_removes_exactly_the_unreferenced_entries_in_redis(upgraded, re
     _gc_cycle(settings, store, _expected_garbage(upgraded, set(store.keys())))
 
 
-@pytest.mark.parametrize("backend", ["disk", "redis"])
+@pytest.mark.parametrize("backend", ["disk", pytest.param("redis", marks=pytest.mark.server)])
 def test_a_store_deletes_one_entry_and_says_how_many_bytes_went(upgraded, backend, tmp_path, request):
     disk = DiskFeatureStore(upgraded["settings"].features_dir)
     key = upgraded["after"][0].image_key

@@ -26,6 +26,7 @@ from core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, decode_image, image_content_hash
 from mmrag import wiring
 from tests.conftest import free_port, serving
+from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[1]
 _seed = iter(range(1000, 100_000))  # every call of new_images draws images no other test has sent
@@ -266,9 +267,13 @@ async def test_a_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
     first, second = new_images([(64, 64), (80, 80)])
     async with serving(app) as url, httpx.AsyncClient(timeout=60) as client:
         waiting = asyncio.create_task(client.post(f"{url}/v1/encode", files=upload([first])))
-        while sample((await client.get(f"{url}/metrics")).text, "mmrag_vision_queued_images") < 1:
-            assert not waiting.done(), waiting.result().text
-            await asyncio.sleep(0.02)
+
+        async def queued() -> bool:
+            if waiting.done():
+                pytest.fail(f"the first image was answered before it was seen queued: {waiting.result().text}")
+            return sample((await client.get(f"{url}/metrics")).text, "mmrag_vision_queued_images") >= 1
+
+        await eventually(queued, timeout=60, what="the first image queued")
         refused = await client.post(f"{url}/v1/encode", files=upload([second]))
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["Retry-After"]) >= 1

@@ -85,6 +85,7 @@ print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "avx512": tor
 """
 
 
+@pytest.mark.slow
 def test_an_emulated_avx2_run_caps_every_kernel_and_auto_picks_fp32(tmp_path):
     """`mmrag bench --emulate-avx2` (MMRAG_EMULATE_ISA=avx2) on this host: the kernels an AVX2-only EPYC runs."""
     import json
@@ -127,6 +128,7 @@ for threads in (2, 1):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", [None, "avx2"])
 def test_a_pages_tokens_do_not_depend_on_the_thread_count(tiny_model, isa):
     """MKL_CBWR=AUTO,STRICT (adapters/hardware.reproducible_numerics): with AVX2 kernels a page's fp32 tokens

@@ -314,6 +314,10 @@ _EQUAL = Share()
 
 @dataclass(slots=True)
 class AdmissionStats:
+    # Counted as each question asks for a place, in the same step that places or refuses it: the others lag it
+    # (a waiter handed a slot counts as admitted only once its task runs again), so their sum is no count of
+    # arrivals.
+    arrived: int = 0
     admitted: int = 0
     refused: int = 0  # at once, or at the deadline (expired)
     expired: int = 0  # queued, refused at the deadline: the estimate was wrong
@@ -363,6 +367,7 @@ class Admission:
         """A slot for the question: at once, after its turn in the queue, or a 429; yields the seconds it waited.
         ``watched`` tells when its client leaves while it waits (then it leaves the queue and ClientGone is
         raised)."""
+        self.stats.arrived += 1
         place = self.rules.arrive(tenant)
         if isinstance(place, Refusal):
             raise self._refuse(place, tenant)

@@ -11,6 +11,11 @@ Faults: a replica that cannot be connected to, drops the connection mid-answer (
 past the read timeout, or answers 5xx (its engine died, it is shutting down) is skipped for the next one in
 the same order, each replica at most once per request; when every replica has failed, the caller gets
 EngineUnavailableError with each one's cause. A 4xx is the request's own fault and is raised at once.
+A failure is classified by how far the request had got, never by the exception's type alone: before a
+connection was made (refused, no answer to connect) it is a connect failure (``connect_failures``); once the
+request was sent, a failover (``failovers``); and once the replica accepted it (its 200 header came), whatever
+breaks the stream after that (dropped, stalled, cut short, an error line) is a failover and a broken stream
+(``broken_streams``): re-sent, or reported as "broke off mid-answer", never a connect failure.
 Cancelling ``generate`` closes the stream's connection, and vLLM aborts a streamed request whose client
 disconnects (Starlette's StreamingResponse watches for the disconnect and cancels vLLM's generator).
 
@@ -136,7 +141,7 @@ def counter_total(samples: Samples, family: str) -> int:
 
 
 class _Stream:
-    """Accumulates one streamed chat completion."""
+    """Accumulates one streamed chat completion, and how far its attempt got (what a failure is counted as)."""
 
     def __init__(self, started: float, on_first_token: Callable[[], None] | None = None,
                  on_text: OnText | None = None) -> None:
@@ -148,11 +153,14 @@ class _Stream:
         self.ttft = 0.0
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.accepted = False  # the replica answered 200: it took the request, the answer is under way
+        self.chunks = 0  # answer chunks read
 
     def add(self, url: str, chunk: dict[str, Any]) -> None:
         if "error" in chunk:  # an error after the 200 header comes as one data line
             err = chunk["error"]
             raise EngineRequestError(url, int(err.get("code") or 500), str(err.get("message")))
+        self.chunks += 1
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content") or ""
             ids = choice.get("token_ids") or []
@@ -212,8 +220,11 @@ class RemoteEngine:
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=20, keepalive_expiry=2.0),
         )
-        self.connect_failures: Counter[str] = Counter()  # replica URL -> connections that could not be made
-        self.failovers: Counter[str] = Counter()  # replica URL -> requests that failed there after connecting
+        # How requests failed, by replica URL (see the module docstring): connections that could not be made;
+        # requests that failed there once sent; of those, the streams it had accepted that broke off mid-answer.
+        self.connect_failures: Counter[str] = Counter()
+        self.failovers: Counter[str] = Counter()
+        self.broken_streams: Counter[str] = Counter()
         # The routing rule's inputs: what each replica was sent, and this engine's requests in flight there.
         self.affinity = AffinityTable()
         self.in_flight: Counter[str] = Counter()
@@ -291,22 +302,14 @@ class RemoteEngine:
         for url in rank_replicas(plan, {u: self.in_flight[u] for u in self.urls}, self.affinity, self.queue_bound):
             self.affinity.record(url, prefix_path(plan))
             self.in_flight[url] += 1
+            out = _Stream(started, first_token, told.attempt())
             try:
                 body["model"] = await self._served_name(url)
-                return url, await self._stream(url, body, _Stream(started, first_token, told.attempt()))
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # refused, or no answer to connect
-                self.connect_failures[url] += 1
-                cause = f"could not connect: {_cause(exc)}"
-            except EngineRequestError as exc:
-                if exc.status < 500:  # the request's fault: every replica would refuse it the same way
-                    raise
-                self.failovers[url] += 1  # 5xx: its engine died, it is shutting down, or its stream broke off
-                cause = f"answered {exc.status}: {exc.message}"
-            except httpx.RequestError as exc:
-                # After connecting: RemoteProtocolError / ReadError (dropped mid-answer: killed, restarted),
-                # ReadTimeout (no byte for timeout_s), WriteError / WriteTimeout, DecodingError (a garbled body).
-                self.failovers[url] += 1
-                cause = f"failed mid-request: {_cause(exc)}"
+                return url, await self._stream(url, body, out)
+            except (EngineRequestError, httpx.RequestError) as exc:
+                if isinstance(exc, EngineRequestError) and exc.status < 500:
+                    raise  # the request's fault: every replica would refuse it the same way
+                cause = self._count_failure(url, out, exc)
             finally:
                 self.in_flight[url] -= 1
             self._served_names.pop(url, None)  # a replica that comes back may serve under another name
@@ -318,11 +321,30 @@ class RemoteEngine:
             "serve` (it prints the URL), or fix MMRAG_ENGINE_URLS to list running replicas."
         )
 
+    def _count_failure(self, url: str, out: _Stream, exc: EngineRequestError | httpx.RequestError) -> str:
+        """Count a failed attempt by how far it got, never by the error's type alone; its cause, as reported."""
+        what = f"answered {exc.status}: {exc.message}" if isinstance(exc, EngineRequestError) else _cause(exc)
+        if out.accepted:
+            # The replica had taken the request (200): whatever broke the stream since (RemoteProtocolError or
+            # ReadError: killed, restarted; ReadTimeout: stalled; an error line; cut short before [DONE]), and
+            # whatever httpx calls it, the answer broke off mid-way. Never a connect failure.
+            self.failovers[url] += 1
+            self.broken_streams[url] += 1
+            return f"broke off mid-answer after {out.chunks} chunks ({len(out.token_ids)} tokens): {what}"
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):  # refused, or no answer to connect
+            self.connect_failures[url] += 1
+            return f"could not connect: {what}"
+        # Sent, not taken: a 5xx (its engine died, it is shutting down), or the connection dropped, stalled past
+        # the read timeout or failed a write before the answer began.
+        self.failovers[url] += 1
+        return what if isinstance(exc, EngineRequestError) else f"failed mid-request: {what}"
+
     async def _stream(self, url: str, body: dict[str, Any], out: _Stream) -> _Stream:
         async with self.client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise EngineRequestError(url, resp.status_code, _error_message(resp))
+            out.accepted = True
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue

@@ -13,7 +13,8 @@ Nothing here imports Ray at module level: serving/ray/app.py wraps these classes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from core.engine import Completion, Engine, KVCapacity, PromptPlan
@@ -22,6 +23,37 @@ from core.engine import Completion, Engine, KVCapacity, PromptPlan
 # answer, then ("done", Completion).
 FIRST, TEXT, DONE = "first", "text", "done"
 
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_share(cpus: Sequence[int], rank: int, replicas: int) -> list[int]:
+    """The CPUs of one node that the engine replica of node-local ``rank``, of ``replicas`` on that node, binds
+    its vLLM worker to: an equal share each (at least one CPU; shares repeat where replicas outnumber CPUs)."""
+    cpus = sorted(cpus)
+    per = max(1, len(cpus) // max(1, replicas))
+    return [cpus[(rank * per + i) % len(cpus)] for i in range(per)]
+
+
+def bind_cpu_engine() -> str | None:
+    """Where every replica of this CPU engine deployment runs on one node (a local cluster: `mmrag serve --ray`
+    without MMRAG_RAY_ADDRESS): bind this replica's vLLM worker to its own share of the node's CPUs
+    (:func:`cpu_share`), through VLLM_CPU_OMP_THREADS_BIND, which the engine's processes read. vLLM's own
+    binding (``auto``) assumes one engine per host: each replica would bind its worker to the same cores
+    (leaving one for the frontend), so they contend while other cores idle — on a 2-core host both replicas
+    computed, and started, on core 0. Returns the binding set; nothing is set on GPU replicas, for a single
+    replica, on a multi-node cluster (which node holds how many replicas is Ray's choice), or where the
+    environment already names a binding (``nobind``, or CPU lists)."""
+    import ray
+    from ray import serve
+
+    context = serve.get_replica_context()
+    if (os.environ.get(OMP_BIND, "auto") != "auto" or ray.get_gpu_ids() or context.world_size < 2
+            or sum(1 for node in ray.nodes() if node["Alive"]) != 1):
+        return None
+    rank = context.rank.local_rank if context.rank is not None else 0
+    os.environ[OMP_BIND] = ",".join(map(str, cpu_share(os.sched_getaffinity(0), rank, context.world_size)))
+    return os.environ[OMP_BIND]
+
 
 class EngineReplica:
     """One engine replica. ``build`` starts its engine (tens of seconds on CPU) when Ray starts the replica."""
@@ -29,6 +61,7 @@ class EngineReplica:
     async def __init__(self, build: Callable[[], Engine]) -> None:  # type: ignore[misc]  (Ray awaits it)
         from ray import serve
 
+        self.cpus = bind_cpu_engine()
         self.engine = build()
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
 
@@ -58,6 +91,10 @@ class EngineReplica:
 
     async def replica_id(self) -> str:
         return self.replica
+
+    async def cpu_binding(self) -> str | None:
+        """The CPUs this replica's engine worker is bound to (:func:`bind_cpu_engine`), if it set them."""
+        return self.cpus
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine died is restarted."""
