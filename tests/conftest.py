@@ -181,11 +181,16 @@ API_KEY = "test-key"
 
 
 def copy_corpus(settings, data_dir: Path) -> None:
-    """The session corpus (index + features) copied to ``data_dir``: Qdrant local mode allows one client per
-    folder, and other tests read the original. Not the store's leases: they are the original's holders' (a
-    live conversation of a session server), and nothing holds the copy."""
-    shutil.copytree(settings.data_dir / "qdrant", data_dir / "qdrant")
-    shutil.copytree(settings.data_dir / "features", data_dir / "features", ignore=shutil.ignore_patterns(".leases"))
+    """The session corpus (index + features) copied to ``data_dir`` (:func:`copy_index_and_store`)."""
+    copy_index_and_store(settings.data_dir, data_dir)
+
+
+def copy_index_and_store(source: Path, data_dir: Path) -> None:
+    """A data folder's index and features copied to ``data_dir``: Qdrant local mode allows one client per folder,
+    and others read the original. Not the store's leases: they are the original's holders' (a live conversation
+    of a server), and nothing holds the copy."""
+    shutil.copytree(source / "qdrant", data_dir / "qdrant")
+    shutil.copytree(source / "features", data_dir / "features", ignore=shutil.ignore_patterns(".leases"))
 
 
 @contextlib.asynccontextmanager

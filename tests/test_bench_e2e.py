@@ -319,12 +319,13 @@ def floor_on_a_copy(floor_pipeline):
     and the kept `mmrag serve` holds mmrag's."""
     import shutil
 
+    from tests.conftest import copy_index_and_store
+
     def build(env: dict[str, str]):
         data = Path(env["MMRAG_DATA_DIR"])
         copy = data.with_name(f"{data.name}-floor")
         shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(data / "qdrant", copy / "qdrant")
-        shutil.copytree(data / "features", copy / "features", ignore=shutil.ignore_patterns(".leases"))
+        copy_index_and_store(data, copy)
         return floor_pipeline({**env, "MMRAG_DATA_DIR": str(copy)})
 
     return build
