@@ -232,6 +232,9 @@ def cpu_seconds(pid: int) -> float:
 _PROFILED = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
              "vllm:request_decode_time_seconds", "vllm:time_per_output_token_seconds")
 _COUNTED = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+# ... and what mmrag's scheduler did in front of it: plans sent, their wait there, and how often a plan was held
+# back to keep slots free for the other tenant (serving/scheduler.py TenantSlots).
+_SCHEDULED = ("mmrag_queue_wait_seconds", "mmrag_scheduler_dispatched_total", "mmrag_scheduler_kept_held_total")
 
 
 class Profile:
@@ -240,6 +243,7 @@ class Profile:
 
     async def __aenter__(self) -> Profile:
         self.before = await scrape(self.s.control, self.s.replica_url)
+        self.before_api = await scrape(self.s.control, self.s.url)
         self.cpu = (cpu_seconds(self.s.pid), cpu_seconds(self.s.replica_pid))
         self.t = time.perf_counter()
         return self
@@ -248,6 +252,7 @@ class Profile:
         wall = time.perf_counter() - self.t
         api, replica = cpu_seconds(self.s.pid) - self.cpu[0], cpu_seconds(self.s.replica_pid) - self.cpu[1]
         d = delta(self.before, await scrape(self.s.control, self.s.replica_url), _PROFILED + _COUNTED)
+        d |= delta(self.before_api, await scrape(self.s.control, self.s.url), _SCHEDULED)
 
         def mean(name: str, scale: float = 1.0) -> float | None:
             n = d[f"{name}_count"]
@@ -261,6 +266,9 @@ class Profile:
             "time_per_output_token_ms": mean("vllm:time_per_output_token_seconds", 1000),
             "prompt_tokens_per_s": round(d["vllm:prompt_tokens_total"] / wall, 1),
             "generated_tokens_per_s": round(d["vllm:generation_tokens_total"] / wall, 1),
+            "scheduler": {"plans": int(d["mmrag_scheduler_dispatched_total"]),
+                          "wait_mean_s": mean("mmrag_queue_wait_seconds"),
+                          "held_for_another_tenant": int(d["mmrag_scheduler_kept_held_total"])},
             "cores_used": {"api_process": round(api / wall, 2), "replica": round(replica / wall, 2)}}
 
 

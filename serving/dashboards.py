@@ -160,6 +160,14 @@ PANELS: tuple[PanelSpec, ...] = (
         _quantiles(m.ADMISSION_WAIT, by="tenant"),
     ),
     PanelSpec(
+        "Plans held for another tenant",
+        "Per second, how often the scheduler held a plan back to keep slots free for another tenant that was busy a "
+        "moment ago (serving/scheduler.py TenantSlots): above 0 only while one tenant fills the engine and another "
+        "asks now and then. Counted per dispatch round, so one plan may count many times.",
+        "short",
+        (Query(_rate(m.SCHEDULER_KEPT_HELD), "held for another tenant"),),
+    ),
+    PanelSpec(
         "vLLM prefix-cache hit rate",
         "vLLM's own count: prompt tokens (all, not just image) found in the prefix cache.",
         "percentunit",

@@ -82,6 +82,7 @@ SCHEDULER_CANCELLED_QUEUED = "mmrag_scheduler_cancelled_queued"
 SCHEDULER_CANCELLED_RUNNING = "mmrag_scheduler_cancelled_running"
 SCHEDULER_SHORT_DISPATCHED = "mmrag_scheduler_short_dispatched"
 SCHEDULER_LONG_HELD = "mmrag_scheduler_long_held"
+SCHEDULER_KEPT_HELD = "mmrag_scheduler_kept_held"
 
 WARM_SET_PAGES = "mmrag_warm_set_pages"
 WARM_SET_TOKENS = "mmrag_warm_set_tokens"
@@ -125,6 +126,7 @@ _SCHEDULER_COUNTS = {
     "cancelled_running": (SCHEDULER_CANCELLED_RUNNING, "Engine requests aborted because their client left."),
     "short_dispatched": (SCHEDULER_SHORT_DISPATCHED, "Plans dispatched from the short queue (mixed resolutions)."),
     "long_held": (SCHEDULER_LONG_HELD, "Times a long plan was held back to keep the short plans' slots free."),
+    "kept_held": (SCHEDULER_KEPT_HELD, "Times a plan was held back to keep slots free for another tenant's next plans."),
 }
 
 UNKNOWN_TIER = "unknown"  # image keys without a resolution policy (test doubles)

@@ -16,6 +16,13 @@ The sub-question plans of all in-flight requests enter one queue. Two units deci
   - group gating: a plan whose leading image is being prefilled by another in-flight plan of the same salt
     waits for that prefill to finish, so it hits the KV the first plan creates instead of computing it again.
 
+Tenants (cache salts): plans of different salts share no prefix, so between them the order is fair share, not
+the policy — the salt with the fewest plans in flight goes first (:meth:`Scheduler._next`), and
+:class:`TenantSlots` keeps a few slots free for a tenant that was busy a moment ago and will be again (a question
+every few seconds beside another tenant's flood): a salt at or over its share leaves free as many slots as each
+such tenant last had in flight at once, at most a quarter of them, so that tenant's next question starts at once
+instead of waiting for the flood's plans to end. One salt: nothing is kept free.
+
 Cancellation: a cancelled ``submit`` (its question's client left) takes its plan out of the queue, or cancels
 its engine request if it is running, so abandoned work frees capacity at once.
 
@@ -36,7 +43,6 @@ queues have work, bounds a short plan's wait by the short plans ahead of it, and
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import itertools
 import time
@@ -137,6 +143,7 @@ class SchedulerStats:
     cancelled_running: int = 0  # plans whose caller left while they ran: their engine request was cancelled
     short_dispatched: int = 0  # plans dispatched from the short queue (short_image_tokens set)
     long_held: int = 0  # times a long plan was held back to keep the short plans' reserved slots free
+    kept_held: int = 0  # times a plan was held back to keep slots free for another tenant's next plans
     queue_waits_s: list[float] = field(default_factory=list)  # drained by the metrics layer
     group_sizes: list[int] = field(default_factory=list)  # plans per leading image, per dispatch round
     # (resolution policy of the images, image tokens) per dispatched plan and policy: the metrics layer names
@@ -175,6 +182,7 @@ class Block(str, enum.Enum):
     BUDGET = "budget"  # its image tokens would overrun the in-flight budget
     HELD = "held"  # an older overdue plan waits for the budget: nothing younger overtakes it
     GATED = "gated"  # a plan of the same salt is prefilling images it leads with: wait and hit that KV
+    KEPT = "kept"  # the free slots are kept for another tenant's next plans (TenantSlots)
 
 
 class Admission:
@@ -272,6 +280,91 @@ class Admission:
 
 
 PREFILLED_TRACKED = 4096  # prefixes remembered as prefilled; the oldest are forgotten first
+TENANT_RECENT_S = 60.0  # a tenant idle this long is gone: no slot is kept for it any more
+
+
+@dataclass(slots=True)
+class _Spell:
+    """One tenant's (cache salt's) plans, now and in its last busy spell."""
+
+    running: int = 0
+    waiting: int = 0
+    peak: int = 0  # most plans in flight at once in the current busy spell
+    burst: int = 0  # ... in the last one that ended
+    idle_since: float | None = None  # when its last busy spell ended; None while busy
+
+
+class TenantSlots:
+    """Slots kept free for tenants that were busy a moment ago, the plan-level twin of the API's admission rule.
+
+    A tenant asking a question every few seconds beside another tenant's flood finds every slot taken each time
+    it asks; the fewest-in-flight order gives it the next freed slots, but its plans (a split answer's parts, all
+    at once) still wait for that many of the flood's plans to end, about a decode each. So a tenant (salt) at or
+    over its guaranteed share (``max_concurrency`` over the busy and recently idle tenants) may not take the
+    last ``kept_free`` slots: for each other tenant busy or idle for less than ``recent_s``, as many slots as it
+    had in flight at once in its last busy spell less those it holds or waits for now (its parts arrive one
+    submit at a time: the slots stay kept until the last one is in), at most a quarter of the slots in all. Once
+    the other tenant holds its burst, nothing is kept for it (the fewest-in-flight order serves it); a tenant idle
+    past ``recent_s`` is forgotten. Plain state: the caller passes the time.
+    """
+
+    def __init__(self, max_concurrency: int, recent_s: float = TENANT_RECENT_S) -> None:
+        self.max_concurrency, self.recent_s = max_concurrency, recent_s
+        self._spells: dict[str, _Spell] = {}
+
+    def running(self, salt: str) -> int:
+        spell = self._spells.get(salt)
+        return spell.running if spell else 0
+
+    def arrive(self, salt: str) -> None:
+        spell = self._spells.setdefault(salt, _Spell())
+        if spell.idle_since is not None or not (spell.running or spell.waiting):
+            spell.peak, spell.idle_since = 0, None  # a new busy spell
+        spell.waiting += 1
+
+    def start(self, salt: str) -> None:
+        spell = self._spells[salt]
+        spell.waiting -= 1
+        spell.running += 1
+        spell.peak = max(spell.peak, spell.running)
+
+    def leave(self, salt: str, now: float, *, ran: bool) -> None:
+        """One of ``salt``'s plans left: its run ended (``ran``) or it left the queue."""
+        spell = self._spells[salt]
+        if ran:
+            spell.running -= 1
+        else:
+            spell.waiting -= 1
+        if not (spell.running or spell.waiting):
+            spell.burst, spell.idle_since = spell.peak, now
+
+    def kept_free(self, salt: str, now: float) -> int:
+        """Slots ``salt`` leaves free when it is at or over its share."""
+        kept = sum(max(0, s.burst - s.running - s.waiting) for t, s in self._spells.items()
+                   if t != salt and (s.idle_since is None or self._recent(s, now)))
+        return min(kept, self.max_concurrency // 4)
+
+    def may_take(self, salt: str, free: int, now: float) -> bool:
+        """May one of ``salt``'s plans take one of the ``free`` slots now?"""
+        kept = self.kept_free(salt, now)
+        if not kept or free > kept:
+            return True
+        known = sum(1 for t, s in self._spells.items() if t == salt or s.idle_since is None or self._recent(s, now))
+        return self.running(salt) < self.max_concurrency / known
+
+    def next_change(self, now: float) -> float | None:
+        """Seconds until the first recently idle tenant is forgotten (then less may be kept free), or None."""
+        due = [s.idle_since + self.recent_s - now for s in self._spells.values()
+               if s.burst and self._recent(s, now)]
+        return max(min(due), 0.0) if due else None
+
+    def forget(self, now: float) -> None:
+        """Drop tenants idle past ``recent_s`` (bounded memory across many tenants)."""
+        for salt in [t for t, s in self._spells.items() if s.idle_since is not None and not self._recent(s, now)]:
+            del self._spells[salt]
+
+    def _recent(self, spell: _Spell, now: float) -> bool:
+        return spell.idle_since is not None and now - spell.idle_since < self.recent_s
 
 
 class Scheduler:
@@ -300,7 +393,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._call_later = call_later
         self._timer: Any = None  # what call_later returned: something with cancel()
-        self._running: collections.Counter[str] = collections.Counter()  # plans in flight by cache salt (tenant)
+        self.tenants = TenantSlots(config.max_concurrency)  # plans by cache salt (tenant), and slots kept free
 
     @property
     def waiting(self) -> int:
@@ -333,6 +426,8 @@ class Scheduler:
         item = _Waiting(plan, prefix_path(plan), next(self._seq), self._clock(), tokens, short,
                         loop.create_future(), on_text=on_text)
         self._queue.append(item)
+        self.tenants.forget(item.arrival)
+        self.tenants.arrive(plan.cache_salt)
         self.stats.submitted += 1
         self._dispatch()
         try:
@@ -344,6 +439,7 @@ class Scheduler:
     def _abandon(self, item: _Waiting) -> None:
         if item in self._queue:
             self._queue.remove(item)
+            self.tenants.leave(item.plan.cache_salt, self._clock(), ran=False)
             self.stats.cancelled_queued += 1
             self._dispatch()  # it may have held younger plans back (an overdue plan waiting for the budget)
         elif item.task is not None and not item.task.done():
@@ -367,14 +463,19 @@ class Scheduler:
         self._arm_timer()
 
     def _arm_timer(self) -> None:
-        """With a slot free and plans waiting, wake when the first of them becomes overdue: a plan that was
-        gated may then start (no other event need come; fairness must not wait for one)."""
+        """With a slot free and plans waiting, wake when the first of them becomes overdue (a plan that was
+        gated may then start: no other event need come; fairness must not wait for one), or when a tenant that
+        slots were kept free for is forgotten (a plan held for it may then start)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self._queue or not self.admission.free:
             return
-        due = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - self._clock()
+        now = self._clock()
+        due = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - now
+        forgotten = self.tenants.next_change(now)
+        if forgotten is not None:
+            due = min(due, forgotten + 1e-3)  # just past it: the tenant is no longer recent then
         if due > 0:
             self._timer = (self._call_later or asyncio.get_running_loop().call_later)(due, self.wake)
 
@@ -394,10 +495,13 @@ class Scheduler:
             # the fewest plans in flight first, each tenant's own in the order above (stable). Overdue plans too:
             # under one tenant's flood its plans are all overdue, and arrival order would queue another tenant's
             # plan behind every one of them (max_wait_ms guards a policy's order within a tenant, not this).
-            offered.sort(key=lambda o: self._running[o[0].plan.cache_salt])
+            offered.sort(key=lambda o: self.tenants.running(o[0].plan.cache_salt))
         hold = False  # an overdue plan waits for the budget: nothing younger overtakes it
+        free = self.config.max_concurrency - self.admission.in_flight
         for w, is_overdue in offered:
             why = self.admission.block(w, overdue=is_overdue, hold=hold)
+            if why is None and not self.tenants.may_take(w.plan.cache_salt, free, now):
+                why = Block.KEPT
             if why is None:
                 self.stats.fairness_overrides += is_overdue
                 return w
@@ -406,6 +510,7 @@ class Scheduler:
             else:
                 self.stats.long_held += why is Block.LONG_SLOT
                 self.stats.gated += why is Block.GATED
+                self.stats.kept_held += why is Block.KEPT
         return None
 
     def _order(self, paths: list[Path]) -> list[int]:
@@ -418,7 +523,7 @@ class Scheduler:
 
     def _start(self, w: _Waiting) -> None:
         self.admission.start(w)
-        self._running[w.plan.cache_salt] += 1
+        self.tenants.start(w.plan.cache_salt)
         self.stats.dispatched += 1
         self.stats.short_dispatched += w.short
         self.stats.image_tokens_by_policy += self._by_policy(w)
@@ -465,7 +570,7 @@ class Scheduler:
         w.ended = True
         self._end_prefill(w)
         self.admission.finish(w)
-        self._running[w.plan.cache_salt] -= 1
+        self.tenants.leave(w.plan.cache_salt, self._clock(), ran=True)
         self._dispatch()
 
     def _observe(self, plan: PromptPlan, other_tokens: int | None = None) -> None:

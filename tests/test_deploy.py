@@ -85,7 +85,7 @@ def test_the_committed_dashboard_is_a_fresh_render_of_serving_dashboards():
 
 def test_every_panel_has_prometheus_queries_with_an_expression_and_a_ref_id():
     panels = committed_panels()
-    assert len(panels) == 15
+    assert len(panels) == 16
     for panel in panels:
         assert panel["targets"], panel["title"]
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}

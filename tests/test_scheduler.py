@@ -376,3 +376,58 @@ async def test_another_tenants_fresh_plan_goes_before_a_flooding_tenants_overdue
     for name in [f"b{i}" for i in range(2, 8)]:
         await eng.finish(name)
     assert mine.result().text == "a0" and [t.result().text for t in flood] == [f"b{i}" for i in range(8)]
+
+
+async def test_slots_are_kept_for_a_tenant_busy_a_moment_ago_and_given_back_when_it_is_gone():
+    """Issue 41: A asks a question (two parts at once) every few seconds beside B's flood. Between A's
+    questions B, at or over its share, leaves A's two slots free (A's last burst; at most a quarter of 8), so A's
+    next parts start at once instead of waiting for two of B's plans to end. While A is busy B takes any slot
+    that frees (nothing kept for a busy tenant); once A has been idle TENANT_RECENT_S, the timer gives B the
+    kept slots back. Alone, a tenant takes every slot."""
+    from dataclasses import replace
+
+    from serving.scheduler import TENANT_RECENT_S
+
+    now, timers = [0.0], []
+
+    class Timer:
+        def __init__(self, delay, callback) -> None:
+            self.due, self.callback = now[0] + delay, callback
+            timers.append(self)
+
+        def cancel(self) -> None:
+            timers.remove(self)
+
+    eng = RecordingEngine()
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=8, max_wait_ms=1000), image_tokens=lambda p: 1,
+                  clock=lambda: now[0], call_later=Timer)
+    salted = lambda name, salt: replace(plan(name, name.upper()), cache_salt=salt)  # noqa: E731
+    alone = [asyncio.create_task(s.submit(salted(f"a{i}", "a"))) for i in range(2)]
+    await settle()
+    for name in ("a0", "a1"):
+        await eng.finish(name)
+    await asyncio.gather(*alone)
+
+    now[0] = 1.0
+    flood = [asyncio.create_task(s.submit(salted(f"b{i}", "b"))) for i in range(20)]
+    await settle()
+    assert eng.started[2:] == [f"b{i}" for i in range(6)] and s.stats.kept_held > 0  # two slots kept for A
+    mine = [asyncio.create_task(s.submit(salted(f"a{i}", "a"))) for i in (2, 3)]
+    await settle()
+    assert eng.started[-2:] == ["a2", "a3"] and s.in_flight == 8  # at once, no wait for B's plans
+    await eng.finish("b0")
+    assert eng.started[-1] == "b6"  # A is busy: nothing kept, B takes the freed slot
+    for name in ("a2", "a3"):
+        await eng.finish(name)
+    await asyncio.gather(*mine)
+    assert s.in_flight == 6 and eng.started[-1] == "b6"  # A idle a moment: its two slots kept again
+
+    now[0] += TENANT_RECENT_S + 1  # A idle past the window: the timer gives B the slots back
+    [timer] = [t for t in timers if t.due <= now[0]]
+    timer.callback()
+    await settle()
+    assert eng.started[-2:] == ["b7", "b8"] and s.in_flight == 8
+    for i in range(1, 20):
+        now[0] += 0.1
+        await eng.finish(f"b{i}")
+    assert [t.result().text for t in flood] == [f"b{i}" for i in range(20)]

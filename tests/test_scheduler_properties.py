@@ -11,7 +11,11 @@ timer firing, ``Scheduler.wake``). This test then restates each rule from first 
 - no plan waits past ``max_wait_ms`` while a slot it may use is free and the budget can take it, unless an
   older overdue plan waits for the budget (nothing younger overtakes that one, or it could starve);
 - a plan otherwise able to start waits only behind a prefill of its own salt, system prompt and first image
-  that no plan has finished yet (gating never crosses salts), and never under FCFS.
+  that no plan has finished yet (gating never crosses salts), and never under FCFS;
+- a slot "it may use" leaves free, for a tenant (salt) at or over its share, as many slots as each other
+  tenant busy or idle for less than TENANT_RECENT_S had in flight at once in its last busy spell, less what it
+  holds or waits for now (at most a quarter): the test keeps those spells itself, from what runs and waits
+  after each event.
 
 The cases that first showed two of these broken are named tests in tests/test_scheduler.py and
 tests/test_mixed_resolution.py.
@@ -27,7 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from core.engine import PromptPlan
-from serving.scheduler import Policy, Scheduler, SchedulerConfig
+from serving.scheduler import TENANT_RECENT_S, Policy, Scheduler, SchedulerConfig
 from tests.test_scheduler import RecordingEngine
 from tests.waiting import eventually
 
@@ -73,6 +77,11 @@ class Seen:
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     prefilled: set[str] = field(default_factory=set)  # plans whose prefill ended (finishing ends it too)
     finished: set[str] = field(default_factory=set)
+    # Per salt: plans in flight at most in its current busy spell, in its last one, and when that one ended.
+    peak: dict[str, int] = field(default_factory=dict)
+    burst: dict[str, int] = field(default_factory=dict)
+    idle_since: dict[str, float] = field(default_factory=dict)
+    checked: int = 0  # plans of eng.started already checked (the earlier events' starts)
 
 
 def tokens(p: PromptPlan) -> int:
@@ -100,10 +109,41 @@ def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: See
     assert in_flight_tokens <= config.max_image_tokens_in_flight
     assert len(running) <= config.max_concurrency and long_running <= config.max_concurrency - reserved
 
+    # Tenants' busy spells, as this event left them.
+    busy = {seen.plans[n].cache_salt for n in running + waiting}
+    for salt in busy:
+        if salt not in seen.peak:  # a new spell; a tenant idle past the window was forgotten, its burst too
+            seen.peak[salt] = 0
+            if now - seen.idle_since.pop(salt, now) >= TENANT_RECENT_S:
+                seen.burst.pop(salt)
+        seen.peak[salt] = max(seen.peak[salt], sum(seen.plans[n].cache_salt == salt for n in running))
+    for salt in set(seen.peak) - busy:  # its spell ended with this event
+        seen.burst[salt], seen.idle_since[salt] = seen.peak.pop(salt), now
+    recent = {t for t, since in seen.idle_since.items() if now - since < TENANT_RECENT_S}
+    free_slots = config.max_concurrency - len(running)
+
+    def may(n: str, free: int = free_slots, among: list[str] = running, queued: list[str] = waiting) -> bool:
+        """The tenant rule: not one of the slots kept free for another tenant, busy or idle a moment."""
+        salt = seen.plans[n].cache_salt
+        holds = lambda t: sum(seen.plans[r].cache_salt == t for r in among + queued)  # noqa: E731
+        kept = min(sum(max(0, seen.burst.get(t, 0) - holds(t)) for t in (busy | recent) - {salt}),
+                   config.max_concurrency // 4)
+        mine = sum(seen.plans[r].cache_salt == salt for r in among)
+        return not kept or free > kept or mine < config.max_concurrency / len(busy | recent | {salt})
+
+    # This event's starts, in order (the engine starts them as they were dispatched): none took a kept slot.
+    new = [n for n in eng.started[seen.checked:] if n in running]
+    seen.checked = len(eng.started)
+    before = [n for n in running if n not in new]
+    for i, n in enumerate(new):
+        assert may(n, config.max_concurrency - len(before) - i, before + new[:i], waiting + new[i:]), (
+            f"plan {n} of salt {seen.plans[n].cache_salt!r} took a slot kept for another tenant: bursts "
+            f"{ {t: seen.burst.get(t, 0) for t in busy | recent} }, {config.max_concurrency - len(before) - i} free")
+
     free = len(running) < config.max_concurrency
     reserved_free = free and len(running) - long_running < reserved
     fits = lambda n: in_flight_tokens + tokens(seen.plans[n]) <= config.max_image_tokens_in_flight  # noqa: E731
-    slot = lambda n: free and (short(n) or long_running < config.max_concurrency - reserved)  # noqa: E731
+    slot = lambda n: free and may(n) and (short(n) or long_running < config.max_concurrency - reserved)  # noqa: E731
     overdue = [n for n in waiting if (now - seen.arrival[n]) * 1000 >= MAX_WAIT_MS]
     # Prefixes whose prefill is running, and prefixes some plan finished prefilling (their KV is cached).
     prefilling = {x for n in running if n not in seen.prefilled for x in prefixes(seen.plans[n])}
@@ -111,7 +151,7 @@ def check(config: SchedulerConfig, s: Scheduler, eng: RecordingEngine, seen: See
 
     for n in waiting:
         p = seen.plans[n]
-        if short(n) and reserved_free:  # a free reserved slot is never idle while a short plan waits ...
+        if short(n) and reserved_free and may(n):  # a free reserved slot is never idle while a short plan waits ...
             assert not fits(n), f"short plan {n} waits with a reserved slot free and the budget room"
             continue  # ... that the budget can take
         if not (slot(n) and fits(n)):
@@ -209,7 +249,8 @@ async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:
 
 # The cases that once broke a rule, run first whatever hypothesis draws: issue 23's two probes, a gated plan
 # whose wait runs out while its leader still prefills (only the timer can start it), and an overdue plan waiting
-# for the budget that leaves the queue, freeing the younger plan it held back (only its leaving can start it).
+# for the budget that leaves the queue, freeing the younger plan it held back (only its leaving can start it),
+# and a slot kept free for a tenant that was busy a moment ago (TenantSlots).
 @example(SchedulerConfig(policy=Policy.FCFS, max_concurrency=2, max_wait_ms=MAX_WAIT_MS, short_image_tokens=256),
          [("submit", "", "L1", None), ("submit", "", "L2", None), ("tick", 1.2), ("submit", "", "s1", None)])
 @example(SchedulerConfig(max_concurrency=4, max_wait_ms=MAX_WAIT_MS),
@@ -220,6 +261,9 @@ async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:
                          max_wait_ms=MAX_WAIT_MS, queue_cap=1),
          [("submit", "", "L1", None), ("submit", "", "L1", "L2"), ("finish", 0), ("submit", "", "L1", "L2"),
           ("tick", 1.2), ("submit", "", "L1", None), ("cancel", 1)])
+@example(SchedulerConfig(max_concurrency=4, max_wait_ms=MAX_WAIT_MS),  # a slot kept for tenant-a, idle a moment
+         [("submit", "tenant-a", "L1", None), ("finish", 0), *[("submit", "tenant-b", "L2", None)] * 4,
+          ("tick", 1.2), ("submit", "tenant-a", "L1", None)])
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs(), events)
 def test_the_scheduler_rules_hold_over_random_arrival_streams(config, stream):
