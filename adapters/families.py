@@ -9,19 +9,19 @@ checkpoint (LLM, tokenizer, template) is read from the checkpoint itself.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from adapters.checkpoint import local_checkpoint
 from core.pages import EncodedImage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # transformers 5 names the tower "model.visual.*"; checkpoints saved by transformers 4 (all released
 # Qwen2-VL / Qwen2.5-VL models) and by transformers 5's save_pretrained use "visual.*".
@@ -42,7 +42,10 @@ class VisionFamily:
 
     model_type: str  # the checkpoint's config.json model_type
     label: str  # the family's name in messages
-    tower_class: type[PreTrainedModel]  # vision tower + merger, built from config.vision_config
+    # The vision tower + merger class, built from config.vision_config, as "module:Class": imported when a tower
+    # is built (tower_class), not with the registry. transformers' modelling modules take ~4 s to import, and a
+    # process that only asks a family's placeholder or token count (a remote engine, a router) never builds one.
+    tower: str
     out_width_field: str  # vision_config field holding the merger's output width (= the LLM's hidden size)
     # vision_config fields that can change the tokens while every tensor stays the same; hashed into the
     # encoder version. Empty for Qwen2-VL: its versions predate the registry and must stay valid, so a Qwen2-VL
@@ -54,6 +57,11 @@ class VisionFamily:
     # Qwen3-VL: the tower also returns features of some inner blocks ("deepstack"), which vLLM adds to the
     # LLM's first layers; they travel in image_embeds beside the merged tokens.
     deepstack: bool = False
+
+    @property
+    def tower_class(self) -> type[PreTrainedModel]:
+        module, name = self.tower.split(":")
+        return getattr(importlib.import_module(module), name)
 
     def out_width(self, vision_config: Any) -> int:
         return int(getattr(vision_config, self.out_width_field))
@@ -84,11 +92,13 @@ class VisionFamily:
 FAMILIES: dict[str, VisionFamily] = {
     f.model_type: f
     for f in (
-        VisionFamily("qwen2_vl", "Qwen2-VL", Qwen2VisionTransformerPretrainedModel, "hidden_size"),
+        VisionFamily("qwen2_vl", "Qwen2-VL",
+                     "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+                     "hidden_size"),
         VisionFamily(
             "qwen2_5_vl",
             "Qwen2.5-VL",
-            Qwen2_5_VisionTransformerPretrainedModel,
+            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
             "out_hidden_size",
             # Window attention: which blocks attend fully and the window size change every token, as do the
             # head count and activation, all with identical tensors.
@@ -100,7 +110,7 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily(
             "qwen3_vl",
             "Qwen3-VL",
-            Qwen3VLVisionModel,
+            "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
             "out_hidden_size",
             # Which blocks feed the deepstack levels changes the tokens, not the tensors.
             versioned_config_fields=(

@@ -472,12 +472,11 @@ class Scheduler:
         if not self._queue or not self.admission.free:
             return
         now = self._clock()
-        due = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - now
-        forgotten = self.tenants.next_change(now)
-        if forgotten is not None:
-            due = min(due, forgotten + 1e-3)  # just past it: the tenant is no longer recent then
-        if due > 0:
-            self._timer = (self._call_later or asyncio.get_running_loop().call_later)(due, self.wake)
+        overdue = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - now
+        forgotten = self.tenants.next_change(now)  # then fewer slots may be kept: a plan held for them may start
+        dues = [d for d in (overdue, None if forgotten is None else forgotten + 1e-3) if d is not None and d > 0]
+        if dues:
+            self._timer = (self._call_later or asyncio.get_running_loop().call_later)(min(dues), self.wake)
 
     def _next(self) -> _Waiting | None:
         now = self._clock()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel
 from typer.testing import CliRunner
 
 from adapters.checkpoint import ModelSource, read_marker
@@ -83,6 +83,12 @@ def test_the_registry_names_each_supported_family_by_model_type():
         assert family.image_placeholder == "<|vision_start|><|image_pad|><|vision_end|>"
         assert family.image_pad_token == "<|image_pad|>"
     assert [m for m, f in FAMILIES.items() if f.deepstack] == ["qwen3_vl"]
+    # The tower class is named, imported when a tower is built: each name resolves to a transformers model.
+    towers = {m: f.tower_class for m, f in FAMILIES.items()}
+    assert {m: c.__name__ for m, c in towers.items()} == {
+        "qwen2_vl": "Qwen2VisionTransformerPretrainedModel", "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel",
+        "qwen3_vl": "Qwen3VLVisionModel"}
+    assert all(issubclass(c, PreTrainedModel) for c in towers.values())
 
 
 @pytest.mark.parametrize("model_type", ["llava", "qwen3_vl_moe", "qwen2_vl_text"])
