@@ -168,6 +168,26 @@ async def test_without_parameters_the_page_image_is_the_plain_render(figures_app
     assert got.content == buf.getvalue()
 
 
+async def test_a_page_lists_its_figures_so_a_client_knows_which_figure_n_exist(figures_app):
+    """GET /v1/pages/{id} names each figure of the page as a citation does (number, kind, caption, box in points):
+    each numbered one is outlined by ?figure=N, the unnumbered one by its box; a page without figures lists none."""
+    http, page = figures_app["http"], figures_app["page"]
+    got = await http.get(f"/v1/pages/{page}")
+    assert got.status_code == 200, got.text
+    listed = got.json()["figures"]
+    boxes = figures_app["boxes"]
+    assert [(f["number"], f["kind"], f["caption"]) for f in listed] == [
+        (3, "figure", "Figure 3: chart 3"), (5, "figure", "Figure 5: chart 5"), (None, "image", "")]
+    for f in listed[:2]:
+        assert f["bbox"] == pytest.approx(boxes[f["number"]], abs=0.1)  # points, to a tenth (as citations)
+        outlined = await http.get(f"/v1/pages/{page}/image", params={"figure": f["number"], "kind": f["kind"]})
+        assert outlined.status_code == 200, outlined.text
+    by_box = await http.get(f"/v1/pages/{page}/image", params={"bbox": ",".join(map(str, listed[2]["bbox"]))})
+    assert by_box.status_code == 200, by_box.text
+    assert (await http.get(f"/v1/pages/{figures_app['plain_page']}")).json()["figures"] == []
+    assert (await http.get(f"/v1/pages/{figures_app['slide'].page_id}")).json()["figures"] == []
+
+
 @pytest.mark.parametrize("number", [3, 5])
 async def test_figure_n_is_outlined_in_red_exactly_where_its_box_says(figures_app, number):
     http, scale, page = figures_app["http"], figures_app["scale"], figures_app["page"]

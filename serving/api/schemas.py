@@ -307,13 +307,19 @@ class Page(_Response):
     text_source: TextSource = Field(description="Where the text came from.")
     width: int = Field(description="Width in pixels of the page image the model sees.")
     height: int = Field(description="Height in pixels of the page image the model sees.")
+    figures: list[FigureCitation] = Field(
+        default=[], description="The page's figures and tables found at ingest (PDF pages, MMRAG_FIGURES), as "
+        "found: what a citation's `figure` names. GET /v1/pages/{page_id}/image?figure=N outlines one (N: its "
+        "`number`, `&kind=table` for a table; `bbox=` for one without a number). Empty for an image document, a page "
+        "with none, or one indexed before figures were found.")
 
     @classmethod
     def of(cls, page: PagePayload, *, path: str) -> Page:
         """``path``: the page's source path as the client sees it (never ``page.path``, the server's own)."""
         return cls(id=page.page_id, doc_id=page.doc_id, doc=page.doc, path=path, page=page.page,
                    num_pages=page.num_pages, image_key=str(page.image_key), image_tokens=page.image_tokens,
-                   text=page.text, text_source=page.text_source, width=page.width, height=page.height)
+                   text=page.text, text_source=page.text_source, width=page.width, height=page.height,
+                   figures=[FigureCitation(**f.citation()) for f in page.figures])
 
 
 PNG_RESPONSE: dict[int | str, dict[str, Any]] = {
