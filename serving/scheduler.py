@@ -298,8 +298,8 @@ class TenantSlots:
     """Slots kept free for tenants that were busy a moment ago, the plan-level twin of the API's admission rule.
 
     A tenant asking a question every few seconds beside another tenant's flood finds every slot taken each time
-    it asks; the fewest-in-flight order gives it the next freed slots, but its plans (a split answer's parts, all
-    at once) still wait for that many of the flood's plans to end, about a decode each. So a tenant (salt) at or
+    it asks; the fewest-in-flight order gives it the next freed slots, but its plans (a split answer's parts, sent
+    together) still wait for that many of the flood's plans to end, about a decode each. So a tenant (salt) at or
     over its guaranteed share (``max_concurrency`` over the busy and recently idle tenants) may not take the
     last ``kept_free`` slots: for each other tenant busy or idle for less than ``recent_s``, as many slots as it
     had in flight at once in its last busy spell less those it holds or waits for now (its parts arrive one
