@@ -318,7 +318,7 @@ class TenantSlots:
 
     def arrive(self, salt: str) -> None:
         spell = self._spells.setdefault(salt, _Spell())
-        if spell.idle_since is not None or not (spell.running or spell.waiting):
+        if not (spell.running or spell.waiting):
             spell.peak, spell.idle_since = 0, None  # a new busy spell
         spell.waiting += 1
 
@@ -473,8 +473,10 @@ class Scheduler:
             return
         now = self._clock()
         overdue = min(w.arrival for w in self._queue) + self.config.max_wait_ms / 1000 - now
+        dues = [overdue] if overdue > 0 else []
         forgotten = self.tenants.next_change(now)  # then fewer slots may be kept: a plan held for them may start
-        dues = [d for d in (overdue, None if forgotten is None else forgotten + 1e-3) if d is not None and d > 0]
+        if forgotten is not None:
+            dues.append(forgotten + 1e-3)  # just past it: the tenant is no longer recent then
         if dues:
             self._timer = (self._call_later or asyncio.get_running_loop().call_later)(min(dues), self.wake)
 
