@@ -6,8 +6,12 @@ RGB (3 bytes a pixel; at peak about 7 while it is decoded, hashed and preprocess
 (serving/vision/app.py) and question images (serving/api/services.py QuestionImages) read each image's size
 from its header (ingestion/loaders.image_header_size) and admit the request's pixels here:
 
-* over MMRAG_MAX_REQUEST_PIXELS (or over the whole budget) it is refused with 413: no retry can help;
-* over what MMRAG_MAX_PIXELS_IN_FLIGHT has left it is refused with 429 and Retry-After: it fits once others end.
+* over MMRAG_MAX_REQUEST_PIXELS (or over the whole budget) it is refused with :class:`TooManyPixelsError`: no
+  retry can help (the HTTP layers answer 413);
+* over what MMRAG_MAX_PIXELS_IN_FLIGHT has left it is refused with :class:`PixelsInFlightError`: it fits once
+  others end (429 with Retry-After).
+
+Nothing here speaks HTTP: the errors are this room's, and serving/api/errors.py maps them to their status.
 
 An admitted request holds its pixels until each image's encode is done, then gives them back image by image
 (:meth:`PixelHold.release`); whatever it still holds when it ends (an error, a client that left) goes back then.
@@ -22,7 +26,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from serving.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -77,28 +80,54 @@ class PixelHold:
         self.close()
 
 
+class PixelsRefusedError(Exception):
+    """A request whose images' pixels this process will not decode: ``kind`` names why (the API's error type),
+    ``fix`` says what to do."""
+
+    kind = "pixels_refused"
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+class TooManyPixelsError(PixelsRefusedError):
+    """More pixels than one request may ever decode here: no retry helps."""
+
+    kind = "too_many_pixels"
+
+
+class PixelsInFlightError(PixelsRefusedError):
+    """More pixels than the budget has left now: the request fits once others end, after ``retry_after_s``."""
+
+    kind = "pixels_in_flight"
+
+    def __init__(self, message: str, fix: str, retry_after_s: int) -> None:
+        super().__init__(message, fix)
+        self.retry_after_s = retry_after_s
+
+
 def admit(budget: PixelBudget, sizes: Sequence[tuple[int, int]], *, request_limit: int,
           retry_after_s: Callable[[], int]) -> PixelHold:
-    """A hold of the pixels the images of ``sizes`` (width, height, from their headers) declare, or the ApiError
-    that refuses the request: 413 `too_many_pixels` over the request bound, 429 `pixels_in_flight` (with
-    ``retry_after_s()`` as Retry-After) when the budget has not that much left now."""
+    """A hold of the pixels the images of ``sizes`` (width, height, from their headers) declare. Refused with
+    TooManyPixelsError over the request bound (or over the whole budget), PixelsInFlightError (``retry_after_s()``
+    seconds to wait) when the budget has not that much left now."""
     pixels = sum(w * h for w, h in sizes)
     what = f"the {len(sizes)} image{'s' if len(sizes) != 1 else ''} of this request declare {pixels:,} pixels"
     if pixels > min(request_limit, budget.capacity):
         setting, limit = (("MMRAG_MAX_REQUEST_PIXELS", request_limit) if request_limit <= budget.capacity
                           else ("MMRAG_MAX_PIXELS_IN_FLIGHT", budget.capacity))
-        raise ApiError(413, "too_many_pixels", f"{what}, over the limit of {limit:,} ({setting}); decoded they "
-                       f"would take about {3 * pixels / 2**20:,.0f} MiB", f"send fewer or smaller (downscaled) "
-                       f"images per request, or raise {setting} if the host has the memory")
+        raise TooManyPixelsError(f"{what}, over the limit of {limit:,} ({setting}); decoded they would take about "
+                                 f"{3 * pixels / 2**20:,.0f} MiB", "send fewer or smaller (downscaled) images per "
+                                 f"request, or raise {setting} if the host has the memory")
     hold = budget.try_hold(pixels)
     if hold is None:
         retry = retry_after_s()
-        raise ApiError(429, "pixels_in_flight", f"{what}; {budget.held:,} of the {budget.capacity:,} pixels this "
-                       "process decodes at once (MMRAG_MAX_PIXELS_IN_FLIGHT) are held by requests in progress",
-                       f"retry after the Retry-After seconds ({retry}); operators: raise MMRAG_MAX_PIXELS_IN_FLIGHT "
-                       "if the host has the memory (at peak about 7 bytes a pixel: the decoded RGB and the "
-                       "preprocessor's copies)",
-                       headers={"Retry-After": str(retry)})
+        raise PixelsInFlightError(f"{what}; {budget.held:,} of the {budget.capacity:,} pixels this process "
+                                  "decodes at once (MMRAG_MAX_PIXELS_IN_FLIGHT) are held by requests in progress",
+                                  f"retry after the Retry-After seconds ({retry}); operators: raise "
+                                  "MMRAG_MAX_PIXELS_IN_FLIGHT if the host has the memory (at peak about 7 bytes a "
+                                  "pixel: the decoded RGB and the preprocessor's copies)", retry)
     return hold
 
 

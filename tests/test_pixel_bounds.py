@@ -24,8 +24,8 @@ from PIL import Image
 
 from core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_header_size
-from serving.api.errors import ApiError
-from serving.pixels import PixelBudget, admit
+from serving.api.errors import api_error_of
+from serving.pixels import PixelBudget, PixelsInFlightError, TooManyPixelsError, admit
 from tests.conftest import API_KEY, free_port
 from tests.test_vision_service import sample
 from tests.waiting import eventually
@@ -151,22 +151,26 @@ def test_the_budget_admits_by_declared_pixels_and_takes_them_back_image_by_image
 
     hold = admitted([(5, 10), (3, 10)])  # 80 of 100
     assert budget.held == 80
-    with pytest.raises(ApiError) as full:
+    # The room's own errors; the API answers them (serving/api/errors.py) with the status and headers below.
+    with pytest.raises(PixelsInFlightError) as refused:
         admitted([(5, 5)])  # 25 more do not fit now
-    assert (full.value.status, full.value.kind, full.value.headers) == (429, "pixels_in_flight", {"Retry-After": "3"})
+    full = api_error_of(refused.value)
+    assert (full.status, full.kind, full.headers) == (429, "pixels_in_flight", {"Retry-After": "3"})
     hold.release(50)  # the first image is encoded
     with admitted([(5, 5)]):
         assert budget.held == 55
     hold.close()
     assert budget.held == 0
-    with pytest.raises(ApiError) as too_many:
+    with pytest.raises(TooManyPixelsError) as refused:
         admitted([(9, 9), (1, 1)])
-    assert too_many.value.status == 413 and too_many.value.kind == "too_many_pixels"
-    assert "MMRAG_MAX_REQUEST_PIXELS" in too_many.value.message and too_many.value.fix
+    too_many = api_error_of(refused.value)
+    assert too_many.status == 413 and too_many.kind == "too_many_pixels" and too_many.headers == {}
+    assert "MMRAG_MAX_REQUEST_PIXELS" in too_many.message and too_many.fix == refused.value.fix
     # A request bound above the whole budget: what can never fit is a 413 naming the budget, not a 429 forever.
-    with pytest.raises(ApiError) as never:
+    with pytest.raises(TooManyPixelsError) as refused:
         admitted([(11, 11)], limit=1_000)
-    assert never.value.status == 413 and "MMRAG_MAX_PIXELS_IN_FLIGHT" in never.value.message
+    never = api_error_of(refused.value)
+    assert never.status == 413 and "MMRAG_MAX_PIXELS_IN_FLIGHT" in never.message
     assert budget.held == 0
 
 

@@ -29,6 +29,7 @@ from retrieval.search import (ImageChannelOffError, NoDocumentsError, RetrievalE
 from serving.api.schemas import ErrorDetail, ErrorResponse
 from serving.engine.features import MissingFeaturesError
 from serving.engine.remote import EngineRequestError, EngineUnavailableError
+from serving.pixels import PixelsInFlightError, TooManyPixelsError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ FIXES: dict[str, str] = {
     "image_too_large": "downscale or recompress the image (at most MMRAG_MAX_IMAGE_BYTES bytes and "
                        "MMRAG_MAX_IMAGE_PIXELS pixels)",
     "invalid_image": "send a PNG, JPEG, WebP or TIFF file's bytes",
+    # The pixel errors carry a fix of their own, naming the bound; these stand in for one that does not.
+    "too_many_pixels": "send fewer or smaller (downscaled) images per request (MMRAG_MAX_REQUEST_PIXELS)",
+    "pixels_in_flight": "retry after the Retry-After seconds (MMRAG_MAX_PIXELS_IN_FLIGHT)",
 }
 DEFAULT_FIX = "see this route's errors at /docs"
 
@@ -125,8 +129,12 @@ def hide_paths(request: Request, text: str) -> str:
     return request.app.state.server_paths.hide(text)
 
 
-# (exception type, HTTP status, error type); the fix is the kind's in FIXES.
+# (exception type, HTTP status, error type); the fix is the exception's own (``fix``) where it has one, else the
+# kind's in FIXES, and one that says when to come back (``retry_after_s``) is answered with Retry-After.
 _MAPPED: list[tuple[type[Exception], int, str]] = [
+    # Decoded pixels (serving/pixels.py): never within the bounds (no retry helps), or not now.
+    (TooManyPixelsError, 413, "too_many_pixels"),
+    (PixelsInFlightError, 429, "pixels_in_flight"),
     (BadQuestionError, 400, "bad_question"),
     (UnknownDocumentError, 404, "unknown_document"),
     (NoDocumentsError, 404, "no_documents"),
@@ -163,9 +171,15 @@ def api_error_of(exc: Exception) -> ApiError | None:
     mapped = {exc_type: (status, kind) for exc_type, status, kind in _MAPPED}
     for cls in type(exc).__mro__:
         if cls in mapped:
-            status, kind = mapped[cls]
-            return ApiError(status, kind, str(exc), fix_for(kind))
+            return _mapped_error(exc, *mapped[cls])
     return None
+
+
+def _mapped_error(exc: Exception, status: int, kind: str) -> ApiError:
+    """The ApiError of a mapped domain error: its message, its own fix or its kind's, Retry-After if it says."""
+    retry = getattr(exc, "retry_after_s", None)
+    return ApiError(status, kind, str(exc), getattr(exc, "fix", "") or fix_for(kind),
+                    headers={"Retry-After": str(retry)} if retry is not None else None)
 
 
 def _http_error(request: Request, exc: HTTPException) -> ApiError:
@@ -280,7 +294,7 @@ def install(app: FastAPI, paths: ServerPaths) -> None:
 
     def mapped(status: int, kind: str):
         async def handle(_: Request, exc: Exception) -> JSONResponse:
-            return respond(ApiError(status, kind, str(exc), fix_for(kind)))
+            return respond(_mapped_error(exc, status, kind))
 
         return handle
 

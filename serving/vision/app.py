@@ -39,7 +39,7 @@ from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, ima
 from serving.api import errors
 from serving.api.errors import ApiError
 from serving.api.schemas import Check, Health, error_responses
-from serving.pixels import TRIM_AFTER_PIXELS, PixelBudget, PixelHold, admit, return_freed_memory
+from serving.pixels import TRIM_AFTER_PIXELS, PixelBudget, PixelHold, PixelsRefusedError, admit, return_freed_memory
 from serving.vision.batcher import QueueFullError, VisionBatcher
 from serving.vision.metrics import VisionMetrics
 
@@ -160,7 +160,7 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
         try:
             hold = admit(pixels, sizes, request_limit=settings.max_request_pixels,
                          retry_after_s=lambda: batcher.retry_after_s(len(datas)))
-        except ApiError as exc:
+        except PixelsRefusedError as exc:  # answered 413 or 429 by the error handlers (serving/api/errors.py)
             metrics.refused_pixels(exc.kind)
             raise
         try:
