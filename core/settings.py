@@ -53,9 +53,15 @@ DEFAULT_FUSION_WEIGHTS = {"text": 1.0, "lexical": 2.0, "image": 1.0, "caption": 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
 
-    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: the wiring builds and uses the
-    # tiny random-weight test model under data_dir/models/tiny and says so.
+    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: refused in production; in the
+    # development profile the wiring builds and uses the tiny random-weight test model under data_dir/models/tiny
+    # and says so.
     model: str = ""
+    profile: Literal["production", "development"] = Field(
+        default="production",
+        description="production: a start without MMRAG_MODEL is refused. development: without MMRAG_MODEL the "
+                    "tiny random-weight test model is built offline and served (its answers are noise): what "
+                    "`make demo` and the tests set")
     data_dir: Path = Field(default=Path(".mmrag"), description="all local state: features, Qdrant folder")
     qdrant_url: str = ""  # a Qdrant server; empty: embedded local mode under data_dir/qdrant
     qdrant_collection: str = "mmrag_pages"

@@ -13,6 +13,7 @@ import sys
 USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
     ("mmrag.ask_cmd", "PageNotFoundError"),
     ("mmrag.wiring", "EngineNotConfiguredError"),
+    ("mmrag.wiring", "ModelNotConfiguredError"),  # production without MMRAG_MODEL
     ("serving.engine.features", "MissingFeaturesError"),
     ("serving.engine.remote", "EngineUnavailableError"),
     ("retrieval.search", "RetrievalError"),

@@ -59,13 +59,23 @@ class EngineNotConfiguredError(RuntimeError):
     pass
 
 
+class ModelNotConfiguredError(RuntimeError):
+    """No MMRAG_MODEL in the production profile: refused rather than serving a random-weight model's noise."""
+
+
 # --- model, store, encoders ------------------------------------------------------------------------------
 
 
 def resolve_model(settings: Settings) -> ModelSource:
-    """MMRAG_MODEL, or (when empty) the tiny random-weight test model, built offline under the data dir."""
+    """MMRAG_MODEL, or (when empty, in the development profile only) the tiny random-weight test model, built
+    offline under the data dir. Empty in production: ModelNotConfiguredError, naming the fix."""
     if settings.model:
         return configured_model(settings.model)
+    if settings.profile != "development":
+        raise ModelNotConfiguredError(
+            "MMRAG_MODEL is not set: set it to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (a local folder, or "
+            "a hub id already in the local cache), or set MMRAG_PROFILE=development to build and serve the tiny "
+            "random-weight test model (for trying mmrag out: its answers are noise)")
     from devkit.tiny_model import MODEL_NAME, ensure_tiny_model
 
     path = settings.tiny_model_dir

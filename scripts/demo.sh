@@ -12,6 +12,7 @@ MMRAG=.venv/bin/mmrag
 CORPUS=demo-data/corpus
 if [ -z "${MMRAG_MODEL:-}" ]; then
     echo "[demo] MMRAG_MODEL is not set: using the tiny random-weight Qwen2-VL (its answers are not meaningful)"
+    export MMRAG_PROFILE=development  # say so: without a model, production refuses to start
     # CPU-friendly engine settings for the tiny model (a real deployment sizes these for its GPUs).
     export MMRAG_KV_BLOCK_SIZE=${MMRAG_KV_BLOCK_SIZE:-32} MMRAG_KV_CACHE_GIB=${MMRAG_KV_CACHE_GIB:-1}
     export MMRAG_ENFORCE_EAGER=${MMRAG_ENFORCE_EAGER:-true} MMRAG_ANSWER_MAX_TOKENS=${MMRAG_ANSWER_MAX_TOKENS:-24}

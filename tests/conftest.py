@@ -7,6 +7,9 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # any accidental hub lookup must fail fast
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The development profile, said here for every test and the processes they start: where a test leaves
+# MMRAG_MODEL empty, the tiny random-weight model is built (production refuses that: tests/test_profiles.py).
+os.environ["MMRAG_PROFILE"] = "development"
 from adapters.hardware import reproducible_numerics  # noqa: E402 - before any matmul, as the CLI's entry does
 
 reproducible_numerics()
