@@ -305,7 +305,15 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     from adapters.hardware import emulated_isa
     from bench import model as bench_model
     from bench.corpus import CorpusSpec, build_corpus
-    from bench.e2e import LENGTHS, MAX_IMAGES_PER_PROMPT, E2EInputs, E2ESpec, run_e2e
+    try:
+        from bench.e2e import LENGTHS, MAX_IMAGES_PER_PROMPT, E2EInputs, E2ESpec, run_e2e
+    except ModuleNotFoundError as exc:  # the llama-index side's integrations: the `bench` extra
+        if not (exc.name or "").startswith("llama_index"):
+            raise
+        err.print(escape(f"mmrag bench --e2e compares with llama-index, whose integrations come with the `bench` "
+                         f"extra ({exc.name} is missing): pip install -e '.[bench]' (make setup installs it)"),
+                  style="red")
+        raise typer.Exit(2) from None
     from bench.runner import RELEVANT_CPU_FLAGS, default_engine_config, machine_info
     from serving.engine.config import resolve_dtype
 

@@ -49,7 +49,7 @@ if ! "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
 fi
 
 echo "[setup] installing mmrag and the rest of its dependencies"
-$PIP install -q -c constraints.txt -e ".[dev,dashboards,ray]" "setuptools>=80.9,<81" 2> >(grep -v -e "is ignored" -e "dependency resolver" -e "requires torch" -e "requires setuptools" >&2)
-"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, ray.serve, selenium, xdist, mmrag"
+$PIP install -q -c constraints.txt -e ".[dev,dashboards,ray,bench]" "setuptools>=80.9,<81" 2> >(grep -v -e "is ignored" -e "dependency resolver" -e "requires torch" -e "requires setuptools" >&2)
+"$VENV/bin/python" -c "import vllm, torchvision, open_clip, qdrant_client, llama_index.core, llama_index.llms.openai_like, ray.serve, selenium, xdist, mmrag"
 echo "$want_stamp" > "$STAMP"
 echo "[setup] done: $VENV"
