@@ -99,13 +99,16 @@ class Fence:
 
     def problems(self) -> list[str]:
         """Everything that differs from what was tested, each a sentence naming the project and the module."""
-        return [p for p in (self.version_problem(),) if p] + self.shape_problems()
+        version = self.version_problem()
+        return ([version] if version else []) + self.shape_problems()
 
-    def check(self) -> None:
+    def check(self) -> str | None:
         """Raise PatchFenceError, saying what to do, when a patched target changed shape. A release outside the
-        tested range whose targets keep their shape passes (the caller may log :meth:`version_problem`)."""
+        tested range whose targets keep their shape passes: its :meth:`version_problem` is returned, for the
+        caller to log (None: a tested release)."""
         if shape := self.shape_problems():
             raise PatchFenceError(
                 f"{self.where} patches {self.project} internals that changed in the installed release "
                 f"({self.installed()}): {'; '.join(shape)}. Install {self.project}{self.tested} (the releases it was "
                 f"tested with: pip install '{self.project}{self.tested}'), or update {self.where} and its Fence.")
+        return self.version_problem()

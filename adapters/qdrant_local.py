@@ -163,12 +163,12 @@ def install() -> None:
         if "fence" not in _ORIGINAL:
             _ORIGINAL["fence"] = None
             try:
-                FENCE.check()
+                untested = FENCE.check()
             except PatchFenceError as exc:
                 _ORIGINAL["fence"] = exc
                 log.warning("%s Qdrant's local mode runs unpatched: correct, at its own speed.", exc)
             else:
-                if (untested := FENCE.version_problem()) is not None:
+                if untested is not None:
                     log.warning("%s; the functions it replaces keep their shape, so it applies.", untested)
         if _ORIGINAL["fence"] is not None:
             return

@@ -26,7 +26,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-
 log = logging.getLogger(__name__)
 
 # After a request that held this many pixels, the freed heap is handed back to the OS (return_freed_memory).
@@ -88,7 +87,7 @@ class PixelsRefusedError(Exception):
 
     def __init__(self, message: str, fix: str) -> None:
         super().__init__(message)
-        self.message, self.fix = message, fix
+        self.fix = fix
 
 
 class TooManyPixelsError(PixelsRefusedError):

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import typer
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_ONLY = ("llama-index-llms-openai-like", "llama-index-vector-stores-qdrant")
 
 
 def _name(requirement: str) -> str:
-    return requirement.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+    return Requirement(requirement).name
 
 
 def test_benchmark_only_libraries_are_an_extra_that_make_setup_installs():

@@ -185,8 +185,8 @@ def tie_engine_cores_to_this_process() -> None:
     from vllm.v1.engine.core import EngineCoreProc
 
     if _vllm_run_engine_core is None:
-        FENCE.check()  # a vLLM whose entry changed: refused, saying which release to install
-        if (untested := FENCE.version_problem()) is not None:
+        # A vLLM whose entry changed: refused, saying which release to install.
+        if (untested := FENCE.check()) is not None:
             log.warning("%s; its engine-core entry keeps its shape, so the lifeline applies.", untested)
         _vllm_run_engine_core = EngineCoreProc.run_engine_core
         EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
