@@ -497,17 +497,22 @@ class Scheduler:
             # under one tenant's flood its plans are all overdue, and arrival order would queue another tenant's
             # plan behind every one of them (max_wait_ms guards a policy's order within a tenant, not this).
             offered.sort(key=lambda o: self.tenants.running(o[0].plan.cache_salt))
-        hold = False  # an overdue plan waits for the budget: nothing younger overtakes it
+        # An overdue plan waits for the budget: nothing younger overtakes it. Younger by submission (the queue's
+        # order), not by the offered order: the tenant sort may offer a younger plan first, and its wait must
+        # not hold back an older one.
+        order = {id(q): i for i, q in enumerate(self._queue)}
+        held_from: int | None = None  # the oldest overdue plan waiting for the budget, by its place in the queue
         free = self.config.max_concurrency - self.admission.in_flight
         for w, is_overdue in offered:
+            hold = held_from is not None and order[id(w)] > held_from
             why = self.admission.block(w, overdue=is_overdue, hold=hold)
             if why is None and not self.tenants.may_take(w.plan.cache_salt, free, now):
                 why = Block.KEPT
             if why is None:
                 self.stats.fairness_overrides += is_overdue
                 return w
-            if is_overdue:
-                hold = hold or why is Block.BUDGET
+            if is_overdue and why is Block.BUDGET:
+                held_from = min(order[id(w)], held_from if held_from is not None else order[id(w)])
             else:
                 self.stats.long_held += why is Block.LONG_SLOT
                 self.stats.gated += why is Block.GATED

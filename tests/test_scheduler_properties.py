@@ -264,6 +264,10 @@ async def scenario(config: SchedulerConfig, stream: list[tuple]) -> None:
 @example(SchedulerConfig(max_concurrency=4, max_wait_ms=MAX_WAIT_MS),  # a slot kept for tenant-a, idle a moment
          [("submit", "tenant-a", "L1", None), ("finish", 0), *[("submit", "tenant-b", "L2", None)] * 4,
           ("tick", 1.2), ("submit", "tenant-a", "L1", None)])
+@example(SchedulerConfig(policy=Policy.LPM, max_concurrency=2, max_image_tokens_in_flight=3072,  # found by hypothesis:
+                         max_wait_ms=MAX_WAIT_MS, queue_cap=1),  # a younger plan offered first by the tenant sort
+         [("submit", "", "L1", None), ("submit", "", "L1", None), ("submit", "tenant-a", "L1", "L2"),  # waits
+          ("tick", 1.2)])  # for the budget, and must not hold back an older overdue plan that fits
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs(), events)
 def test_the_scheduler_rules_hold_over_random_arrival_streams(config, stream):
