@@ -4,15 +4,18 @@ Usage::
 
     python -m bench.realdocs.fetch --out DIR
 
-Every PDF comes from a Debian documentation package listed in
-``bench/realdocs/sources.json``.  For each entry the script downloads the
-``.deb`` from deb.debian.org, checks its SHA-256, reads the ``ar`` archive
-itself (no dpkg needed), extracts the PDF member from ``data.tar.xz`` (or
-``.gz``/``.bz2``; ``.zst`` falls back to the ``zstd`` or ``dpkg-deb``
-command), writes ``DIR/<doc>`` and checks the PDF's SHA-256.  A PDF already in
-DIR with the right checksum is kept and its package is not downloaded.
+Every PDF comes from a Debian 12 (bookworm) documentation package listed in
+``bench/realdocs/sources.json``.  For each entry the script asks the package
+client for it by name, ``apt-get download <package>=<version>`` in a temporary
+folder (no root needed), as a user's machine would: apt reaches whichever
+archive mirror the machine's apt sources name, so no host is written here.  It
+then checks the ``.deb``'s SHA-256, reads the ``ar`` archive itself (no dpkg
+needed), extracts the PDF member from ``data.tar.xz`` (or ``.gz``/``.bz2``;
+``.zst`` falls back to the ``zstd`` or ``dpkg-deb`` command), writes
+``DIR/<doc>`` and checks the PDF's SHA-256.  A PDF already in DIR with the
+right checksum is kept and its package is not downloaded.
 
-Standard library only.
+Standard library and apt-get only.
 """
 
 from __future__ import annotations
@@ -26,15 +29,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 SOURCES = Path(__file__).with_name("sources.json")
-NETWORK_HINT = (
-    "this needs HTTP access to deb.debian.org; or copy the PDFs listed in "
-    "bench/realdocs/sources.json into DIR by hand"
+BY_HAND = "or copy the PDFs listed in bench/realdocs/sources.json into DIR by hand"
+APT_HINT = (
+    "install apt / run on Debian 12 (bookworm) with its main archive in the apt sources, " + BY_HAND
 )
 
 
@@ -43,6 +44,7 @@ class FetchError(RuntimeError):
 
 
 def load_sources(path: Path = SOURCES) -> list[dict]:
+    """The entries of sources.json: doc, package, version, deb_sha256, member, pdf_sha256, pages, kind."""
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
@@ -58,13 +60,36 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download(url: str, timeout: float = 60.0) -> bytes:
-    req = urllib.request.Request(url, headers={"User-Agent": "mmrag-bench-realdocs/1"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read()
-    except (urllib.error.URLError, OSError) as exc:  # HTTPError is a URLError
-        raise FetchError(f"cannot download {url}: {exc}; {NETWORK_HINT}") from exc
+def apt_download(package: str, version: str) -> tuple[str, bytes]:
+    """``apt-get download package=version`` in an empty temporary folder; the .deb's file name and bytes.
+
+    The folder holds only what apt-get wrote, so the .deb is found whatever name apt gives it (an epoch is
+    written ``%3a``: ``r-cran-vcd_1%3a1.4-11-1_all.deb``).  apt checks the archive's signed indexes itself;
+    the caller pins the exact file with its SHA-256.
+    """
+    spec = f"{package}={version}"
+    exe = shutil.which("apt-get")
+    if exe is None:
+        raise FetchError(f"apt-get is not on PATH, and the PDFs come from Debian packages: {APT_HINT}")
+    with tempfile.TemporaryDirectory(prefix="realdocs-apt-") as tmp:
+        try:
+            done = subprocess.run(
+                [exe, "download", spec], cwd=tmp, stdin=subprocess.DEVNULL, capture_output=True,
+                text=True, check=False,  # a failure is read below, with apt's own reason
+            )
+        except OSError as exc:
+            raise FetchError(f"cannot run `apt-get download {spec}`: {exc}; {APT_HINT}") from exc
+        debs = sorted(Path(tmp).glob("*.deb"))
+        if done.returncode != 0 or len(debs) != 1:
+            output = (done.stderr + done.stdout).strip()
+            errors = [line for line in output.splitlines() if line.startswith("E:")]  # apt's own reasons
+            said = " ".join(errors) if errors else output[-400:] or "no message"
+            raise FetchError(
+                f"`apt-get download {spec}` failed (exit {done.returncode}, {len(debs)} .deb written): "
+                f"{said}. apt must know {spec}: run `apt-get update` (as root) on Debian 12 (bookworm) "
+                f"with its main archive in the apt sources, {BY_HAND}"
+            )
+        return debs[0].name, debs[0].read_bytes()
 
 
 def ar_members(data: bytes) -> dict[str, bytes]:
@@ -135,14 +160,14 @@ def fetch(
     progress: Callable[[str], object] = print,
     sources: list[dict] | None = None,
 ) -> list[Path]:
-    """Make sure every PDF in sources.json is in ``out``; return their paths.
+    """Make sure every PDF in sources.json (or ``sources``) is in ``out``; return their paths.
 
-    Raises FetchError on a download failure or a checksum mismatch.
+    Raises FetchError when apt-get is missing or cannot download a package, or on a checksum mismatch.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sources = load_sources() if sources is None else sources
-    debs: dict[str, bytes] = {}  # url -> bytes, several PDFs may share a package
+    debs: dict[str, bytes] = {}  # package=version -> bytes, several PDFs may share a package
     paths: list[Path] = []
     for i, src in enumerate(sources, 1):
         doc, target = src["doc"], out / src["doc"]
@@ -151,20 +176,20 @@ def fetch(
             progress(f"{tag}: already present, checksum ok")
             paths.append(target)
             continue
-        url = src["url"]
-        if url not in debs:
-            progress(f"{tag}: downloading {url}")
-            data = _download(url)
+        spec = f"{src['package']}={src['version']}"
+        if spec not in debs:
+            progress(f"{tag}: apt-get download {spec}")
+            name, data = apt_download(src["package"], src["version"])
             got = _sha256_bytes(data)
             if got != src["deb_sha256"]:
                 raise FetchError(
-                    f"{tag}: checksum mismatch for {url}: expected {src['deb_sha256']}, "
-                    f"got {got}. The mirror may carry a newer package version; update "
-                    "url/deb_sha256/pdf_sha256 in bench/realdocs/sources.json (and re-check "
-                    "labels.jsonl pages), or copy the listed PDFs into DIR by hand"
+                    f"{tag}: checksum mismatch for {name} ({spec}): expected {src['deb_sha256']}, "
+                    f"got {got}. The archive's package is not the one the labels were written on; "
+                    "update deb_sha256/pdf_sha256 in bench/realdocs/sources.json only after "
+                    f"re-checking labels.jsonl pages, {BY_HAND}"
                 )
-            debs[url] = data
-        pdf = extract_member(debs[url], src["member"])
+            debs[spec] = data
+        pdf = extract_member(debs[spec], src["member"])
         got = _sha256_bytes(pdf)
         if got != src["pdf_sha256"]:
             raise FetchError(
@@ -183,7 +208,7 @@ def fetch(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.realdocs.fetch",
-        description="Download the realdocs benchmark PDFs from Debian packages.",
+        description="Fetch the realdocs benchmark PDFs from Debian packages with apt-get download.",
     )
     ap.add_argument("--out", required=True, type=Path, help="folder for the PDFs")
     args = ap.parse_args(argv)
