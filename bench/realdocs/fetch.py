@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 SOURCES = Path(__file__).with_name("sources.json")
 BY_HAND = "or copy the PDFs listed in bench/realdocs/sources.json into DIR by hand"
@@ -101,9 +101,7 @@ def ar_members(data: bytes) -> dict[str, bytes]:
         header = data[pos : pos + 60]
         if header[58:60] != b"`\n":
             raise FetchError(f"corrupt ar header at offset {pos}")
-        name = header[0:16].decode("ascii").strip()
-        if name.endswith("/"):  # GNU ar style
-            name = name[:-1]
+        name = header[0:16].decode("ascii").strip().removesuffix("/")  # GNU ar ends names with /
         size = int(header[48:58].decode("ascii").strip())
         pos += 60
         out[name] = data[pos : pos + size]
@@ -139,13 +137,10 @@ def extract_member(deb_bytes: bytes, member: str) -> bytes:
     if data_name is None:
         raise FetchError("no data.tar.* member in the .deb")
     payload = members[data_name]
-    if data_name.endswith(".zst"):
-        tar = _tar_from_zstd(payload, deb_bytes)
-    else:
-        # tarfile handles plain, .gz, .bz2 and .xz transparently.
-        tar = tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")
     wanted = {member, member.lstrip("./"), "./" + member.lstrip("./")}
-    with tar:
+    # tarfile handles plain, .gz, .bz2 and .xz transparently.
+    with (_tar_from_zstd(payload, deb_bytes) if data_name.endswith(".zst")
+          else tarfile.open(fileobj=io.BytesIO(payload), mode="r:*")) as tar:
         for info in tar:
             if info.name in wanted and info.isfile():
                 fh = tar.extractfile(info)
