@@ -37,6 +37,11 @@ TARGETS = (
     ("hit rate best strategy / position oracle", STRATEGIES, None, "position_oracle_ratio", ">=", 0.9),
     ("TTFT p50 mmrag_split_warm / floor_split", "mmrag_split_warm", "floor_split", "ttft_p50_s", REPORT, None),
     ("TTFT p50 mmrag_joint_warm / floor_joint", "mmrag_joint_warm", "floor_joint", "ttft_p50_s", REPORT, None),
+    # What the scheduler's ordering (prefix groups, siblings held for their leader's prefill) buys over arrival
+    # order on the same plans: at the engine's whole batch with --engine-batch (issue 43).
+    ("image hit rate mmrag_split / mmrag_split_fcfs", "mmrag_split", "mmrag_split_fcfs", "image_hit_rate", REPORT,
+     None),
+    ("throughput mmrag_split / mmrag_split_fcfs", "mmrag_split", "mmrag_split_fcfs", "throughput_qps", REPORT, None),
 )
 
 # mmrag's ratios (numerator, denominator); each again at LONG_ANSWER_TOKENS where the run has both at that length.

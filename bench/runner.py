@@ -178,6 +178,9 @@ BASE_CONFIGS = (
     ConfigSpec("mmrag_joint_warm", _T, caching=True, policy=_DFS, answer_mode=_JOINT, warm=True),
     ConfigSpec("mmrag_auto_warm", _T, caching=True, policy=_DFS, answer_mode=_AUTO, warm=True),
     ConfigSpec("mmrag_auto_budget", _T, caching=True, policy=_DFS, answer_mode=_AUTO, warm=True, budget=True),
+    # The split's plans in arrival order, none held for a sibling's prefill: what the scheduler's ordering buys
+    # (against mmrag_split), at the engine's whole batch with --engine-batch.
+    ConfigSpec("mmrag_split_fcfs", _T, caching=True, policy=_FCFS, answer_mode=_SPLIT, full_only=True),
     # Each strategy's plans with every image prefix in the KV cache: the default's in --quick, the others' in the
     # full run.
     ConfigSpec("floor", _T, caching=True, policy=_DFS, answer_mode=_AUTO, prefilled=True),
@@ -464,6 +467,9 @@ class PixelEngine:
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
 
+    async def batch_capacity(self) -> int:
+        return await self.inner.batch_capacity()
+
     async def close(self) -> None:
         pass
 
@@ -493,6 +499,9 @@ class _FirstTokens:
 
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
+
+    async def batch_capacity(self) -> int:
+        return await self.inner.batch_capacity()
 
     async def close(self) -> None:
         pass

@@ -124,6 +124,11 @@ class Engine(Protocol):
         """The engine's KV cache size (all replicas together for a remote engine)."""
         ...
 
+    async def batch_capacity(self) -> int:
+        """Sequences the engine runs in one batch (vLLM's max_num_seqs), all replicas together: how many plans
+        the scheduler lets in at once unless MMRAG_MAX_CONCURRENCY sets it."""
+        ...
+
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix (tests and benchmarks start from a cold cache with it)."""
         ...
@@ -145,6 +150,9 @@ class EngineWrapper:
 
     async def kv_capacity(self) -> KVCapacity:
         return await self.inner.kv_capacity()
+
+    async def batch_capacity(self) -> int:
+        return await self.inner.batch_capacity()
 
     async def reset_prefix_cache(self) -> None:
         await self.inner.reset_prefix_cache()

@@ -154,10 +154,11 @@ class Settings(BaseSettings):
 
     # Scheduler in front of the engine (serving/scheduler.py)
     scheduler_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight
-    # Plans in flight in the engine: as many as it batches (max_num_seqs). A split answer's parts decode side by
-    # side; at 4 (the old default) four questions' parts queued behind each other, and the engine's batching, the
-    # split's point, was lost (issue 40: TTFT p50 4.5 s where the floor's was 0.56 s).
-    max_concurrency: int = Field(default=64, ge=1)
+    # Plans in flight in the engine. 0: as many as it batches, asked of the engine at start-up (its max_num_seqs;
+    # the replicas' sum for MMRAG_ENGINE_URLS and Ray). A split answer's parts decode side by side; at 4 (an old
+    # default) four questions' parts queued behind each other, and the engine's batching, the split's point, was
+    # lost (issue 40: TTFT p50 4.5 s where the floor's was 0.56 s).
+    max_concurrency: int = Field(default=0, ge=0)
     max_image_tokens_in_flight: int = 32_768
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128

@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -66,6 +66,10 @@ def bench(
     tiny: Annotated[bool, typer.Option("--tiny", help="Use the tiny test model (smoke tests: checks that "
                                        "everything runs; its timings mean nothing).")] = False,
     configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
+    engine_batch: Annotated[int | None, typer.Option(
+        "--engine-batch", help="The engine's batch (vLLM's max_num_seqs), and the scheduler lets in as many plans "
+        "at once, as `mmrag serve` does with MMRAG_MAX_CONCURRENCY unset. Default: the recorded configuration "
+        "(a batch of 16, 4 plans in flight), so results compare with the committed ones.")] = None,
     e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions (compound, comparison and "
                                       "one-part, interleaved), streamed, through `mmrag serve` (POST /v1/ask), two "
                                       "llama-index pipelines (one-shot and sub-questions) and the floor (mmrag's "
@@ -156,6 +160,10 @@ def bench(
 
     if concurrency < 1 or (max_tokens is not None and max_tokens < 1) or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
+    if engine_batch is not None and (engine_batch < 1 or e2e or transfer or figures or image_input or fairness
+                                     or replicas is not None):
+        raise typer.BadParameter("--engine-batch sets the configurations' engine (≥ 1): run it without --e2e, "
+                                 "--transfer, --figures, --image-input, --fairness and --replicas")
     if image_input:
         others = [flag for flag, on in (("--rate", rate is not None), ("--configs", configs), ("--e2e", e2e),
                                         ("--transfer", transfer), ("--replicas", replicas is not None),
@@ -249,6 +257,9 @@ def bench(
                          full=Keys(full_keys, full_tokens), budget=Keys(budget_keys, budget_tokens),
                          engine_config=default_engine_config(), mixed_corpus=mixed_corpus, mixed=mixed_keys,
                          log=lambda m: err.print(escape(m)))
+    if engine_batch is not None:
+        inputs.engine_config = replace(inputs.engine_config, max_num_seqs=engine_batch)
+        inputs.scheduler_concurrency = engine_batch
     setup_s = time.perf_counter() - t_start
     run = asyncio.run(run_all(inputs, names))
 

@@ -328,7 +328,8 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
         return RemoteEngine.connect(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
                                     queue_bound=settings.ray_affinity_queue_bound,
                                     image_input=ImageInput(settings.image_input),
-                                    image_pixels=(settings.min_pixels, settings.max_pixels))
+                                    image_pixels=(settings.min_pixels, settings.max_pixels),
+                                    max_num_seqs=settings.max_num_seqs)
     if not allow_inprocess:
         require_engine_urls(settings)
     from serving.engine.inprocess import InProcessEngine
@@ -534,6 +535,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     metrics.set_tiers(settings.tier_table)
     if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
         scheduler.track_kv((await raw.kv_capacity()).tokens)
+    await scheduler.fit()  # MMRAG_MAX_CONCURRENCY=0: the engine's batch, asked now rather than on a question
     await pipe.searcher.stale_pages()  # warns at start-up when pages of another encoder are indexed
     reader = AsyncPageReader(pipe.searcher.client, settings.qdrant_collection)
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))

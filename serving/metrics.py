@@ -62,6 +62,7 @@ TIER_IMAGE_TOKENS_PER_REQUEST = "mmrag_tier_image_tokens_per_request"
 POOLING_IMAGE_TOKENS = "mmrag_pooling_image_tokens"
 KV_IMAGE_TOKENS = "mmrag_kv_image_tokens_resident"
 KV_CAPACITY_TOKENS = "mmrag_kv_capacity_tokens"
+SCHEDULER_MAX_CONCURRENCY = "mmrag_scheduler_max_concurrency"
 
 ANSWERS = "mmrag_answers"
 ANSWER_OUTCOMES = ("ok", "error", "refused", "cancelled")
@@ -180,6 +181,9 @@ class Metrics:
                                "scheduler from the prompts it sent (an LRU model of the prefix cache; see "
                                "serving/scheduler.KVResidency for its error).", registry=r)
         self._kv_capacity = Gauge(KV_CAPACITY_TOKENS, "The engine's KV cache capacity in tokens.", registry=r)
+        self._max_concurrency = Gauge(SCHEDULER_MAX_CONCURRENCY, "Plans the scheduler lets into the engine at "
+                                      "once: MMRAG_MAX_CONCURRENCY, or the engine's batch (its max_num_seqs, the "
+                                      "replicas' sum) where that is 0.", registry=r)
         self._tiers: Tiers | None = None
 
         # By tenant: the tenants file's names (or `default`), a bounded set: a request's tenant is the one its
@@ -285,6 +289,7 @@ class Metrics:
                 self._pooling_tokens.labels(pooled_label(policy)).inc(tokens)
             self._kv_image.set(stats.kv_image_tokens)
             self._kv_capacity.set(stats.kv_capacity_tokens)
+            self._max_concurrency.set(stats.max_concurrency)
             if stats is not self._scheduler_seen:
                 self._scheduler_seen = stats
                 self._scheduler_last = dict.fromkeys(_SCHEDULER_COUNTS, 0)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -53,6 +54,8 @@ from typing import Any, TypeVar
 
 from core.engine import Completion, Engine, OnText, PromptPlan
 from serving.routing import Path, prefix_path
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Key = Hashable
@@ -114,7 +117,9 @@ class _Node:
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     policy: Policy = Policy.DFS_WEIGHT
-    max_concurrency: int = 64  # plans in flight: as many as the engine batches (its max_num_seqs)
+    # Plans in flight. 0: as many as the engine batches (Engine.batch_capacity: its max_num_seqs, the replicas'
+    # sum), asked once before the first plan (Scheduler.fit).
+    max_concurrency: int = 0
     max_image_tokens_in_flight: int = 32_768
     max_wait_ms: float = 2_000.0
     queue_cap: int = 128
@@ -122,7 +127,10 @@ class SchedulerConfig:
     short_reserved: int = 1  # slots only short plans take (with short_image_tokens set)
 
     def __post_init__(self) -> None:
-        if self.short_image_tokens and not 0 < self.short_reserved < self.max_concurrency:
+        if self.max_concurrency < 0:
+            raise ValueError(f"max_concurrency={self.max_concurrency}: set MMRAG_MAX_CONCURRENCY to the plans to "
+                             "let into the engine at once, or 0 for as many as it batches")
+        if self.short_image_tokens and self.max_concurrency and not 0 < self.short_reserved < self.max_concurrency:
             raise ValueError(
                 f"short_reserved={self.short_reserved} must be at least 1 and below max_concurrency="
                 f"{self.max_concurrency}, or long plans would never run (or short ones get no slot): set "
@@ -152,6 +160,7 @@ class SchedulerStats:
     # The KVResidency estimate (track_kv): image tokens resident in the prefix cache, of its capacity.
     kv_image_tokens: int = 0
     kv_capacity_tokens: int = 0
+    max_concurrency: int = 0  # plans let into the engine at once, as set or fitted to the engine (Scheduler.fit)
 
 
 @dataclass(slots=True)
@@ -394,6 +403,8 @@ class Scheduler:
         self._call_later = call_later
         self._timer: Any = None  # what call_later returned: something with cancel()
         self.tenants = TenantSlots(config.max_concurrency)  # plans by cache salt (tenant), and slots kept free
+        self.stats.max_concurrency = config.max_concurrency
+        self._fitting: asyncio.Future[int] | None = None
 
     @property
     def waiting(self) -> int:
@@ -414,7 +425,31 @@ class Scheduler:
         self.stats.kv_capacity_tokens, self.stats.kv_image_tokens = capacity_tokens, 0
         return self.residency
 
+    async def fit(self) -> int:
+        """The plans let into the engine at once: ``config.max_concurrency``, or where that is 0, the engine's
+        batch (Engine.batch_capacity: a replica started with 64 sequences takes 64 plans, two take 128), asked
+        once. The first submit calls it; a server calls it at start-up so that no question waits for the ask."""
+        if self.config.max_concurrency:
+            return self.config.max_concurrency
+        if self._fitting is None:
+            self._fitting = asyncio.ensure_future(self.engine.batch_capacity())
+        try:
+            n = await asyncio.shield(self._fitting)
+        except BaseException:
+            if self._fitting.done():  # the engine's error: the next plan asks again
+                self._fitting = None
+            raise
+        if not self.config.max_concurrency:
+            self.config = replace(self.config, max_concurrency=max(1, n))
+            self.admission.config = self.config
+            self.tenants.max_concurrency = self.stats.max_concurrency = self.config.max_concurrency
+            log.info("scheduler: %d plans in flight at once, the engine's batch (MMRAG_MAX_CONCURRENCY=0)",
+                     self.config.max_concurrency)
+        return self.config.max_concurrency
+
     async def submit(self, plan: PromptPlan, *, on_text: OnText | None = None) -> Completion:
+        if not self.config.max_concurrency:
+            await self.fit()
         loop = asyncio.get_running_loop()
         tokens = self._image_tokens(plan)
         if tokens > self.config.max_image_tokens_in_flight:

@@ -479,3 +479,24 @@ def test_the_llamaindex_prompt_is_the_one_llama_index_builds_for_image_nodes(tmp
         got[0]["content"] = "".join(part["text"] for part in got[0]["content"])  # the system prompt: all text
         captions = [page_caption(f"doc-{i}.pdf", i + 1) if with_metadata else "" for i in range(2)]
         assert got == llamaindex_messages("What is shown?", captions)
+
+
+def test_the_ordering_ablation_is_the_split_in_arrival_order_and_engine_batch_is_checked_before_any_work(tmp_path,
+                                                                                                      monkeypatch):
+    from dataclasses import replace
+
+    import typer
+
+    from bench.runner import CONFIGS
+    from mmrag import bench_cmd
+    from serving.scheduler import Policy
+
+    by_name = {c.name: c for c in CONFIGS}
+    fcfs, split = by_name["mmrag_split_fcfs"], by_name["mmrag_split"]
+    assert replace(fcfs, name=split.name, policy=split.policy, full_only=False) == split
+    assert fcfs.policy is Policy.FCFS and fcfs.full_only  # named with --configs; not in --quick's set
+    monkeypatch.setenv("MMRAG_DATA_DIR", str(tmp_path))
+    for bad in ({"engine_batch": 0}, {"engine_batch": 8, "e2e": True}):
+        with pytest.raises(typer.BadParameter, match="--engine-batch"):
+            bench_cmd.bench(**bad)
+    assert not (tmp_path / "bench").exists()

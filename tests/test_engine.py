@@ -180,3 +180,7 @@ async def test_per_request_cached_tokens_agree_with_vllms_own_prefix_counters(in
 async def test_kv_capacity_comes_from_the_engine_config(inprocess_engine):
     cap = await inprocess_engine.kv_capacity()
     assert cap.block_size == 32 and cap.blocks > 0 and cap.tokens == cap.blocks * 32
+
+
+async def test_batch_capacity_is_the_engines_max_num_seqs(inprocess_engine, engine_settings):
+    assert await inprocess_engine.batch_capacity() == engine_settings.max_num_seqs

@@ -123,6 +123,7 @@ async def test_two_replicas_serve_and_plans_sharing_a_leading_figure_land_on_the
     engine = ray_cluster["engine"]
     replicas = await engine.replica_ids()
     assert len(replicas) == 2
+    assert await engine.batch_capacity() == 2 * 8  # the replicas' sum: the plans a scheduler lets in at once
     # One node: each replica's vLLM worker bound to its own share of the CPUs (serving/ray/deployments.py).
     bound = await engine.handle.broadcast("cpu_binding").results_async()
     assert all(bound) and len(set(bound)) == min(2, len(os.sched_getaffinity(0))), bound

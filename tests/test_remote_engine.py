@@ -120,6 +120,69 @@ async def test_kv_capacity_comes_from_the_replica_config(engine, engine_settings
     assert cap.tokens > 0 and cap == caps[engine.urls[0]]
 
 
+async def test_batch_capacity_is_each_replicas_own_max_num_seqs_summed(engine, engine_settings, vllm_server):
+    # The session replica runs in vLLM's dev mode: GET /server_info says its --max-num-seqs.
+    assert await engine.batch_capacity() == engine_settings.max_num_seqs == 64
+    twice = remote(engine_settings, [vllm_server, vllm_server])  # two replica slots: the replicas' sum
+    try:
+        assert await twice.batch_capacity() == 128
+    finally:
+        await twice.close()
+
+
+async def test_a_replica_that_does_not_say_its_batch_counts_the_batch_it_was_started_with(engine_settings,
+                                                                                          vllm_server):
+    # Nothing listens on the second URL (a replica outside dev mode, or down now): the configured batch counts.
+    down = f"http://127.0.0.1:{free_port()}"
+    features = FeatureProvider.unscoped(feature_store(engine_settings))
+    eng = RemoteEngine([vllm_server, down], resolve_model(engine_settings), features, max_num_seqs=16)
+    blind = RemoteEngine([down], resolve_model(engine_settings), features)
+    try:
+        assert await eng.batch_capacity() == 64 + 16
+        with pytest.raises(EngineUnavailableError, match="MMRAG_MAX_NUM_SEQS"):
+            await blind.batch_capacity()
+    finally:
+        await eng.close()
+        await blind.close()
+
+
+async def test_a_replica_started_with_64_sequences_is_offered_more_than_4_plans_at_once(engine, engine_settings,
+                                                                                         keys):
+    # MMRAG_MAX_CONCURRENCY unset (0): the scheduler lets in the replica's batch. Each plan's request waits at
+    # the door until 8 are inside together, then all go to the replica: a scheduler that let in 4 (the old
+    # fixed default) would leave the door shut and time out here.
+    import asyncio
+
+    from core.engine import EngineWrapper
+    from mmrag import wiring
+    from serving.scheduler import Scheduler
+
+    together = 8
+
+    class Door(EngineWrapper):
+        inside, peak = 0, 0
+        full = asyncio.Event()
+
+        async def generate(self, plan, **kw):
+            self.inside += 1
+            self.peak = max(self.peak, self.inside)
+            if self.inside >= together:
+                self.full.set()
+            try:
+                await asyncio.wait_for(self.full.wait(), 120)
+                return await self.inner.generate(plan, **kw)
+            finally:
+                self.inside -= 1
+
+    door = Door(engine)
+    config = wiring.scheduler_config(engine_settings.model_copy(update={"max_concurrency": 0}))
+    scheduler = Scheduler(door, config, image_tokens=lambda p: 1)
+    plans = [plan(k, text=f"Part {i}?") for i, k in enumerate(keys[:together])]
+    done = await asyncio.gather(*(scheduler.submit(p) for p in plans))
+    assert scheduler.config.max_concurrency == 64 and door.peak == together
+    assert all(c.token_ids for c in done)
+
+
 # --- (d) the router, without a server --------------------------------------------------------------------
 
 

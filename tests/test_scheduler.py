@@ -13,6 +13,7 @@ import pytest
 
 from core.engine import Completion, PromptPlan, Usage
 from serving.scheduler import Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
+from tests.waiting import eventually
 
 
 def test_fcfs_keeps_arrival_order():
@@ -46,10 +47,16 @@ class RecordingEngine:
     model_name = "recording"
     random_weights = True
 
-    def __init__(self) -> None:
+    def __init__(self, batch: int = 64) -> None:
         self.started: list[str] = []
         self.prefill: dict[str, asyncio.Event] = {}
         self.done: dict[str, asyncio.Event] = {}
+        self.batch, self.batch_asks = batch, 0
+
+    async def batch_capacity(self) -> int:
+        self.batch_asks += 1
+        await asyncio.sleep(0)  # an engine answers later: submits arriving meanwhile wait for the same answer
+        return self.batch
 
     async def generate(self, plan: PromptPlan, *, on_first_token=None) -> Completion:
         self.started.append(plan.text)
@@ -431,3 +438,60 @@ async def test_slots_are_kept_for_a_tenant_busy_a_moment_ago_and_given_back_when
         now[0] += 0.1
         await eng.finish(f"b{i}")
     assert [t.result().text for t in flood] == [f"b{i}" for i in range(20)]
+
+
+async def test_unset_concurrency_is_the_engines_batch_asked_once_before_the_first_plan():
+    eng = RecordingEngine(batch=6)
+    s = Scheduler(eng, SchedulerConfig(), image_tokens=lambda p: 1)  # max_concurrency 0: the engine's batch
+    tasks = [asyncio.ensure_future(s.submit(plan(f"p{i}", f"img{i}"))) for i in range(8)]
+    await eventually(lambda: len(eng.started) == 6, timeout=10, what="the engine's batch of plans dispatched")
+    await settle()
+    assert eng.batch_asks == 1  # eight submits arriving while the engine was asked: one ask
+    assert s.config.max_concurrency == s.stats.max_concurrency == s.tenants.max_concurrency == 6
+    assert eng.started == [f"p{i}" for i in range(6)]  # the engine's batch, not a fixed 4, at once
+    for name in list(eng.started):
+        await eng.finish(name)
+    await settle()
+    assert len(eng.started) == 8
+    for name in eng.started[6:]:
+        await eng.finish(name)
+    assert [c.text for c in await asyncio.gather(*tasks)] == [f"p{i}" for i in range(8)]
+    assert await s.fit() == 6 and eng.batch_asks == 1
+
+
+async def test_a_set_concurrency_never_asks_the_engine():
+    eng = RecordingEngine(batch=64)
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=2), image_tokens=lambda p: 1)
+    tasks = [asyncio.ensure_future(s.submit(plan(f"p{i}", f"img{i}"))) for i in range(3)]
+    await settle()
+    assert eng.started == ["p0", "p1"] and eng.batch_asks == 0
+    for name in ("p0", "p1"):
+        await eng.finish(name)
+    await settle()
+    await eng.finish("p2")
+    await asyncio.gather(*tasks)
+
+
+async def test_an_engine_that_cannot_say_its_batch_fails_the_plan_and_is_asked_again():
+    class Silent(RecordingEngine):
+        async def batch_capacity(self) -> int:
+            self.batch_asks += 1
+            if self.batch_asks == 1:
+                raise RuntimeError("replica down")
+            return 3
+
+    eng = Silent()
+    s = Scheduler(eng, SchedulerConfig(), image_tokens=lambda p: 1)
+    with pytest.raises(RuntimeError, match="replica down"):
+        await s.submit(plan("p0", "a"))
+    assert eng.started == [] and s.config.max_concurrency == 0
+    task = asyncio.ensure_future(s.submit(plan("p1", "b")))
+    await eventually(lambda: eng.started, timeout=10, what="p1 dispatched")
+    assert eng.started == ["p1"] and s.config.max_concurrency == 3
+    await eng.finish("p1")
+    await task
+
+
+def test_a_negative_concurrency_is_refused_with_the_setting_to_fix():
+    with pytest.raises(ValueError, match="MMRAG_MAX_CONCURRENCY"):
+        SchedulerConfig(max_concurrency=-1)

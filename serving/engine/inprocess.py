@@ -176,6 +176,9 @@ class InProcessEngine:
         cache = self.llm.vllm_config.cache_config
         return KVCapacity(blocks=int(cache.num_gpu_blocks or 0), block_size=int(cache.block_size))
 
+    async def batch_capacity(self) -> int:
+        return int(self.llm.vllm_config.scheduler_config.max_num_seqs)
+
     async def reset_prefix_cache(self) -> None:
         """Drop every cached block (benchmarks and cold-path tests start from here)."""
         await self.llm.reset_prefix_cache()

@@ -193,7 +193,11 @@ class RemoteEngine:
         queue_bound: int = 8,
         image_input: ImageInput = ImageInput.EMBEDS,
         image_pixels: tuple[int, int] | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
+        # The batch each replica is started with (MMRAG_MAX_NUM_SEQS, what `mmrag engine serve` passes): its
+        # share of batch_capacity() where the replica does not say its own (GET /server_info is vLLM's dev mode).
+        self.max_num_seqs = max_num_seqs
         # The form images are sent in (serving/engine/images.py), and the replicas' own processor bounds (the
         # standard tier's: EngineConfig.image_pixels, which `mmrag engine serve` starts them with).
         self.image_input, self.image_pixels = image_input, image_pixels
@@ -394,6 +398,27 @@ class RemoteEngine:
     async def kv_capacity(self) -> KVCapacity:
         """The smallest replica's capacity: warm-up fills each replica only with the keys routed to it."""
         return min((await self.replica_capacities()).values(), key=lambda c: c.tokens)
+
+    async def batch_capacity(self) -> int:
+        """Every configured replica's batch (a replica down now is back soon, and failover sends its plans to the
+        others, which queue them): each one's max_num_seqs from its GET /server_info where it serves that route
+        (vLLM's dev mode), else the batch it was started with (``max_num_seqs``)."""
+
+        async def one(url: str) -> int:
+            try:
+                resp = await self.client.get(f"{url}/server_info", params={"config_format": "json"})
+                if resp.status_code == 200:
+                    return int(resp.json()["vllm_config"]["scheduler_config"]["max_num_seqs"])
+            except (httpx.TransportError, ValueError, KeyError, TypeError) as exc:
+                log.info("replica %s did not say its batch size (%s)", url, _cause(exc))
+            if self.max_num_seqs is None:
+                raise EngineUnavailableError(
+                    f"replica {url} does not say its batch size (GET /server_info is served in vLLM's dev mode "
+                    "only): set MMRAG_MAX_NUM_SEQS to the --max-num-seqs the replicas run with, or "
+                    "MMRAG_MAX_CONCURRENCY to the plans to let in at once")
+            return self.max_num_seqs
+
+        return sum(await asyncio.gather(*(one(u) for u in self.urls)))
 
     async def prefix_counters(self) -> dict[str, tuple[int, int]]:
         """Per replica: (prefix-cache queries, hits), in tokens, since the replica started."""

@@ -84,6 +84,9 @@ class EngineReplica:
     async def kv_capacity(self) -> KVCapacity:
         return await self.engine.kv_capacity()
 
+    async def batch_capacity(self) -> int:
+        return await self.engine.batch_capacity()
+
     async def reset_prefix_cache(self, routing: str = "") -> str:
         """Drop this replica's cached prefixes (``routing``, for the router, names this replica)."""
         await self.engine.reset_prefix_cache()

@@ -72,6 +72,10 @@ class RayEngine:
         """One replica's capacity: replicas share a configuration, and each holds only the keys routed to it."""
         return await self.handle.kv_capacity.remote()
 
+    async def batch_capacity(self) -> int:
+        """The live replicas' batches together (the replicas' sum: each runs its own vLLM engine)."""
+        return sum(await self.handle.broadcast("batch_capacity").results_async())
+
     async def reset_prefix_cache(self) -> None:
         """Drop every live replica's cached prefixes. One call per replica, pinned to it through the router (not
         Serve's broadcast, which bypasses the router), so the router forgets what each held."""
