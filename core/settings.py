@@ -73,8 +73,8 @@ COMPONENTS: dict[str, str] = {
     "tenants": "Several tenants, each with its own API keys, collection and prefix-cache salt.",
     "ray": "Ray Serve (`mmrag serve --ray`): engine and vision replicas on a Ray cluster.",
     "observability": "Logs, metrics and traces.",
-    "testing": "Benchmark and test knobs: they make a random-weight model behave like a real one's cost. Leave them "
-               "at their defaults in a deployment.",
+    "testing": "Knobs for benchmarks and tests only (a random-weight model made to cost what a real one does, a "
+               "random-weight CLIP): leave them at their defaults in a deployment.",
 }
 
 
@@ -336,7 +336,7 @@ class Settings(BaseSettings):
     ingest_root: Path | None = setting(
         "api", None,
         description="POST /v1/ingest takes server-side paths under this folder only (another tenant's: under "
-                    "<folder>/<tenant>). Unset: server-side ingest is off.")
+                    "`<folder>/<tenant>`). Unset: server-side ingest is off.")
     max_request_bytes: int = setting(
         "api", 65_536,
         description="The longest request body, in bytes (a question with images may be longer: "
@@ -415,7 +415,7 @@ class Settings(BaseSettings):
             "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)},
         description="Resolution tiers besides `standard` (always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS), which a "
                     "question or an ingest asks for by name (`--tier`), as JSON: "
-                    "{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}; pool 2 averages 2x2 "
+                    "`{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}`; pool 2 averages 2x2 "
                     "merged tokens after the projector (a quarter of the tokens). Default: low = standard's bounds "
                     "pooled, high = 4x standard's pixels.")
     ingest_tiers: str = setting(
@@ -435,7 +435,7 @@ class Settings(BaseSettings):
     # --- Ray Serve (issue 15, `mmrag serve --ray`) ------------------------------------------------------------------
     ray_address: str = setting(
         "ray", "",
-        description="The Ray cluster to join: auto, or <head>:6379, from a cluster node (Ray Client's ray:// cannot "
+        description="The Ray cluster to join: `auto`, or `<head>:6379`, from a cluster node (Ray Client's ray:// cannot "
                     "stream from Serve handles). Empty: start a local cluster.")
     ray_replicas: int = setting(
         "ray", 2, ge=1, description="Engine replicas, each a vLLM engine over the shared feature store.")
