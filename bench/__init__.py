@@ -1,1 +1,1 @@
-"""`mmrag bench`: the benchmark corpus, workload, runner and report (see BENCHMARKS.md)."""
+"""`mmrag bench`: the benchmark corpus, workload, runner and report (see docs/benchmarks.md)."""

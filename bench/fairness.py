@@ -49,7 +49,7 @@ from serving.vllm_launch import start_dev_replica as start_replica
 
 # The API process's peak resident memory over its idle size, for any one input or phase below: the decoded
 # pixels in flight (MMRAG_MAX_PIXELS_IN_FLIGHT, 200M pixels ~ 600 MB of RGB) and one ingest batch's pages (at most
-# MMRAG_MAX_IMAGE_PIXELS), with room for the allocator. BENCHMARKS.md and README state it; the run checks each peak.
+# MMRAG_MAX_IMAGE_PIXELS), with room for the allocator. docs/benchmarks.md and README state it; the run checks each peak.
 MEMORY_BOUND_MIB = 1536
 TARGETS = {"a_latency_ratio": 3.0, "a_admission_wait_p99_s": 0.1, "a_refused": 0, "a_upload_indexed_s": 10.0,
            "a_render_s": 1.0, "memory_over_idle_mib": MEMORY_BOUND_MIB}

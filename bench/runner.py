@@ -51,7 +51,7 @@ throughput, TTFT and KV share per resolution policy (``MIXED_POLICIES``). They k
 because what they measure is the scheduler and the resolution policies over requests of one or two pages of
 mixed sizes. Full run only, unless named with --configs.
 
-``<config>@128`` (``LONG_ANSWER_CONFIGS``, full run only): the configurations whose ratios BENCHMARKS.md states,
+``<config>@128`` (``LONG_ANSWER_CONFIGS``, full run only): the configurations whose ratios docs/benchmarks.md states,
 again at ``LONG_ANSWER_TOKENS`` answer tokens, on the first ``LONG_ANSWER_QUESTIONS`` questions of the same
 workload: at 4 tokens prefill decides, at a real answer length decode weighs in.
 """
@@ -195,7 +195,7 @@ BASE_CONFIGS = (
     ConfigSpec("mixed_pooled", _T, caching=True, policy=_DFS, mixed="pooled", full_only=True),
 )
 
-# The ratios BENCHMARKS.md states, measured again at a real answer length in the same run (issue 22): these
+# The ratios docs/benchmarks.md states, measured again at a real answer length in the same run (issue 22): these
 # configurations as ``<name>@128``, full run only. At 128 tokens decode is most of a request, so they run on the
 # workload's first LONG_ANSWER_QUESTIONS questions (same seed) to keep the full run's time reasonable; their
 # ratios compare them with each other, on the same questions.

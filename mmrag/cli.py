@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mmrag.bench_cmd import bench
+from mmrag.config_cmd import config_app
 from mmrag.engine_cmd import engine_app
 from mmrag.eval_cmd import eval_app
 from mmrag.errors import describe, is_user_error
@@ -44,7 +45,7 @@ def _one_of(choices: tuple[str, ...]):
 app = typer.Typer(
     help="mmrag: ask questions over figure-heavy documents with a VLM, reusing image-prefix KV on purpose.\n\n"
     "Start with `mmrag corpus sample --out corpus/` and `mmrag ingest corpus/`. Configuration comes from "
-    "MMRAG_* environment variables (see README).",
+    "MMRAG_* environment variables: `mmrag config show` prints them, docs/configuration.md says what each does.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -62,6 +63,7 @@ app.add_typer(retrieval_app, name="retrieval")
 app.add_typer(eval_app, name="eval")
 app.add_typer(vision_app, name="vision")
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(config_app, name="config")
 app.command("bench")(bench)
 app.command("reencode")(reencode)
 

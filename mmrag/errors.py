@@ -8,6 +8,7 @@ Named by module and class, not imported: the modules that define them pull in Qd
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
@@ -24,6 +25,7 @@ USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
     ("adapters.checkpoint", "ModelNotFoundError"),
     ("adapters.families", "UnsupportedFamilyError"),  # a checkpoint of a family mmrag cannot encode for
     ("pydantic", "ValidationError"),  # Settings: an MMRAG_* variable with a bad value
+    ("pydantic_settings", "SettingsError"),  # Settings: an MMRAG_* variable that is not the JSON it takes
     ("builtins", "FileNotFoundError"),
     ("mmrag.ask_cmd", "ArgumentError"),
 )
@@ -46,6 +48,9 @@ def is_user_error(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     """The one line shown for a user error. A bad MMRAG_* variable is named as the variable, with its value
     and what it takes, instead of pydantic's field-name report."""
+    if type(exc).__name__ == "SettingsError" and (field := re.search(r'field "(\w+)"', str(exc))):
+        # pydantic-settings names the field and keeps the JSON parser's complaint as the cause
+        return f"MMRAG_{field[1].upper()} is not valid JSON: {exc.__cause__ or exc} (fix the environment variable)"
     errors = getattr(exc, "errors", None)
     if getattr(exc, "title", None) != "Settings" or not callable(errors):
         return str(exc)

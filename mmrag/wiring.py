@@ -23,6 +23,8 @@ from core.payload import EncoderScope, pages_per_encoder
 from core.settings import DEFAULT_TENANT, Settings
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fastapi import FastAPI
 
     from adapters.embed import ImageEmbedder, TextEmbedder
@@ -71,17 +73,24 @@ def resolve_model(settings: Settings) -> ModelSource:
     offline under the data dir. Empty in production: ModelNotConfiguredError, naming the fix."""
     if settings.model:
         return configured_model(settings.model)
-    if settings.profile != "development":
+    path = development_model_dir(settings)
+    if path is None:
         raise ModelNotConfiguredError(
             "MMRAG_MODEL is not set: set it to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (a local folder, or "
             "a hub id already in the local cache), or set MMRAG_PROFILE=development to build and serve the tiny "
             "random-weight test model (for trying mmrag out: its answers are noise)")
     from devkit.tiny_model import MODEL_NAME, ensure_tiny_model
 
-    path = settings.tiny_model_dir
     if not (path / "config.json").is_file():
         log.info("no MMRAG_MODEL configured: building the tiny random-weight test model at %s", path)
     return ModelSource(ensure_tiny_model(path).resolve(), MODEL_NAME, True)
+
+
+def development_model_dir(settings: Settings) -> Path | None:
+    """Where the tiny model that stands in for an empty MMRAG_MODEL lives (the development profile), or None: the
+    model is configured, or the production profile refuses to start without one. What resolve_model serves, and
+    what `mmrag config show` reports as filled by the profile, without building anything."""
+    return settings.tiny_model_dir if not settings.model and settings.profile == "development" else None
 
 
 def feature_store(settings: Settings) -> FeatureStore:

@@ -236,7 +236,7 @@ def split_plans(question: str, sub_questions: Sequence[str], pages: Sequence[Hit
 
 # The shortest part a joint answer is decoded in (joint_parts). A part costs the whole joint prompt once more
 # (its images hit the first part's KV; its text and line are prefilled again) and waits for the first part's
-# prefill; it saves the decode steps the parts take side by side. Measured end to end (BENCHMARKS.md, issue 40):
+# prefill; it saves the decode steps the parts take side by side. Measured end to end (docs/benchmarks.md, issue 40):
 # at 128 tokens over 4 pages (32-token parts) the parts win 1.58x on comparisons; at 4 tokens (1-token parts)
 # one prompt wins, the parts' extra prefill and wait costing more than 3 decode steps saved. Below 16 tokens a
 # part, the answer is one prompt.

@@ -1,6 +1,6 @@
 """`mmrag bench`: the quick run completes at tiny sizes and reports every field; the oracle means what it says.
 
-The benchmark itself is not a test (its numbers are in BENCHMARKS.md). The smoke run uses the tiny test
+The benchmark itself is not a test (its numbers are in docs/benchmarks.md). The smoke run uses the tiny test
 model, whose timings mean nothing; it runs in a subprocess because vLLM allows one in-process engine per
 process and the session's own engine may be running in this one.
 """

@@ -1,7 +1,7 @@
 """`mmrag bench --fairness` (bench/fairness.py, issue 41): the inputs it makes are what the issue measured (a PDF
 of many pages sharing one content stream of tiny paths, pages slow to rasterise, images past the processor's
 aspect ratio and tiny files declaring huge sizes), its summaries and targets, and its flags. The run itself
-starts a replica and `mmrag serve` for minutes: BENCHMARKS.md records it; the behaviours it measures are tested
+starts a replica and `mmrag serve` for minutes: docs/benchmarks.md records it; the behaviours it measures are tested
 on real processes in tests/test_tenant_quotas.py, tests/test_ingest_fairness.py and tests/test_figures.py."""
 
 from __future__ import annotations

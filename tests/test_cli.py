@@ -19,7 +19,7 @@ HEAVY = ("torch", "vllm", "transformers", "matplotlib", "llama_index", "qdrant_c
 SUBCOMMANDS = (
     "ingest", "ask", "warm", "serve", "bench", "corpus sample", "model tiny", "index stats", "index reset",
     "engine serve", "retrieval eval", "retrieval latency", "retrieval cost", "reencode", "index check", "store gc",
-    "vision serve", "eval answers",
+    "vision serve", "eval answers", "config show", "config reference",
 )
 
 _HELP_PROBE = f"""

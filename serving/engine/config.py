@@ -33,7 +33,7 @@ class EngineConfig:
     # Prompt tokens one engine step takes, prefill chunks and decodes together (MMRAG_MAX_BATCHED_TOKENS). None:
     # vLLM's platform default (2048 for `vllm serve` on CPU, 4096 in-process). Smaller steps let a new prompt's
     # first token in sooner beside long prefills (chunked prefill); larger ones prefill more per step
-    # (BENCHMARKS.md, issue 40: 512 on 2 cores).
+    # (issue 40, measured end to end: 512 on 2 cores).
     max_num_batched_tokens: int | None = None
 
     def vllm_kwargs(self) -> dict:
