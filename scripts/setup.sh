@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent install of the CPU stack into ./.venv (see README "Install").
+# Idempotent install of the CPU stack into ./.venv (docs/operations.md, "CPU hosts").
 # A user with a GPU installs the CUDA build instead: pip install -e '.[gpu]'.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """`mmrag bench --replicas N` refuses what it cannot compare. Its measurement runs in tests/test_ray_serve.py on
 that module's cluster (Ray starts once per test session); the command itself, which starts a cluster of its
-own, is run by hand (README's figures)."""
+own, is run by hand (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 wait within MMRAG_ADMISSION_MAX_WAIT_S) or refused with 429 + Retry-After — none a 5xx, none hangs — and what
 is admitted stays bounded. tests/test_admission_wait.py tests the wait itself.
 
-Latency and memory figures are printed (pytest -s) for the README; they are measured, never asserted.
+Latency and memory figures are printed (pytest -s); they are measured, never asserted.
 """
 
 from __future__ import annotations
