@@ -18,14 +18,11 @@ RUN apt-get update \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
-# Every package pyproject.toml installs but devkit (tests only); tests/test_deploy.py checks the list.
-COPY core/ core/
-COPY adapters/ adapters/
+# Every package pyproject.toml installs (mmrag holds the contracts, adapters and kits); tests/test_deploy.py checks.
 COPY ingestion/ ingestion/
 COPY retrieval/ retrieval/
 COPY rag/ rag/
 COPY serving/ serving/
-COPY bench/ bench/
 COPY mmrag/ mmrag/
 RUN --mount=type=cache,target=/root/.cache/pip pip install ".[gpu]"
 

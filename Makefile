@@ -24,8 +24,8 @@ check: setup
 	$(PY) -m pytest -q --lane=fast -n $(CHECK_WORKERS) --durations=10 $(PYTEST_ARGS)
 
 # Either lane as an AVX2-only CPU (AMD EPYC) runs it, on a host with AVX-512: every kernel capped to AVX2
-# (adapters/hardware.py, MMRAG_EMULATE_ISA). To time `make test` and `make check` against their budgets there.
-AS_AVX2 := $(PY) -c 'import sys; from adapters.hardware import exec_emulating; exec_emulating("avx2", sys.argv[1:])'
+# (mmrag/adapters/hardware.py, MMRAG_EMULATE_ISA). To time `make test` and `make check` against their budgets there.
+AS_AVX2 := $(PY) -c 'import sys; from mmrag.adapters.hardware import exec_emulating; exec_emulating("avx2", sys.argv[1:])'
 
 test-avx2: setup
 	$(AS_AVX2) $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)

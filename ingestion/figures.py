@@ -8,11 +8,11 @@ What a page is made of tells where its figures are:
 * path and shading objects that lie close together are one vector drawing (a plot, a mosaic, a table's rules);
   what is thin (a header rule, an underline) is not a figure. Short text lines next to a drawing are its
   labels (tick labels, a legend) and join it;
-* a caption line ("Figure 3: ...", "Table 2", parsed by ``core.text.captions``) names the regions right above
+* a caption line ("Figure 3: ...", "Table 2", parsed by ``mmrag.core.text.captions``) names the regions right above
   or below it; several regions named by one caption are the panels of one figure and become one region.
 
 Overlapping regions are merged and the result sorted in reading order. A pure function of a page: it reads
-the page's objects and text, renders nothing. About 1-3 ms a page on the realdocs PDFs (bench/figures).
+the page's objects and text, renders nothing. About 1-3 ms a page on the realdocs PDFs (mmrag/bench/figures).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image
 
-from core.figures import Box, FigureRegion, area, intersection, iou, union_box
-from core.keys import content_hash_of
-from core.pages import FigureCrop
-from core.text import captions
-from core.text import figure_refs as _refs
+from mmrag.core.figures import Box, FigureRegion, area, intersection, iou, union_box
+from mmrag.core.keys import content_hash_of
+from mmrag.core.pages import FigureCrop
+from mmrag.core.text import captions
+from mmrag.core.text import figure_refs as _refs
 from ingestion.raster import fit_aspect, fitted_size
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def _same_line(a: Box, b: Box) -> bool:
 
 
 def _caption_lines(lines: list[_Line]) -> list[_Region]:
-    """Caption lines with their boxes: core.text.captions over the page's lines, mapped back to each line."""
+    """Caption lines with their boxes: mmrag.core.text.captions over the page's lines, mapped back to each line."""
     found: list[_Region] = []
     text = "\n".join(line.text for line in lines)
     start = 0
@@ -458,7 +458,7 @@ def _finish(region: _Region) -> FigureRegion:
 
 # --- crops: each figure as an image of its own -------------------------------------------------------------
 
-# A figure's crop is its own image entry, content-addressed like a page (core/keys.py), so its key must depend on
+# A figure's crop is its own image entry, content-addressed like a page (mmrag/core/keys.py), so its key must depend on
 # the figure only, never on where it sits on its page or what surrounds it:
 # - an embedded picture (a raster region that is one image object) keys by the image object's own bitmap, at its
 #   own resolution: the same chart pasted into a report and into a deck is one key, whatever size it is shown at;
@@ -467,12 +467,12 @@ def _finish(region: _Region) -> FigureRegion:
 #   scratch copy of the page, every other object switched off, the form's matrix set to a translation of its
 #   drawn extent to the origin, at FIGURE_SCALE pixels per unit of the form's own space. Its placement (offset,
 #   scale, any enclosing form) never enters the render, so the same figure included at another place or size, in
-#   another document, renders to the same pixels: one key (bench/figures `--keys`);
+#   another document, renders to the same pixels: one key (mmrag/bench/figures `--keys`);
 # - a drawing made of the page's own objects (a vector cluster with its labels, a picture with labels around it)
 #   is rendered from those objects alone: in a scratch copy of the page, every top-level object not lying (mostly)
 #   inside the region switched off, the rest moved so their joint extent starts at the origin, at FIGURE_SCALE pixels
 #   per point. Its offset on the page never enters the render, so the same drawing at another place renders to
-#   the same pixels up to pdfium's float rounding of the moved coordinates (bench/figures `--keys` measures how
+#   the same pixels up to pdfium's float rounding of the moved coordinates (mmrag/bench/figures `--keys` measures how
 #   often that rounding still changes a pixel). Its coordinates are absolute, so a drawing drawn at another size
 #   has other coordinates and renders to other pixels: two keys;
 # - forms and drawings alone are rendered without anti-aliasing of paths and text (FIGURE_RENDER). Moved, a

@@ -28,11 +28,11 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image, ImageOps
 
-from adapters.lexical import known_words
-from core.keys import ContentHash, content_hash_of, doc_id_for
-from core.pages import FigureCrop, RenderedPage, TextSource
-from core.settings import Settings
-from core.text import normalise
+from mmrag.adapters.lexical import known_words
+from mmrag.core.keys import ContentHash, content_hash_of, doc_id_for
+from mmrag.core.pages import FigureCrop, RenderedPage, TextSource
+from mmrag.core.settings import Settings
+from mmrag.core.text import normalise
 from ingestion import ocr
 from ingestion.figures import FigureBudgetError, crop_figures, detect_figures
 from ingestion.raster import MAX_ASPECT, fit_aspect, fitted_size
@@ -477,7 +477,7 @@ class _PdfSource:
     def _text_layer(textpage: pdfium.PdfTextPage) -> str:
         raw = textpage.get_text_range()
         # The page's own words and an English word list tell a joined hyphenation or a restored ligature from a
-        # real compound (core/text.py, adapters/lexical.py known_words).
+        # real compound (mmrag/core/text.py, mmrag/adapters/lexical.py known_words).
         return normalise_text(raw, known=known_words(raw))
 
     def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage,
@@ -682,11 +682,11 @@ def normalise_image(img: Image.Image) -> Image.Image:
 
 def normalise_text(text: str, *, known: Callable[[str], bool] | None = None) -> str:
     """Single spaces within lines, one newline between non-empty lines, no control characters, ligatures and
-    hyphenation resolved: :func:`core.text.normalise`, the one normaliser (questions go through it too).
+    hyphenation resolved: :func:`mmrag.core.text.normalise`, the one normaliser (questions go through it too).
 
     The same words then embed the same whether they came from a text layer (CRLF, tabs, pdfium's U+FFFE
     hyphenation marks) or tesseract (trailing form feed, blank lines, line-end hyphens). ``known`` (e.g.
-    ``adapters.lexical.known_words(text)``) lets it restore dropped ligatures and decide line-end hyphens
+    ``mmrag.adapters.lexical.known_words(text)``) lets it restore dropped ligatures and decide line-end hyphens
     with a dictionary.
     """
     return normalise(text, known=known)

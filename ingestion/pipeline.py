@@ -27,20 +27,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core.figures import PageFigure
-from core.keys import ImageKey, KeyLease
-from core.pages import RenderedPage, TextSource
-from core.settings import Settings
-from core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, PAGE_MEAN_VECTOR, PAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
-from core.text import TEXT_VERSION, Caption, captions as find_captions
-from adapters.embed import ImageEmbedder, TextEmbedder
-from adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
-from adapters.lexical import LexicalEncoder
-from adapters.qdrant import PageIndex, make_point
+from mmrag.core.figures import PageFigure
+from mmrag.core.keys import ImageKey, KeyLease
+from mmrag.core.pages import RenderedPage, TextSource
+from mmrag.core.settings import Settings
+from mmrag.core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, PAGE_MEAN_VECTOR, PAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
+from mmrag.core.text import TEXT_VERSION, Caption, captions as find_captions
+from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
+from mmrag.adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
+from mmrag.adapters.lexical import LexicalEncoder
+from mmrag.adapters.qdrant import PageIndex, make_point
 from ingestion.figures import FIGURES_VERSION, figure_text
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
-from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
-from adapters.vision import VisionEncoder
+from mmrag.adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
+from mmrag.adapters.vision import VisionEncoder
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -238,7 +238,7 @@ class Ingestor:
             pages, payloads, report)
 
     def _figure_points(self, pages: list[RenderedPage], payloads: list[PagePayload], report: IngestReport) -> list:
-        """A point per figure that can be found: its page's payload with which figure it is (core/payload.py
+        """A point per figure that can be found: its page's payload with which figure it is (mmrag/core/payload.py
         figure_payload), the dense vector of its text (its caption, the sentences naming it) where it has text,
         and where the page-image channel is configured, its crop's image vectors as a page's (CLIP, or the late
         retriever's pooled multi-vector and mean): then an uncaptioned chart on a slide is found by its pixels."""
@@ -332,7 +332,7 @@ class Ingestor:
 
 
 class FileLease:
-    """One file's lease on its pages' keys (core.keys.KeyLease), from before the store is asked for them until the
+    """One file's lease on its pages' keys (mmrag.core.keys.KeyLease), from before the store is asked for them until the
     file's pages are indexed; its earlier keys renewed every ``renew_s`` seconds while later batches run."""
 
     def __init__(self, lease: KeyLease, *, renew_s: float) -> None:
@@ -392,7 +392,7 @@ SLIDE_MAX_WORDS = 150
 
 
 def find_page_captions(page: RenderedPage) -> list[Caption]:
-    """The page's caption lines (core/text.py captions): figures, tables, listings and, on a slide, its title."""
+    """The page's caption lines (mmrag/core/text.py captions): figures, tables, listings and, on a slide, its title."""
     slide = page.image.width > page.image.height and len(page.text.split()) <= SLIDE_MAX_WORDS
     return find_captions(page.text, slide=slide)
 

@@ -2,7 +2,7 @@
 
 After a model or projector upgrade (or a changed MMRAG_ENCODER_SALT, pixel bound or image preprocessing, or
 keys minted before the encoder version covered preprocessing) the pages' image keys name the old encoder, and
-serving excludes them (core/payload.py, EncoderScope). Only their image tokens are stale: their text, OCR and
+serving excludes them (mmrag/core/payload.py, EncoderScope). Only their image tokens are stale: their text, OCR and
 vectors are not, so this renders each stale page's image again from its source file, encodes it, and switches the
 page's payload to the new key, without loading any embedder.
 
@@ -35,15 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from adapters.qdrant import PageIndex
-from adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
-from adapters.vision import VisionEncoder
-from adapters.vision_client import png_bytes
-from core.figures import PageFigure
-from core.keys import ImageKey, Tiers
-from core.pages import RenderedPage
-from core.payload import EncoderScope, PagePayload
-from core.settings import Settings
+from mmrag.adapters.qdrant import PageIndex
+from mmrag.adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.adapters.vision_client import png_bytes
+from mmrag.core.figures import PageFigure
+from mmrag.core.keys import ImageKey, Tiers
+from mmrag.core.pages import RenderedPage
+from mmrag.core.payload import EncoderScope, PagePayload
+from mmrag.core.settings import Settings
 from ingestion.loaders import Document, IngestError, open_document
 from ingestion.pipeline import batches, encoder_fingerprint, missing_keys
 

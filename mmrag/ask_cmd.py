@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from core.keys import UnknownTierError
-from core.settings import DEFAULT_TENANT, Settings
+from mmrag.core.keys import UnknownTierError
+from mmrag.core.settings import DEFAULT_TENANT, Settings
 from mmrag import wiring
 from rag.answer import Answer, answer_over_pages
 from serving.api.schemas import FigureCitation
 from serving.warmup import WarmCandidate, WarmReport, leading_images, rank_by_demand, warm
 
 if TYPE_CHECKING:
-    from adapters.qdrant import PageIndex
-    from core.figures import PageFigure
-    from core.payload import PagePayload
-    from core.scope import TenantScope
+    from mmrag.adapters.qdrant import PageIndex
+    from mmrag.core.figures import PageFigure
+    from mmrag.core.payload import PagePayload
+    from mmrag.core.scope import TenantScope
 
 
 class PageNotFoundError(LookupError):

@@ -1,10 +1,10 @@
 """`mmrag bench`: thirteen serving configurations on one model and one workload, in one invocation (the
 baselines users run instead and the ablations, mmrag's answer strategies split, joint and auto, cold and warm, and
-the floor: bench/runner.py CONFIGS), and in the full run two more floors, four on pages of mixed sizes and six
+the floor: mmrag/bench/runner.py CONFIGS), and in the full run two more floors, four on pages of mixed sizes and six
 again at 128 answer tokens. ``--figures``: page-level against figure-level image keys on a corpus whose charts
-recur inside different page layouts (bench/figure_keys.py, issue 26). ``--image-input``: the two deployment forms
+recur inside different page layouts (mmrag/bench/figure_keys.py, issue 26). ``--image-input``: the two deployment forms
 of MMRAG_IMAGE_INPUT (image tokens or page pixels to vLLM) at ingest and at serving, in process and over
-`vllm serve` (bench/image_input.py).
+`vllm serve` (mmrag/bench/image_input.py).
 
 Registered in mmrag/cli.py as ``app.command("bench")(bench)``. ``python -m mmrag.bench_cmd ARGS`` runs the
 same command through the same CLI entry (for the smoke test, and before the registration lands).
@@ -35,11 +35,11 @@ err = Console(stderr=True)
 QUICK = {"pages": 24, "questions": 16}
 FULL = {"pages": 48, "questions": 80}
 # --e2e: every side at 4, 128 and 512 answer tokens on one replica, the floor, mmrag's variants and the repeats run
-# at 128 (bench/e2e.py); 512 tokens per answer is most of the run. 32 questions: 12 compound, 12 comparison, 8
-# one-part (bench/e2e.CLASS_CYCLE).
+# at 128 (mmrag/bench/e2e.py); 512 tokens per answer is most of the run. 32 questions: 12 compound, 12 comparison, 8
+# one-part (mmrag/bench/e2e.CLASS_CYCLE).
 E2E_QUICK = {"pages": 24, "questions": 12}
 E2E_FULL = {"pages": 48, "questions": 32}
-# --figures: distinct charts and questions; the sweep's pages a chart is asked through: bench/figure_keys.PLACEMENTS
+# --figures: distinct charts and questions; the sweep's pages a chart is asked through: mmrag/bench/figure_keys.PLACEMENTS
 FIGURES = {"charts": 12, "questions": 32}
 MAX_TOKENS = 4  # answer tokens per sub-question of the serving configurations, --replicas and --transfer
 # --image-input: corpus pages (each encoded three ways at ingest) and questions (each through four engines), sized
@@ -76,19 +76,19 @@ def bench(
                                       "own plans, images in KV), on one `vllm serve` replica, at 4, 128 and 512 "
                                       "answer tokens, reported overall and per class; mmrag's split, joint and "
                                       "model-decomposer variants and a run of repeated questions with the answer "
-                                      "cache on at 128, or at --max-tokens when given (bench/e2e.py).")] = False,
+                                      "cache on at 128, or at --max-tokens when given (mmrag/bench/e2e.py).")] = False,
     transfer: Annotated[bool, typer.Option("--transfer", help="Instead: per page, the time and bytes of moving "
                                            "image tokens from the vision service to the engine (feature store, "
-                                           "binary HTTP, base64 JSON to a replica; bench/transfer.py).")] = False,
+                                           "binary HTTP, base64 JSON to a replica; mmrag/bench/transfer.py).")] = False,
     replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
                                                  "cluster, the workload under one replica, mmrag's affinity "
-                                                 "routing and Ray's default routing (bench/replicas.py).")] = None,
+                                                 "routing and Ray's default routing (mmrag/bench/replicas.py).")] = None,
     figures: Annotated[bool, typer.Option("--figures", help="Instead: page-level keys against figure-level keys "
                                           "(issue 26) on a corpus whose charts recur inside different page "
                                           "layouts, ingested by the real Ingestor; each answered in one prompt "
                                           "and per image, all on one engine, at 4 and 128 answer tokens "
                                           "(--max-tokens: that one only), for each count of --placements "
-                                          "(bench/figure_keys.py).")] = False,
+                                          "(mmrag/bench/figure_keys.py).")] = False,
     image_input: Annotated[bool, typer.Option("--image-input", help="Instead: what each deployment form of "
                                               "MMRAG_IMAGE_INPUT costs, on one workload: `embeds` (image tokens "
                                               "made at ingest, sent to vLLM) and `pixels` (the stored page PNG, "
@@ -99,13 +99,13 @@ def bench(
                                               f"(default {IMAGE_INPUT_MAX_TOKENS}) tokens; --pages/--questions "
                                               f"default {IMAGE_INPUT['pages']}/{IMAGE_INPUT['questions']}, "
                                               f"with --quick {IMAGE_INPUT_QUICK['pages']}/"
-                                              f"{IMAGE_INPUT_QUICK['questions']} (bench/image_input.py).")] = False,
+                                              f"{IMAGE_INPUT_QUICK['questions']} (mmrag/bench/image_input.py).")] = False,
     fairness: Annotated[bool, typer.Option("--fairness", help="Instead: two tenants on one `mmrag serve` "
                                            "(issue 41): A asks one question every 2 s alone, then beside B's 200 "
                                            "question loops; A's one-page upload beside B's pathological PDF; A's "
                                            "page image beside B's slow renders; the API process's peak memory "
                                            "per phase and per bad input kind; each against its target "
-                                           "(bench/fairness.py). --quick: a smaller B.")] = False,
+                                           "(mmrag/bench/fairness.py). --quick: a smaller B.")] = False,
     charts: Annotated[int | None, typer.Option(help="--figures: distinct charts in the corpus (default "
                                                f"{FIGURES['charts']}).")] = None,
     placements: Annotated[str | None, typer.Option(help="--figures: the sweep, comma-separated: through how many "
@@ -113,7 +113,7 @@ def bench(
                                                    "default 2,3,4,6).")] = None,
     depth: Annotated[int | None, typer.Option("--depth", help="Layers of the bench model's LLM and vision "
                                               "tower (default: 8 where the engine runs bf16, 1 in fp32, so "
-                                              "--quick stays within 5 minutes on 2 cores; bench/model.py).")]
+                                              "--quick stays within 5 minutes on 2 cores; mmrag/bench/model.py).")]
     = None,
     max_batched_tokens: Annotated[int | None, typer.Option(help="--e2e: the replica's --max-num-batched-tokens "
                                                             "(one value for every side; default: vLLM's, 2048 "
@@ -135,7 +135,7 @@ def bench(
     mixed_tiered (pages of mixed sizes, without and with the scheduler's short queue), mixed_standard,
     mixed_pooled (the same pages scaled to the standard tier, and pooled 2x2); NAME@128 (vllm_llamaindex,
     vllm_images_first, mmrag_split_warm, mmrag_joint_warm, mmrag_auto_warm, floor again at 128 answer tokens, on
-    the workload's first questions: bench/runner.py LONG_ANSWER_QUESTIONS). floor_split, floor_joint, the mixed
+    the workload's first questions: mmrag/bench/runner.py LONG_ANSWER_QUESTIONS). floor_split, floor_joint, the mixed
     and @128 ones are not in --quick unless named with --configs.
 
     Builds (or reuses, under MMRAG_DATA_DIR/bench and MMRAG_DATA_DIR/models) a random-weight Qwen2-VL, a
@@ -143,20 +143,20 @@ def bench(
     back on the same engine settings and prints one table. See docs/benchmarks.md.
     """
     if emulate_avx2:
-        from adapters.hardware import EMULATE_ISA_ENV
+        from mmrag.adapters.hardware import EMULATE_ISA_ENV
         from mmrag.cli import reexec_under_emulated_isa
 
         os.environ[EMULATE_ISA_ENV] = "avx2"
         reexec_under_emulated_isa()
-    from core.keys import ResolutionPolicy
-    from core.settings import Settings
-    from adapters.store import DiskFeatureStore
+    from mmrag.core.keys import ResolutionPolicy
+    from mmrag.core.settings import Settings
+    from mmrag.adapters.store import DiskFeatureStore
 
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus, encode_corpus
-    from bench.report import build_json, markdown_tables, plot
-    from bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, mixed_policies, run_all
-    from bench.workload import WorkloadSpec, make_workload
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from mmrag.bench.report import build_json, markdown_tables, plot
+    from mmrag.bench.runner import CONFIGS, BenchInputs, Keys, default_engine_config, mixed_policies, run_all
+    from mmrag.bench.workload import WorkloadSpec, make_workload
 
     if concurrency < 1 or (max_tokens is not None and max_tokens < 1) or (rate is not None and rate <= 0):
         raise typer.BadParameter("--concurrency and --max-tokens must be ≥ 1, --rate > 0")
@@ -313,11 +313,11 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     serve replica, at each answer length (``max_tokens``: only that one), and the answer cache's repeats run."""
     from dataclasses import replace
 
-    from adapters.hardware import emulated_isa
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus
+    from mmrag.adapters.hardware import emulated_isa
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus
     try:
-        from bench.e2e import LENGTHS, MAX_IMAGES_PER_PROMPT, E2EInputs, E2ESpec, run_e2e
+        from mmrag.bench.e2e import LENGTHS, MAX_IMAGES_PER_PROMPT, E2EInputs, E2ESpec, run_e2e
     except ModuleNotFoundError as exc:  # the llama-index side's integrations: the `bench` extra
         if not (exc.name or "").startswith("llama_index"):
             raise
@@ -325,7 +325,7 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
                          f"extra ({exc.name} is missing): pip install -e '.[bench]' (make setup installs it)"),
                   style="red")
         raise typer.Exit(2) from None
-    from bench.runner import RELEVANT_CPU_FLAGS, default_engine_config, machine_info
+    from mmrag.bench.runner import RELEVANT_CPU_FLAGS, default_engine_config, machine_info
     from serving.engine.config import resolve_dtype
 
     t_start = time.perf_counter()
@@ -362,7 +362,7 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     }
     _write_json(json_out, data)
     if plot_out:
-        from bench.report import plot_e2e
+        from mmrag.bench.report import plot_e2e
 
         plot_out.parent.mkdir(parents=True, exist_ok=True)
         plot_e2e(data, plot_out)
@@ -372,9 +372,9 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
 
 
 def _floor_pipeline(env: dict[str, str]):
-    """mmrag's engine and pipeline from these MMRAG_* settings, as `mmrag serve` builds them (bench/e2e.py's
-    floor records its plans; bench/ does not import the wiring)."""
-    from core.settings import Settings
+    """mmrag's engine and pipeline from these MMRAG_* settings, as `mmrag serve` builds them (mmrag/bench/e2e.py's
+    floor records its plans; mmrag/bench/ does not import the wiring)."""
+    from mmrag.core.settings import Settings
     from mmrag import wiring
 
     settings = Settings(**{k.removeprefix("MMRAG_").lower(): v for k, v in env.items() if k.startswith("MMRAG_")})
@@ -386,11 +386,11 @@ def _floor_pipeline(env: dict[str, str]):
 def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed: int,
                     json_out: Path | None) -> None:
     """`mmrag bench --transfer`: the vision-service-to-engine paths, per page of the bench corpus."""
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus
-    from bench.runner import machine_info
-    from bench.transfer import run_transfer, transfer_table
-    from devkit.ports import free_port
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus
+    from mmrag.bench.runner import machine_info
+    from mmrag.bench.transfer import run_transfer, transfer_table
+    from mmrag.devkit.ports import free_port
 
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
@@ -408,12 +408,12 @@ def _bench_fairness(settings, *, tiny: bool, depth: int | None, quick: bool, jso
     """`mmrag bench --fairness`: tenant A beside tenant B's flood, PDF and renders, on one `mmrag serve`."""
     from dataclasses import replace
 
-    from adapters.hardware import emulated_isa
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus
-    from bench.e2e import MAX_IMAGES_PER_PROMPT
-    from bench.fairness import QUICK, FairnessInputs, FairnessSpec, fairness_table, run_fairness
-    from bench.runner import default_engine_config, machine_info
+    from mmrag.adapters.hardware import emulated_isa
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus
+    from mmrag.bench.e2e import MAX_IMAGES_PER_PROMPT
+    from mmrag.bench.fairness import QUICK, FairnessInputs, FairnessSpec, fairness_table, run_fairness
+    from mmrag.bench.runner import default_engine_config, machine_info
     from serving.engine.config import resolve_dtype
 
     t_start = time.perf_counter()
@@ -442,13 +442,13 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
                     concurrency: int,
                     max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
     """`mmrag bench --replicas N`: single replica, affinity routing and Ray's default routing, in one run."""
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus, encode_corpus
-    from bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
-    from bench.runner import default_engine_config, machine_info
-    from bench.workload import WorkloadSpec, make_workload
-    from core.keys import ResolutionPolicy
-    from adapters.store import DiskFeatureStore
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from mmrag.bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
+    from mmrag.bench.runner import default_engine_config, machine_info
+    from mmrag.bench.workload import WorkloadSpec, make_workload
+    from mmrag.core.keys import ResolutionPolicy
+    from mmrag.adapters.store import DiskFeatureStore
 
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
@@ -474,8 +474,8 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
 
 
 def _placements(text: str | None) -> tuple[int, ...]:
-    """--placements: distinct counts, ascending (default: bench/figure_keys.PLACEMENTS)."""
-    from bench.figure_keys import PLACEMENTS, ROUNDS
+    """--placements: distinct counts, ascending (default: mmrag/bench/figure_keys.PLACEMENTS)."""
+    from mmrag.bench.figure_keys import PLACEMENTS, ROUNDS
 
     if text is None:
         return PLACEMENTS
@@ -493,8 +493,8 @@ def _bench_figures(settings, *, tiny: bool, depth: int | None, charts: int, ques
                    max_tokens: int | None, zipf: float, seed: int, json_out: Path | None,
                    placements: tuple[int, ...]) -> None:
     """`mmrag bench --figures`: the figure corpus ingested by the real Ingestor (figures on) under
-    MMRAG_DATA_DIR/bench/figures, then page-level and figure-level keys on one engine (bench/figure_keys.py)."""
-    from bench.figure_keys import figures_table, run_figure_bench
+    MMRAG_DATA_DIR/bench/figures, then page-level and figure-level keys on one engine (mmrag/bench/figure_keys.py)."""
+    from mmrag.bench.figure_keys import figures_table, run_figure_bench
 
     started = _started()
     inputs, spec = _figures_inputs(settings, tiny=tiny, depth=depth, charts=charts, questions=questions,
@@ -508,10 +508,10 @@ def _figures_inputs(settings, *, tiny: bool, depth: int | None, charts: int, que
                     max_tokens: int | None, zipf: float, seed: int, placements: tuple[int, ...]):
     """What `mmrag bench --figures` runs on: its model, its figure corpus built and ingested (reused when it is
     already), its options; and the model's spec. The bench starts its own engine (``engine`` None)."""
-    from core.settings import Settings
-    from bench import model as bench_model
-    from bench.figure_keys import LENGTHS, FigureBenchInputs, FigureCorpusSpec, build_figure_corpus, ingest
-    from bench.runner import default_engine_config
+    from mmrag.core.settings import Settings
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.figure_keys import LENGTHS, FigureBenchInputs, FigureCorpusSpec, build_figure_corpus, ingest
+    from mmrag.bench.runner import default_engine_config
     from mmrag import wiring
 
     if charts < 2 or questions < 1:
@@ -548,9 +548,9 @@ def _bench_image_input(settings, *, tiny: bool, depth: int | None, pages: int, q
                        max_tokens: int, zipf: float, seed: int, json_out: Path | None, remote: bool = True) -> None:
     """`mmrag bench --image-input`: the bench corpus ingested three ways (tokens, tokens + pixels, pixels only)
     under MMRAG_DATA_DIR/bench/image-input, then one workload in the embeds and the pixels form through the
-    in-process engine and a `vllm serve` replica (bench/image_input.py). ``remote`` False leaves the replica out
+    in-process engine and a `vllm serve` replica (mmrag/bench/image_input.py). ``remote`` False leaves the replica out
     (a smoke test's choice; the command always runs all four)."""
-    from bench.image_input import image_input_table, run_image_input
+    from mmrag.bench.image_input import image_input_table, run_image_input
 
     started = _started()
     inputs, spec = _image_input_inputs(settings, tiny=tiny, depth=depth, pages=pages, questions=questions,
@@ -564,12 +564,12 @@ def _image_input_inputs(settings, *, tiny: bool, depth: int | None, pages: int, 
                         max_tokens: int, zipf: float, seed: int, remote: bool):
     """What `mmrag bench --image-input` runs on: its model, the bench corpus, the workload, the engine config of
     the standard policy; and the model's spec. The bench starts its own engine (``engine`` None)."""
-    from bench import model as bench_model
-    from bench.corpus import CorpusSpec, build_corpus
-    from bench.image_input import ImageInputBenchInputs, engine_config_for
-    from bench.runner import default_engine_config
-    from bench.workload import WorkloadSpec, make_workload
-    from core.keys import ResolutionPolicy
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus
+    from mmrag.bench.image_input import ImageInputBenchInputs, engine_config_for
+    from mmrag.bench.runner import default_engine_config
+    from mmrag.bench.workload import WorkloadSpec, make_workload
+    from mmrag.core.keys import ResolutionPolicy
 
     if pages < 2 or questions < 1:
         raise typer.BadParameter("--image-input needs --pages >= 2 and --questions >= 1")
@@ -597,7 +597,7 @@ def _report(section: str, result: dict, spec, model, started: tuple[float, str],
             table: Callable[[dict], str]) -> None:
     """A bench run's ending: its JSON (``section``: the result; the model; the run's meta) written to
     ``json_out``, its table printed, its total time and machine told."""
-    from bench import model as bench_model
+    from mmrag.bench import model as bench_model
 
     total_s = round(time.perf_counter() - started[0], 1)
     data = {section: result, "model": {**bench_model.describe(spec), "path": str(model.path), "random_weights": True},
@@ -639,7 +639,7 @@ def _markdown(columns: tuple[str, ...], rows: list[tuple[str, dict]], first: str
 
 def _e2e_table(e2e: dict) -> str:
     """Per answer length: a table of the sides, one of each side's classes (questions/s estimated per class:
-    bench/e2e.py), mmrag's stages and what `auto` chose; then the repeats run, decomposition and the targets."""
+    mmrag/bench/e2e.py), mmrag's stages and what `auto` chose; then the repeats run, decomposition and the targets."""
     rows = []
     for length, sides in e2e["by_length"].items():
         rows += [f"\n### {length} answer tokens\n", *_markdown(E2E_COLUMNS, list(sides.items()), "side")]
@@ -672,7 +672,7 @@ def _e2e_table(e2e: dict) -> str:
 
 def _model_spec(tiny: bool, depth: int | None):
     """The bench model for this host's engine dtype (what `auto` resolves to here), or the smoke test's."""
-    from bench import model as bench_model
+    from mmrag.bench import model as bench_model
     from serving.engine.config import resolve_dtype
 
     if tiny:

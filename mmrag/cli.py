@@ -28,7 +28,7 @@ from mmrag.retrieval_cmd import retrieval_app
 from mmrag.tenant_cmd import TenantOption, tenant_app
 from mmrag.vision_cmd import vision_app
 
-# MMRAG_ANSWER_MODE (core/settings.py): the strategies, then the names deprecated for one release
+# MMRAG_ANSWER_MODE (mmrag/core/settings.py): the strategies, then the names deprecated for one release
 ANSWER_MODES = ("auto", "split", "joint", "one_prompt", "per_image", "per_sub_question")
 
 
@@ -70,7 +70,7 @@ app.command("reencode")(reencode)
 err = Console(stderr=True)
 
 # Our top-level packages: their loggers print INFO milestones; every other library's only WARNING and up.
-OUR_PACKAGES = ("mmrag", "core", "adapters", "ingestion", "retrieval", "rag", "serving", "bench", "devkit")
+OUR_PACKAGES = ("mmrag", "ingestion", "retrieval", "rag", "serving")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -105,7 +105,7 @@ def model_tiny(
                       ] = "qwen2_vl",
 ) -> None:
     """Build a tiny random-weight VLM of one family offline (a few seconds). Its answers are not meaningful."""
-    from devkit.tiny_model import MODEL_NAMES, build_tiny_model
+    from mmrag.devkit.tiny_model import MODEL_NAMES, build_tiny_model
 
     if family not in MODEL_NAMES:
         raise typer.BadParameter(f"{family!r} has no tiny model; use one of {', '.join(MODEL_NAMES)}",
@@ -120,7 +120,7 @@ def corpus_sample(
     seed: Annotated[int, typer.Option(help="Generator seed; the same seed gives the same files.")] = 0,
 ) -> None:
     """Generate the sample corpus: PDFs with a text layer, PNG slides, figures that recur across documents."""
-    from devkit.corpus import build_sample_corpus
+    from mmrag.devkit.corpus import build_sample_corpus
 
     manifest = build_sample_corpus(out, seed=seed)
     pages = sum(len(d.pages) for d in manifest.documents)
@@ -147,7 +147,7 @@ def ingest(
     from mmrag import ingest_cmd
 
     if warm_after:
-        from core.settings import Settings
+        from mmrag.core.settings import Settings
         from mmrag.wiring import require_engine_urls
 
         require_engine_urls(Settings())  # fail before the work, not after it
@@ -252,7 +252,7 @@ def serve(
     """
     import uvicorn
 
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.wiring import create_app, ray_app
     from serving.api.slow_clients import header_timeout_protocol
 
@@ -317,7 +317,7 @@ def store_gc(
     A dry run unless --apply: lists what would go and its bytes. Entries a running answer, a live conversation
     or an ingest holds a lease on are kept and counted as leased; a later gc removes them once released.
     """
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag import store_cmd
 
     report = store_cmd.gc(Settings(), dry_run=dry_run)
@@ -331,7 +331,7 @@ def reexec_under_emulated_isa() -> None:
     """Under MMRAG_EMULATE_ISA, start this command again with that ISA's kernel caps in its environment (they act
     at interpreter start, and so reach every process the command starts: vLLM's engine core, `vllm serve`); a
     no-op where the caps are already in place, or nothing is emulated."""
-    from adapters.hardware import emulated_isa, emulation_env, exec_emulating
+    from mmrag.adapters.hardware import emulated_isa, emulation_env, exec_emulating
 
     isa = emulated_isa()
     if isa is None or all(os.environ.get(k) == v for k, v in emulation_env(dict(os.environ), isa).items()):
@@ -340,7 +340,7 @@ def reexec_under_emulated_isa() -> None:
 
 
 def main() -> None:
-    from adapters.hardware import reproducible_numerics
+    from mmrag.adapters.hardware import reproducible_numerics
     from serving.engine.lifeline import exit_promptly
 
     exit_promptly()  # the command's output is written: exit without seconds of garbage collection

@@ -1,6 +1,6 @@
 """`mmrag config show|reference`: the effective configuration, and its reference page, read from Settings itself.
 
-Every setting's description and component are declared in core/settings.py (``setting(...)``), so what `show`
+Every setting's description and component are declared in mmrag/core/settings.py (``setting(...)``), so what `show`
 prints and what docs/configuration.md says come from the one place the service reads. `show` builds Settings
 exactly as the other commands do (``Settings()`` from MMRAG_* variables) and starts nothing; a value it cannot
 take is a user error (one line naming the variable, exit code 2). Secrets never reach the output: a set
@@ -28,7 +28,7 @@ from rich.markup import escape
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
 config_app = typer.Typer(
     help="The configuration: every MMRAG_* variable, its effective value and where it came from (`show`), and the "
@@ -113,7 +113,7 @@ def source_of(settings: Settings, name: str, environ: Mapping[str, str]) -> Sour
 
 def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
     """Every setting, grouped by component in COMPONENTS' order, then in the order Settings declares them."""
-    from core.settings import COMPONENTS
+    from mmrag.core.settings import COMPONENTS
     from mmrag.wiring import development_model_dir
 
     values = settings.model_dump(mode="json")
@@ -148,7 +148,7 @@ def load_settings() -> Settings:
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.errors import describe
 
     try:
@@ -233,10 +233,10 @@ def _cell(text: str) -> str:
     return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
 
 
-_GENERATED = (f"<!-- Generated from core/settings.py by `{RENDER_COMMAND}`: edit the settings' descriptions there "
+_GENERATED = (f"<!-- Generated from mmrag/core/settings.py by `{RENDER_COMMAND}`: edit the settings' descriptions there "
               "and render again (tests/test_config_cmd.py fails while this file is stale). -->")
 _INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, one per setting below (one `Settings` "
-          "object, core/settings.py). `mmrag config show` prints each one's effective value and where it came from "
+          "object, mmrag/core/settings.py). `mmrag config show` prints each one's effective value and where it came from "
           "(the environment, the default, or filled in by mmrag), secrets masked; `--json` for scripts. Booleans take "
           "`true` or `false`; lists are comma-separated; `MMRAG_TIERS` is JSON. The command line also reads "
           "`MMRAG_LOG_LEVEL` (its own log lines: INFO unless set) and `MMRAG_EMULATE_ISA` (README).")
@@ -245,7 +245,7 @@ _INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, o
 def render_reference() -> str:
     """docs/configuration.md: a table per component of every setting's variable, type, default and description,
     from Settings' own fields."""
-    from core.settings import COMPONENTS, Settings
+    from mmrag.core.settings import COMPONENTS, Settings
 
     groups = {c: [(n, f) for n, f in Settings.model_fields.items() if component_of(f) == c] for c in COMPONENTS}
     groups = {c: fields for c, fields in groups.items() if fields}
@@ -265,7 +265,7 @@ def reference(
                                                f"{REFERENCE_PATH}) instead of printing it.")] = None,
 ) -> None:
     """Render the configuration reference (Markdown): every setting's variable, type, default and description,
-    a table per component, from core/settings.py.
+    a table per component, from mmrag/core/settings.py.
 
     docs/configuration.md is this page; after changing a setting, run `mmrag config reference --write
     docs/configuration.md` (a test fails while the committed page is stale).

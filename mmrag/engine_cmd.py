@@ -33,7 +33,7 @@ def serve(
 
     Uses the same engine settings (MMRAG_KV_BLOCK_SIZE, MMRAG_KV_CACHE_GIB, ...) as the in-process engine.
     """
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag import wiring
     from serving.vllm_launch import ServerHandle, ServerStartError, start_server
 

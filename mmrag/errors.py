@@ -19,11 +19,11 @@ USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
     ("serving.engine.remote", "EngineUnavailableError"),
     ("retrieval.search", "RetrievalError"),
     ("rag.decompose", "BadQuestionError"),
-    ("adapters.qdrant", "IndexConfigError"),
-    ("core.payload", "PayloadError"),  # an index written by another version: reset and re-ingest
-    ("adapters.store", "FeatureStoreError"),
-    ("adapters.checkpoint", "ModelNotFoundError"),
-    ("adapters.families", "UnsupportedFamilyError"),  # a checkpoint of a family mmrag cannot encode for
+    ("mmrag.adapters.qdrant", "IndexConfigError"),
+    ("mmrag.core.payload", "PayloadError"),  # an index written by another version: reset and re-ingest
+    ("mmrag.adapters.store", "FeatureStoreError"),
+    ("mmrag.adapters.checkpoint", "ModelNotFoundError"),
+    ("mmrag.adapters.families", "UnsupportedFamilyError"),  # a checkpoint of a family mmrag cannot encode for
     ("pydantic", "ValidationError"),  # Settings: an MMRAG_* variable with a bad value
     ("pydantic_settings", "SettingsError"),  # Settings: an MMRAG_* variable that is not the JSON it takes
     ("builtins", "FileNotFoundError"),

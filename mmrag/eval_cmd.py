@@ -18,8 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from core.engine import Engine
-    from core.settings import Settings
+    from mmrag.core.engine import Engine
+    from mmrag.core.settings import Settings
     from rag.evaluate_answers import Asked, AnswerLabel
 
 eval_app = typer.Typer(help="Judge the answers themselves: labelled questions through each answer strategy, "
@@ -38,7 +38,7 @@ def answers_command(
     labels: Annotated[Path, typer.Option(
         help="Labelled questions, JSON lines: {\"id\", \"question\", \"kind\", \"pages\": [{\"doc\", \"page\"}], "
              "\"needs\": \"any\"|\"all\", \"answer\": \"short answer\"|null, \"answer_aliases\": [...]}. "
-             "bench/realdocs/labels.jsonl is one (its PDFs: `python -m bench.realdocs.fetch --out DIR`).",
+             "mmrag/bench/realdocs/labels.jsonl is one (its PDFs: `python -m mmrag.bench.realdocs.fetch --out DIR`).",
         exists=True, dir_okay=False, readable=True)],
     strategy: Annotated[list[str] | None, typer.Option(
         "--strategy", help="An answer strategy to score (repeatable), passed to the pipeline as the question's "
@@ -72,12 +72,12 @@ def answers_command(
     or Qwen3-VL checkpoint (a GPU host) it judges the default strategy;
     see docs/evaluating-answers.md:
 
-      python -m bench.realdocs.fetch --out realdocs
+      python -m mmrag.bench.realdocs.fetch --out realdocs
       MMRAG_MODEL=/models/Qwen2.5-VL-7B-Instruct mmrag eval answers \\
-        --labels bench/realdocs/labels.jsonl --docs-dir realdocs \\
+        --labels mmrag/bench/realdocs/labels.jsonl --docs-dir realdocs \\
         --json answers.json
     """
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     strategies = list(dict.fromkeys(strategy or DEFAULT_STRATEGIES))
     settings = eval_settings(Settings(), max_tokens)
@@ -160,8 +160,8 @@ def eval_settings(settings: Settings, max_tokens: int | None) -> Settings:
 
 def unindexed_pages(settings: Settings, labelled: list[AnswerLabel]) -> list[str]:
     """"doc:page" of each labelled page that is not in the index (all of them when nothing is ingested)."""
-    from adapters.qdrant import PAGES_ONLY
-    from core.payload import PageField
+    from mmrag.adapters.qdrant import PAGES_ONLY
+    from mmrag.core.payload import PageField
     from mmrag import wiring
     from retrieval.evaluate import unknown_docs
 

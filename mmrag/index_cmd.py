@@ -4,7 +4,7 @@ A page's image tokens are usable only by the encoder that made them (its ImageKe
 and the resolution policy); after a model or projector upgrade, or a changed MMRAG_ENCODER_SALT or pixel
 bound, the old pages are excluded from serving until they are re-encoded (`mmrag reencode`). This shows how many
 that is, and which of them carry an old key format: the configured encoder's own keys from before its version
-covered the preprocessing implementation (adapters/vision.py preprocessing_fingerprint). In the pixels form
+covered the preprocessing implementation (mmrag/adapters/vision.py preprocessing_fingerprint). In the pixels form
 (MMRAG_IMAGE_INPUT=pixels) also the servable pages whose entries lack their pixels (ingested in the embeds form).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from core.payload import STALE_PAGES_FIX, WITHOUT_PIXELS_FIX, EncoderScope, pages_per_encoder
-from core.settings import Settings
+from mmrag.core.payload import STALE_PAGES_FIX, WITHOUT_PIXELS_FIX, EncoderScope, pages_per_encoder
+from mmrag.core.settings import Settings
 from mmrag import wiring
 
 
@@ -92,7 +92,7 @@ def check(settings: Settings) -> IndexCheck:
                 for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
     without_pixels = None
     if settings.image_input == "pixels":
-        from adapters.store import ScopedFeatureStore
+        from mmrag.adapters.store import ScopedFeatureStore
         from ingestion.reencode import pages_without_pixels
 
         without_pixels = len(pages_without_pixels(pages, ScopedFeatureStore(wiring.feature_store(settings), serving)))

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from core.settings import DEFAULT_TENANT
+from mmrag.core.settings import DEFAULT_TENANT
 from mmrag import wiring
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mmrag.tenant_cmd import TenantOption
 
 if TYPE_CHECKING:
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from ingestion.reencode import ReencodeReport
 
 err = Console(stderr=True)

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     import numpy as np
     from qdrant_client import AsyncQdrantClient
 
-    from adapters.lexical import LexicalEncoder
-    from core.keys import ImageKey
-    from core.settings import Settings
-    from devkit.corpus import CorpusManifest
+    from mmrag.adapters.lexical import LexicalEncoder
+    from mmrag.core.keys import ImageKey
+    from mmrag.core.settings import Settings
+    from mmrag.devkit.corpus import CorpusManifest
     from retrieval.evaluate import LabelledQuestion
     from retrieval.search import Channel, Hit, PageSearcher
 
@@ -42,7 +42,7 @@ def eval_command(
                                                 "already indexed unchanged are skipped), then searched.")] = None,
     labels: Annotated[Path | None, typer.Option(help="Labelled questions, JSON lines: {\"question\", \"pages\": "
                                                 "[{\"doc\", \"page\"}], \"needs\": \"any\"|\"all\", "
-                                                "\"kind\": \"text\"|\"figure\"} (bench/realdocs/labels.jsonl "
+                                                "\"kind\": \"text\"|\"figure\"} (mmrag/bench/realdocs/labels.jsonl "
                                                 "is one).")] = None,
     corpus: Annotated[Path, typer.Option(help="Without --labels: the sample corpus folder with manifest.json "
                                          "(from `mmrag corpus sample`), or the manifest file.")] = Path("corpus"),
@@ -56,7 +56,7 @@ def eval_command(
     pages, one prompt's page budget), as POST /v1/ask would. Per question kind too (text, figure).
 
     On your own documents: `mmrag retrieval eval --labels my_labels.jsonl my_docs/`."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from retrieval.evaluate import load_labels
 
     settings = Settings()
@@ -68,7 +68,7 @@ def eval_command(
     else:
         if docs is None or not docs.is_dir():
             raise typer.BadParameter(f"give the folder of the labelled documents after --labels (got {docs}); "
-                                     "e.g. `python -m bench.realdocs.fetch --out realdocs` fetches ours")
+                                     "e.g. `python -m mmrag.bench.realdocs.fetch --out realdocs` fetches ours")
         ingest_for_eval(settings, docs, err)
         report = asyncio.run(run_eval(settings, load_labels(labels), sweep=sweep))
     if as_json:
@@ -95,7 +95,7 @@ def ingest_for_eval(settings: Settings, docs: Path, console: Console) -> None:
 
 
 def load_manifest(corpus: Path) -> CorpusManifest:
-    from devkit.corpus import CorpusManifest
+    from mmrag.devkit.corpus import CorpusManifest
 
     path = corpus / "manifest.json" if corpus.is_dir() else corpus
     if not path.is_file():
@@ -115,9 +115,9 @@ def labelled_questions(manifest: CorpusManifest) -> list[LabelledQuestion]:
 async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, sweep: bool = False) -> dict[str, Any]:
     from qdrant_client import models
 
-    from core.pages import TextSource
-    from adapters.qdrant import PAGES_ONLY
-    from core.payload import PageField
+    from mmrag.core.pages import TextSource
+    from mmrag.adapters.qdrant import PAGES_ONLY
+    from mmrag.core.payload import PageField
     from mmrag import wiring
     from retrieval.evaluate import DEPTH, by_kind, chance_recall, score, unknown_docs
     from retrieval.search import Channel
@@ -176,7 +176,7 @@ async def cited_pages(settings: Settings, searcher: PageSearcher, questions: lis
     (split or joint show the same pages; every prompt taken to fit the engine's context, and a split at most
     MMRAG_ANSWER_MAX_TOKENS parts). A real model's decomposer (MMRAG_DECOMPOSER=model) may split a question
     otherwise."""
-    from core.engine import Layout
+    from mmrag.core.engine import Layout
     from rag.decompose import RuleDecomposer
     from rag.plans import AnswerMode, choose_answer, cite, fit_pages, shown_as_figures
 
@@ -290,7 +290,7 @@ def latency_command(
     """
     if pages < 1 or queries < 1 or batch < 1:
         raise typer.BadParameter("--pages, --queries and --batch must be at least 1")
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     settings = Settings()
     result = asyncio.run(run_latency(settings, pages=pages, queries=queries, batch=batch, seed=seed))
@@ -304,10 +304,10 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
     import numpy as np
     from qdrant_client import AsyncQdrantClient
 
-    from adapters.embed import ImageEmbedder
-    from adapters.lexical import LexicalEncoder
-    from core.keys import ContentHash, EncoderVersion, ImageKey
-    from core.payload import EncoderScope
+    from mmrag.adapters.embed import ImageEmbedder
+    from mmrag.adapters.lexical import LexicalEncoder
+    from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey
+    from mmrag.core.payload import EncoderScope
     from mmrag import wiring
     from retrieval.search import Channel, Fusion, PageSearcher
 
@@ -373,10 +373,10 @@ async def fill_synthetic(client: AsyncQdrantClient, collection: str, pages: int,
     vectors, and BM25 vectors of ``words_per_page`` words drawn from ``vocabulary`` by a Zipf law (as words are)."""
     from qdrant_client import models
 
-    from adapters.qdrant import make_point, vector_params
-    from core.keys import doc_id_for
-    from core.pages import TextSource
-    from core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, TEXT_VECTOR, PagePayload
+    from mmrag.adapters.qdrant import make_point, vector_params
+    from mmrag.core.keys import doc_id_for
+    from mmrag.core.pages import TextSource
+    from mmrag.core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, TEXT_VECTOR, PagePayload
 
     await client.create_collection(
         collection, vectors_config={n: vector_params(n, d) for n, d in ((TEXT_VECTOR, text_dim),
@@ -450,7 +450,7 @@ def cost_command(
     """What the late-interaction page-image channel (MMRAG_PAGE_RETRIEVER) costs: index bytes per page per storage
     option (float32, token pooling, int8 / binary quantisation on a Qdrant server) and two-stage query latency
     (pooled prefetch, MaxSim re-rank) against single-stage MaxSim. Random vectors: shapes decide the cost."""
-    from bench.late_cost import print_late_cost, run_late_cost
+    from mmrag.bench.late_cost import print_late_cost, run_late_cost
 
     result = run_late_cost(pages=pages, tokens_per_page=tokens_per_page, local_pages=local_pages,
                            variants=tuple(v.strip() for v in variants.split(",") if v.strip()))

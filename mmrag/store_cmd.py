@@ -6,7 +6,7 @@ Keys are listed before the index is read, so an entry a page references by then 
 ingest is writing (an ingest stores a page's tokens just before it indexes the page).
 
 Leased entries are kept too, and counted apart (``leased``): an answer being generated holds its pages and
-images, a conversation its images (adapters/store.py ``lease``), in any process sharing the store. They are
+images, a conversation its images (mmrag/adapters/store.py ``lease``), in any process sharing the store. They are
 unreferenced only for now: a later gc removes those whose lease has ended or lapsed.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 from rich.console import Console
 
-from adapters.qdrant import IndexConfigError
-from core.keys import ImageKey
-from core.settings import Settings
+from mmrag.adapters.qdrant import IndexConfigError
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import Settings
 from mmrag import wiring
 
 

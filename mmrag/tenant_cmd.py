@@ -18,7 +18,7 @@ err = Console(stderr=True)
 
 
 def _file():
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     path = Settings().tenants_file
     if path is None:
@@ -48,7 +48,7 @@ def add(tenant: Annotated[str, typer.Argument(help="Tenant name: 1-32 of a-z, 0-
 @tenant_app.command("list")
 def list_(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
     """Tenants, how many keys each has, and their collections."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from serving.api.tenants import read_tenants_file
 
     settings = Settings()
@@ -101,7 +101,7 @@ def remove(tenant: Annotated[str, typer.Argument(help="The tenant whose keys to 
 
 
 def _tenant_name(value: str) -> str:
-    from core.settings import check_tenant
+    from mmrag.core.settings import check_tenant
 
     try:
         return check_tenant(value)

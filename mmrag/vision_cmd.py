@@ -45,7 +45,7 @@ def serve(
     """
     import uvicorn
 
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.wiring import vision_app as build
 
     settings = Settings()

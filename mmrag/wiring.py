@@ -16,25 +16,25 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from adapters.checkpoint import ModelSource, configured_model
-from core.engine import Engine, ImageInput, ImageTokenCounts
-from core.keys import KeyLease, NoLease
-from core.payload import EncoderScope, pages_per_encoder
-from core.settings import DEFAULT_TENANT, Settings
+from mmrag.adapters.checkpoint import ModelSource, configured_model
+from mmrag.core.engine import Engine, ImageInput, ImageTokenCounts
+from mmrag.core.keys import KeyLease, NoLease
+from mmrag.core.payload import EncoderScope, pages_per_encoder
+from mmrag.core.settings import DEFAULT_TENANT, Settings
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from fastapi import FastAPI
 
-    from adapters.embed import ImageEmbedder, TextEmbedder
-    from adapters.late import LateInteractionRetriever
-    from adapters.qdrant import PageIndex
-    from adapters.store import FeatureStore
-    from adapters.vision import VisionEncoder
-    from adapters.vision_client import RemoteVisionEncoder
-    from core.keys import ResolutionPolicy
-    from core.scope import TenantScope
+    from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
+    from mmrag.adapters.late import LateInteractionRetriever
+    from mmrag.adapters.qdrant import PageIndex
+    from mmrag.adapters.store import FeatureStore
+    from mmrag.adapters.vision import VisionEncoder
+    from mmrag.adapters.vision_client import RemoteVisionEncoder
+    from mmrag.core.keys import ResolutionPolicy
+    from mmrag.core.scope import TenantScope
     from ingestion.pipeline import Ingestor
     from rag.answer_cache import AnswerCache
     from rag.decompose import Decomposer
@@ -79,7 +79,7 @@ def resolve_model(settings: Settings) -> ModelSource:
             "MMRAG_MODEL is not set: set it to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint (a local folder, or "
             "a hub id already in the local cache), or set MMRAG_PROFILE=development to build and serve the tiny "
             "random-weight test model (for trying mmrag out: its answers are noise)")
-    from devkit.tiny_model import MODEL_NAME, ensure_tiny_model
+    from mmrag.devkit.tiny_model import MODEL_NAME, ensure_tiny_model
 
     if not (path / "config.json").is_file():
         log.info("no MMRAG_MODEL configured: building the tiny random-weight test model at %s", path)
@@ -95,7 +95,7 @@ def development_model_dir(settings: Settings) -> Path | None:
 
 def feature_store(settings: Settings) -> FeatureStore:
     """Redis when MMRAG_REDIS_URL is set, local disk under the data dir otherwise."""
-    from adapters.store import DiskFeatureStore, RedisFeatureStore
+    from mmrag.adapters.store import DiskFeatureStore, RedisFeatureStore
 
     if settings.redis_url:
         return RedisFeatureStore(settings.redis_url)
@@ -103,8 +103,8 @@ def feature_store(settings: Settings) -> FeatureStore:
 
 
 def vision_placement(settings: Settings, *, require_device: bool = True):
-    """MMRAG_VISION_DEVICE / MMRAG_VISION_DTYPE resolved for this host (adapters/hardware.py)."""
-    from adapters.hardware import vision_placement as resolve
+    """MMRAG_VISION_DEVICE / MMRAG_VISION_DTYPE resolved for this host (mmrag/adapters/hardware.py)."""
+    from mmrag.adapters.hardware import vision_placement as resolve
 
     return resolve(settings.vision_device, settings.vision_dtype, require_device=require_device)
 
@@ -113,12 +113,12 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | Re
     """The vision service at MMRAG_VISION_URL when set (`mmrag vision serve`: same interface, same keys),
     else the tower in this process on MMRAG_VISION_DEVICE."""
     if settings.vision_url:
-        from adapters.vision_client import RemoteVisionEncoder
+        from mmrag.adapters.vision_client import RemoteVisionEncoder
 
         return RemoteVisionEncoder.of_settings(settings)
     import torch
 
-    from adapters.vision import VisionEncoder
+    from mmrag.adapters.vision import VisionEncoder
 
     placement = vision_placement(settings)
     pixels = settings.image_input == ImageInput.PIXELS.value
@@ -148,7 +148,7 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
         return _scopes[cache_key]
     info = None
     if settings.vision_url and not before_preprocessing:
-        from adapters.vision_client import VisionServiceError, service_info
+        from mmrag.adapters.vision_client import VisionServiceError, service_info
 
         try:
             info = service_info(settings.vision_url, api_key=settings.vision_api_key)
@@ -167,7 +167,7 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
     else:
         import torch
 
-        from adapters.vision import encoder_versions_of
+        from mmrag.adapters.vision import encoder_versions_of
 
         placement = vision_placement(settings, require_device=False)
         # One read and hash of the tower gives both versions (`mmrag index check` asks for both): keep both, but
@@ -183,13 +183,13 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
 def model_family(model: ModelSource) -> str:
     """The checkpoint's ``model_type`` (qwen2_vl, ...): what `mmrag index check` and the encoder info metric
     name. Read from config.json, so it costs no weights."""
-    from adapters.families import checkpoint_family
+    from mmrag.adapters.families import checkpoint_family
 
     return checkpoint_family(model.path).model_type
 
 
 def text_embedder(settings: Settings) -> TextEmbedder:
-    from adapters.embed import TextEmbedder
+    from mmrag.adapters.embed import TextEmbedder
 
     return TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
 
@@ -198,7 +198,7 @@ def image_embedder(settings: Settings) -> ImageEmbedder | None:
     """The CLIP image channel, or None when it is off (no local weights)."""
     if not settings.image_channel:
         return None
-    from adapters.embed import ImageEmbedder
+    from mmrag.adapters.embed import ImageEmbedder
 
     return ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
 
@@ -212,7 +212,7 @@ def late_retriever(settings: Settings) -> LateInteractionRetriever | None:
     folder = settings.late_retriever
     if folder is None:
         return None
-    from adapters.late import LateInteractionRetriever
+    from mmrag.adapters.late import LateInteractionRetriever
 
     key = str(folder.resolve())
     if key not in _LATE:
@@ -232,8 +232,8 @@ def fusion(settings: Settings):
 def page_index(settings: Settings, text_dim: int, *, client=None, late_dim: int = 0) -> PageIndex:
     """The index for writing (its collection created or checked against the embedders' sizes). ``late_dim``: the
     late-interaction retriever's vector size, when MMRAG_PAGE_RETRIEVER names one."""
-    from adapters.embed import clip_embed_dim
-    from adapters.qdrant import PageIndex, open_qdrant
+    from mmrag.adapters.embed import clip_embed_dim
+    from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
     index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
                       text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
@@ -243,7 +243,7 @@ def page_index(settings: Settings, text_dim: int, *, client=None, late_dim: int 
 
 def read_index(settings: Settings) -> PageIndex:
     """The index for reading only: no embedder is loaded and no vector sizes are needed."""
-    from adapters.qdrant import PageIndex, open_qdrant
+    from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
     return PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
                      text_dim=0, image_dim=0)
@@ -282,7 +282,7 @@ def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = 
              text: TextEmbedder | None = None, image: ImageEmbedder | None = None) -> PageSearcher:
     """``encoder``: retrieve only pages whose tokens it made (whoever feeds hits to the VLM must pass it).
     Embedders already built (another tenant's searcher) are reused."""
-    from adapters.qdrant import open_async_qdrant
+    from mmrag.adapters.qdrant import open_async_qdrant
     from retrieval.search import PageSearcher
 
     return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
@@ -420,7 +420,7 @@ def answer_cache(settings: Settings, metrics: Metrics | None = None) -> AnswerCa
     is set, else under data_dir/answers; its lookups counted in ``metrics``. None when it is off."""
     if not settings.answer_cache:
         return None
-    from adapters.answer_store import open_answer_store
+    from mmrag.adapters.answer_store import open_answer_store
     from rag.answer_cache import AnswerCache
 
     store = open_answer_store(redis_url=settings.redis_url, folder=settings.data_dir / "answers")
@@ -453,7 +453,7 @@ def answer_prompt_version(settings: Settings) -> str:
 def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:
     """A new lease per answer on the pages it shows (rag/pipeline.py): held to its last token, at most
     ANSWER_LEASE_S if the server dies first."""
-    from adapters.store import StoreLease
+    from mmrag.adapters.store import StoreLease
 
     return lambda: StoreLease(store, "answer", ANSWER_LEASE_S)
 
@@ -473,8 +473,8 @@ def scoped_pipeline(settings: Settings, scope: TenantScope, engine: Engine, *, s
 
 
 def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScope:
-    """The tenant's scope (core/scope.py): built here, handed to all that acts for the tenant."""
-    from core.scope import TenantScope
+    """The tenant's scope (mmrag/core/scope.py): built here, handed to all that acts for the tenant."""
+    from mmrag.core.scope import TenantScope
 
     return TenantScope.of(settings, tenant)
 
@@ -515,8 +515,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     ``engine_``/``store_``: an already started engine and the feature store it reads (tests share one engine
     per session); the store is what the feature-store metrics count.
     """
-    from adapters.qdrant import AsyncPageReader, LoopBridge
-    from adapters.store import StoreLease
+    from mmrag.adapters.qdrant import AsyncPageReader, LoopBridge
+    from mmrag.adapters.store import StoreLease
     from serving.api.admission import Admission, Share
     from serving.api.limits import RequestRates
     from serving.api.conversations import Conversations
@@ -597,7 +597,7 @@ def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversati
     and conversations, all from its scope; engine, scheduler, store, tiers and embedders stay the process's one."""
     import dataclasses
 
-    from adapters.qdrant import AsyncPageReader
+    from mmrag.adapters.qdrant import AsyncPageReader
 
     if scope.tenant == DEFAULT_TENANT:
         return root

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.engine import Engine, PromptPlan, SamplingSpec, Usage
-from core.figures import PageFigure
-from core.payload import PagePayload
+from mmrag.core.engine import Engine, PromptPlan, SamplingSpec, Usage
+from mmrag.core.figures import PageFigure
+from mmrag.core.payload import PagePayload
 
 RANDOM_MODEL_NOTE = (
     "random-weight test model: its text is not meaningful; set MMRAG_MODEL to a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "

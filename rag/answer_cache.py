@@ -15,7 +15,7 @@ other unreadable entry, which is a miss (and is removed), never an error to the 
 down, the disk full) is logged and answers as a miss too: the answer is computed as if there were no cache.
 
 Entries are bounded per tenant (MMRAG_ANSWER_CACHE_MAX_PER_TENANT, least recently used out first) and kept in
-Redis when MMRAG_REDIS_URL is set, else on disk (adapters/answer_store.py). docs/answer-cache.md is the user's
+Redis when MMRAG_REDIS_URL is set, else on disk (mmrag/adapters/answer_store.py). docs/answer-cache.md is the user's
 side of it.
 """
 
@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from adapters.answer_store import AnswerStore, AnswerStoreError
-from core.keys import ImageKey
-from core.settings import check_tenant
-from core.text import normalise
+from mmrag.adapters.answer_store import AnswerStore, AnswerStoreError
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import check_tenant
+from mmrag.core.text import normalise
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _TRAILING = re.compile(r"[\s?.!]+$")
 
 
 def normalise_question(question: str) -> str:
-    """The question as the key sees it: the one text normaliser's output (core/text.normalise: NFKC, typographic
+    """The question as the key sees it: the one text normaliser's output (mmrag/core/text.normalise: NFKC, typographic
     quotes and dashes folded, ...), case-folded, every run of whitespace one space, trailing ``?``/``.``/``!``
     (and spaces) dropped. "What is X?" and "  what is  x " are one question."""
     return _TRAILING.sub("", " ".join(normalise(question).casefold().split()))

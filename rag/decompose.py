@@ -28,7 +28,7 @@ from llama_index.core.question_gen.types import BaseQuestionGenerator, SubQuesti
 from llama_index.core.schema import QueryBundle
 from llama_index.core.tools.types import ToolMetadata
 
-from core.engine import Completion, Engine, PromptPlan, SamplingSpec
+from mmrag.core.engine import Completion, Engine, PromptPlan, SamplingSpec
 
 MAX_QUESTION_CHARS = 2000
 EMPTY_QUESTION = 'the question is empty: send a question, e.g. "What does the chart on page 2 show?"'
@@ -458,7 +458,7 @@ class ModelDecomposer:
         self.engine = engine
         self.max_n = max_n
         self.max_len = max_len
-        self.cache_salt = cache_salt  # the tenant's (core/scope.py): its prompts share KV with its own only
+        self.cache_salt = cache_salt  # the tenant's (mmrag/core/scope.py): its prompts share KV with its own only
         if fixed_tokens:
             self.sampling = SamplingSpec(max_tokens=fixed_tokens, min_tokens=fixed_tokens, temperature=0.0)
         else:

@@ -85,7 +85,7 @@ class AnswerLabel:
 
 def load_answer_labels(path: Path) -> list[AnswerLabel]:
     """``path``: retrieval/evaluate.py's labels (read by its :func:`load_labels`, which ignores other fields) with
-    ``"answer": str | null`` and ``"answer_aliases": [str, ...]`` on each line (bench/realdocs/labels.jsonl)."""
+    ``"answer": str | null`` and ``"answer_aliases": [str, ...]`` on each line (mmrag/bench/realdocs/labels.jsonl)."""
     labelled = load_labels(path)
     rows = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
             if line.strip()]

@@ -26,9 +26,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
-from core.keys import ImageKey, KeyLease, NoLease
-from core.settings import DEFAULT_TENANT
+from mmrag.core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
+from mmrag.core.keys import ImageKey, KeyLease, NoLease
+from mmrag.core.settings import DEFAULT_TENANT
 from rag.answer import Answer, Citation
 from rag.answer_cache import AnswerCache, CachedAnswer, answer_key
 from rag.decompose import Decomposer
@@ -69,7 +69,7 @@ class Pipeline:
     """``submit`` is where plans go (the scheduler's submit when serving; ``engine.generate`` by default);
     ``token_counts`` is filled from retrieval payloads, for a scheduler that admits by image tokens.
 
-    The wiring builds one pipeline per tenant scope (core/scope.py): ``searcher`` reads the tenant's collection,
+    The wiring builds one pipeline per tenant scope (mmrag/core/scope.py): ``searcher`` reads the tenant's collection,
     ``cache_salt`` goes on every plan it submits.
 
     ``tiers``: where a question that asks for a resolution tier gets its pages' tokens in it (rag/tiers.py).
@@ -79,7 +79,7 @@ class Pipeline:
     greedy answer whose key was answered before is served from it, streamed as it was, with no engine request;
     ``usage.answer_cache`` says ``hit``, ``miss`` or ``off``.
 
-    ``lease``: a new lease per answer (core/keys.py KeyLease), on the pages it shows from retrieval to its last
+    ``lease``: a new lease per answer (mmrag/core/keys.py KeyLease), on the pages it shows from retrieval to its last
     token, so a document deleted meanwhile (or ``mmrag store gc``) takes its pages' tokens away only after the
     answer ends. A page whose tokens went before the lease began (deleted between retrieval and planning) is
     left out of the answer, as if it had not been retrieved, and named in ``pages_deleted``.
@@ -97,7 +97,7 @@ class Pipeline:
         self.submit = submit or engine.generate
         self.token_counts = token_counts if token_counts is not None else ImageTokenCounts()
         self.tiers = tiers
-        self.cache_salt = cache_salt  # the tenant's (core/scope.py): on every plan this pipeline submits
+        self.cache_salt = cache_salt  # the tenant's (mmrag/core/scope.py): on every plan this pipeline submits
         self.lease = lease
         self.answers = answers
         self.tenant = tenant

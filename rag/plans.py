@@ -29,7 +29,7 @@ model sees whole pages or figures, nothing is approximated) and both citing ever
 3. a one-part question over several pages: split too, each page answering the question for itself (a real model
    says of a page that cannot answer it that it does not; every page is cited, and each part's prefix is warm).
    Showing only the page that stands out (its margin over the candidates twice the next page's or more) was
-   measured and dropped: on bench/realdocs it left out a needed page of a multi-page question at every
+   measured and dropped: on mmrag/bench/realdocs it left out a needed page of a multi-page question at every
    threshold tried (every page cited for 0.733 of them instead of 0.767);
 4. one page in all: a one-page prompt (split and joint are the same prompt then).
 
@@ -50,11 +50,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
-from core.engine import Layout, PromptPlan, SamplingSpec
-from core.figures import PageFigure
-from core.keys import ImageKey
-from core.settings import DEPRECATED_ANSWER_MODES
-from core.text import figure_refs
+from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
+from mmrag.core.figures import PageFigure
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import DEPRECATED_ANSWER_MODES
+from mmrag.core.text import figure_refs
 from rag.answer import Citation
 from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit
@@ -72,7 +72,7 @@ class AnswerMode(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> AnswerMode | None:
-        """An old name (core/settings.DEPRECATED_ANSWER_MODES) is its successor, said once in the log each time it
+        """An old name (mmrag/core/settings.DEPRECATED_ANSWER_MODES) is its successor, said once in the log each time it
         is read."""
         if isinstance(value, str) and value in DEPRECATED_ANSWER_MODES:
             new = DEPRECATED_ANSWER_MODES[value]
@@ -139,7 +139,7 @@ def union_pages(hits: Sequence[Sequence[Hit]], *, besides: Sequence[ImageKey] = 
     candidates (``Hit.margin``; ties keep the sub-questions' ranks). A page seen earlier keeps its first place.
     Raw scores are not compared across sub-questions: a vague sub-question ("how many nodes are used?") gives
     many look-alike pages similar high scores, while the second page of a precise one stands well clear of its
-    candidates (on bench/realdocs, rank by margin cites every needed page of 0.767 of multi-page questions at 4
+    candidates (on mmrag/bench/realdocs, rank by margin cites every needed page of 0.767 of multi-page questions at 4
     pages, rank by rank 0.733). A page that is one of the question's own images (``besides``) is shown as that
     image, not again."""
     ranked = [_distinct_pages(hs) for hs in hits]
@@ -203,7 +203,7 @@ def _joint(hits: Sequence[Sequence[Hit]], misfit: Misfit, images: Sequence[Image
     prompt, the overflow (a prompt per sub-question, then a synthesis), the reason saying why.
 
     Each part's best page alone would halve a comparison's prompt (and its uncached half), but was measured and
-    not taken: on bench/realdocs every needed page was then cited for 0.700 of the multi-page questions, against
+    not taken: on mmrag/bench/realdocs every needed page was then cited for 0.700 of the multi-page questions, against
     0.767 with the budget."""
     pages = union_pages(hits, besides=images)
     kept = pages[:max_pages] if max_pages else pages

@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from adapters.store import ScopedFeatureStore
-from core.keys import ContentHash, ImageKey, ResolutionPolicy, Tiers
-from core.pages import EncodedImage
-from core.payload import EncoderScope
-from core.settings import Settings
+from mmrag.adapters.store import ScopedFeatureStore
+from mmrag.core.keys import ContentHash, ImageKey, ResolutionPolicy, Tiers
+from mmrag.core.pages import EncodedImage
+from mmrag.core.payload import EncoderScope
+from mmrag.core.settings import Settings
 from retrieval.search import Hit
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from adapters.store import FeatureStore
+    from mmrag.adapters.store import FeatureStore
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ class LabelsError(ValueError):
 
 def load_labels(path: Path) -> list[LabelledQuestion]:
     """``path``: JSON lines, each {"question", "pages": [{"doc", "page"}, ...], "needs": "any"|"all", "kind",
-    "id"} (bench/realdocs/labels.jsonl is one)."""
+    "id"} (mmrag/bench/realdocs/labels.jsonl is one)."""
     out = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():

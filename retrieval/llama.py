@@ -14,7 +14,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from core.keys import page_point_id
+from mmrag.core.keys import page_point_id
 from retrieval.search import Channel, Hit, PageSearcher
 
 # Identifiers for citations and the engine, not words for the LLM or an embedding model.

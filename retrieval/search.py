@@ -11,7 +11,7 @@ a weighted sum of scaled scores, MMRAG_FUSION / MMRAG_FUSION_WEIGHTS) and cut to
 keeps each channel's own ranking visible to the evaluation (`mmrag retrieval eval` scores every channel from
 the same round trip) and lets the weights be measured rather than assumed.
 
-Questions and page text go through the one normaliser (core/text.py) before either is embedded or tokenised.
+Questions and page text go through the one normaliser (mmrag/core/text.py) before either is embedded or tokenised.
 
 Local mode (``AsyncQdrantClient(path=...)``) is qdrant-client's in-process engine behind async methods:
 it computes on the calling thread, so a local-mode search holds the event loop for its duration (a few ms
@@ -35,13 +35,13 @@ from typing import Any, TypeVar
 import numpy as np
 from qdrant_client import AsyncQdrantClient, models
 
-from adapters.embed import ImageEmbedder, TextEmbedder
-from adapters.late import LateInteractionRetriever, mean_pool
-from adapters.lexical import LexicalEncoder, special_token, token_index
-from adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
-from core.figures import PageFigure
-from core.keys import ImageKey
-from core.payload import (
+from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
+from mmrag.adapters.late import LateInteractionRetriever, mean_pool
+from mmrag.adapters.lexical import LexicalEncoder, special_token, token_index
+from mmrag.adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
+from mmrag.core.figures import PageFigure
+from mmrag.core.keys import ImageKey
+from mmrag.core.payload import (
     FIGURE_INDEX,
     FIGURE_PARENT,
     IMAGE_VECTOR,
@@ -54,8 +54,8 @@ from core.payload import (
     PageField,
     PagePayload,
 )
-from core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
-from core.text import caption_label, figure_refs, normalise, starts_with_reference
+from mmrag.core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
+from mmrag.core.text import caption_label, figure_refs, normalise, starts_with_reference
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def named_figures(page: PagePayload) -> list[PageFigure]:
 
 def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") -> PageFigure | None:
     """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
-    "Table 2", "Figure 3a"; core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms
+    "Table 2", "Figure 3a"; mmrag/core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms
     (without its "Figure N:" label) the query shares most of, at least CAPTION_MATCH_SHARE of them and two; None
     when neither holds. A slide's lone uncaptioned figure (a chart pasted on a slide) is what the slide's
     ``title`` says, and matches by the title's terms."""
@@ -605,7 +605,7 @@ def _with_context(fused: list[tuple[float, models.ScoredPoint]], around: list[tu
 
 
 def figure_query(text: str) -> tuple[list[int], list[float]]:
-    """The caption channel's sparse query: the figure#N / table#N tokens (adapters/lexical.py) of every figure,
+    """The caption channel's sparse query: the figure#N / table#N tokens (mmrag/adapters/lexical.py) of every figure,
     table or listing the question names, weight 1 each; empty when it names none."""
     indices = sorted({token_index(special_token(kind, number)) for kind, number in figure_refs(text)})
     return indices, [1.0] * len(indices)
@@ -631,7 +631,7 @@ FIGURE_NAMING_MIN_SIMILARITY = 0.5
 def _as_pages(points: list[models.ScoredPoint], named_from: float = FIGURE_NAMING_MIN_SIMILARITY
               ) -> tuple[list[models.ScoredPoint], dict[Any, int]]:
     """Figure points (best first) as their pages: each page once, at its best figure's score (the payload is
-    the page's own, core/payload.py figure_payload), and which figure that was where it is close enough to the
+    the page's own, mmrag/core/payload.py figure_payload), and which figure that was where it is close enough to the
     query to be named (score >= ``named_from``)."""
     pages: list[models.ScoredPoint] = []
     seen: set[Any] = set()

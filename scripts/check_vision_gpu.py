@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from adapters.families import FAMILIES
-from adapters.hardware import vision_placement
-from adapters.vision import VisionEncoder, encoder_version_of
-from core.keys import ResolutionPolicy
-from devkit.tiny_model import build_tiny_model
+from mmrag.adapters.families import FAMILIES
+from mmrag.adapters.hardware import vision_placement
+from mmrag.adapters.vision import VisionEncoder, encoder_version_of
+from mmrag.core.keys import ResolutionPolicy
+from mmrag.devkit.tiny_model import build_tiny_model
 
 POLICY = ResolutionPolicy(56 * 56, 448 * 448)
 

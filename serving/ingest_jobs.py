@@ -1,7 +1,7 @@
 """Ingest jobs inside the server: documents are added while it serves, through the server's own index client.
 
 Qdrant local mode allows one client per folder, and the server already holds it (async). Ingestion is sync
-code running in worker threads, so it reaches the index through `adapters.qdrant.LoopBridge`, which runs
+code running in worker threads, so it reaches the index through `mmrag.adapters.qdrant.LoopBridge`, which runs
 each call on the server's event loop. Jobs wait in one FIFO queue per tenant and are served round-robin by
 MMRAG_INGEST_WORKERS threads (default 1: ingestion is CPU-bound and the machine has few cores), so one
 tenant's backlog delays another's job by at most one job of each tenant with work queued. Their state lives in
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adapters.qdrant import PageIndex
-from adapters.store import FeatureStore
-from core.keys import ImageKey, Tiers, doc_id_for
-from core.scope import TenantScope
-from core.settings import DEFAULT_TENANT
+from mmrag.adapters.qdrant import PageIndex
+from mmrag.adapters.store import FeatureStore
+from mmrag.core.keys import ImageKey, Tiers, doc_id_for
+from mmrag.core.scope import TenantScope
+from mmrag.core.settings import DEFAULT_TENANT
 from ingestion.pipeline import Ingestor
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class IngestJobs:
 
     Each job belongs to a tenant (``for_tenant`` gives a tenant's view): it writes the tenant's collection
     (``make_index(tenant)``), reads server-side paths under its scope's ``root`` and stores uploads under its
-    scope's ``uploads`` (``scope_of(tenant)``, core/scope.py).
+    scope's ``uploads`` (``scope_of(tenant)``, mmrag/core/scope.py).
     ``referenced``: the feature keys any tenant's pages reference (what a deletion must keep, with those pages'
     entries in the other ``tiers``)."""
 

@@ -33,14 +33,14 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from core.engine import ImageInput, Usage
-from core.keys import ResolutionPolicy, Tiers
-from core.payload import EncoderScope
-from core.settings import DEFAULT_TENANT
+from mmrag.core.engine import ImageInput, Usage
+from mmrag.core.keys import ResolutionPolicy, Tiers
+from mmrag.core.payload import EncoderScope
+from mmrag.core.settings import DEFAULT_TENANT
 from serving.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
-    from adapters.store import FeatureStore
+    from mmrag.adapters.store import FeatureStore
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from core.engine import PromptPlan
+from mmrag.core.engine import PromptPlan
 
 Path = tuple[str, ...]  # ("system:<id>", image key, image key, ...): a plan's KV prefix as routing sees it
 

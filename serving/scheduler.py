@@ -52,7 +52,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from core.engine import Completion, Engine, OnText, PromptPlan
+from mmrag.core.engine import Completion, Engine, OnText, PromptPlan
 from serving.routing import Path, prefix_path
 
 log = logging.getLogger(__name__)

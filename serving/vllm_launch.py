@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adapters.checkpoint import checkpoint_fingerprint, fingerprint_name
+from mmrag.adapters.checkpoint import checkpoint_fingerprint, fingerprint_name
 from serving.engine.config import EngineConfig
 from serving.engine.lifeline import (
     PARENT_PID_VAR,

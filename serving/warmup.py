@@ -19,9 +19,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from core.keys import ImageKey
-from core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
-from core.payload import PagePayload
+from mmrag.core.keys import ImageKey
+from mmrag.core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
+from mmrag.core.payload import PagePayload
 from retrieval.search import named_figures
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The development profile, said here for every test and the processes they start: where a test leaves
 # MMRAG_MODEL empty, the tiny random-weight model is built (production refuses that: tests/test_profiles.py).
 os.environ["MMRAG_PROFILE"] = "development"
-from adapters.hardware import reproducible_numerics  # noqa: E402 - before any matmul, as the CLI's entry does
+from mmrag.adapters.hardware import reproducible_numerics  # noqa: E402 - before any matmul, as the CLI's entry does
 
 reproducible_numerics()
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from devkit.ports import free_port
+from mmrag.devkit.ports import free_port
 from serving.readiness import ServerStartError, wait_until_ready
 from tests.waiting import eventually
 
@@ -66,14 +66,14 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight Qwen2-VL, built offline once per session."""
-    from devkit.tiny_model import build_tiny_model
+    from mmrag.devkit.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def sample_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from devkit.corpus import build_sample_corpus
+    from mmrag.devkit.corpus import build_sample_corpus
 
     out = tmp_path_factory.mktemp("corpus")
     build_sample_corpus(out)
@@ -113,7 +113,7 @@ ENGINE_ENV = dict(
 @pytest.fixture(scope="session")
 def engine_settings(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
     """Settings for a session data dir holding the tiny model; engine-facing values as in ENGINE_ENV."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     data_dir = tmp_path_factory.mktemp("engine-data")
     for k, v in ENGINE_ENV.items():

@@ -69,7 +69,7 @@ def _fast_lane_guard(child: bool = False) -> None:
 
     def guarded_path(pythonpath: str) -> str:
         """PYTHONPATH with the guard's folder first: its sitecustomize is the one Python loads. But second behind
-        adapters/isa_caps (an emulated run, `make check-avx2`), whose sitecustomize loads instead, as the CLI's
+        mmrag/adapters/isa_caps (an emulated run, `make check-avx2`), whose sitecustomize loads instead, as the CLI's
         check of its caps expects: the children of an emulated run are guarded by their command line only."""
         guard = os.path.dirname(os.environ["PYTEST_FAST_LANE_GUARD"])
         parts = [p for p in pythonpath.split(os.pathsep) if p and p != guard]

@@ -391,7 +391,7 @@ async def test_a_waiter_cancelled_as_its_turn_comes_passes_the_slot_on():
 
 
 def test_the_settings_build_the_admission():
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     s = Settings(admission_queue=7, admission_max_wait_s=2.5, max_questions_in_flight=3)
     assert (s.admission_queue, s.admission_max_wait_s) == (7, 2.5)

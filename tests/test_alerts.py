@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from core.payload import EncoderScope
+from mmrag.core.payload import EncoderScope
 from mmrag import wiring
 from tests.conftest import copy_corpus, free_port, serving
 from tests.waiting import eventually

@@ -22,10 +22,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import rag.answer_cache as answer_cache
-from adapters.answer_store import DiskAnswerStore, RedisAnswerStore, open_answer_store
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
-from core.settings import Settings
-from devkit.ports import free_port
+from mmrag.adapters.answer_store import DiskAnswerStore, RedisAnswerStore, open_answer_store
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
+from mmrag.core.settings import Settings
+from mmrag.devkit.ports import free_port
 from rag.answer_cache import (AnswerCache, CachedAnswer, CorruptAnswerError, answer_key, normalise_question,
                               prompt_version)
 from serving.metrics import Metrics

@@ -26,7 +26,7 @@ def cached(request, api_server, tmp_path, monkeypatch):
     if redis_url:  # the session's Redis (other tests' keys too): each test starts with no answers kept
         import redis
 
-        from adapters.answer_store import REDIS_PREFIX
+        from mmrag.adapters.answer_store import REDIS_PREFIX
 
         client = redis.Redis.from_url(redis_url)
         for key in client.scan_iter(match=f"{REDIS_PREFIX}*"):

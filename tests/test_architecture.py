@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "adapters", "ingestion", "retrieval", "rag", "serving", "bench", "mmrag", "devkit")
+# The installed top-level packages (issue 43: nothing else, under names of the layout's own).
+PACKAGES = ("mmrag", "ingestion", "retrieval", "rag", "serving")
+# Below mmrag: the contracts, adapters, benchmark harness and development kit; the rest of mmrag/ is the
+# composition root (CLI and wiring).
+SUBPACKAGES = ("core", "adapters", "bench", "devkit")
+# The service's rooms, by folder.
+PRODUCT = ("mmrag/core", "mmrag/adapters", "ingestion", "retrieval", "rag", "serving")
 
 
 def test_the_import_contracts_are_kept():
@@ -29,6 +35,17 @@ def test_every_top_level_package_is_under_a_contract():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
     found = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "scripts"}
     assert found == set(config["root_packages"]) == set(PACKAGES)
+    assert {p.parent.name for p in (REPO / "mmrag").glob("*/__init__.py")} == set(SUBPACKAGES)
+
+
+def test_every_module_of_the_composition_root_is_forbidden_below_it():
+    """A new command module in mmrag/ must be kept out of reach of the rooms below, or the one-way house leaks."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (top,) = [c for c in contracts if c["name"].startswith("Composition at the top")]
+    modules = {f"mmrag.{p.stem}" for p in (REPO / "mmrag").glob("*.py")} - {"mmrag.__init__"}
+    assert set(top["forbidden_modules"]) == modules
 
 
 def _imports(path: Path) -> set[str]:
@@ -52,7 +69,7 @@ def test_the_rag_pipeline_never_imports_serving(path):
 def test_settings_become_objects_only_in_the_wiring_module():
     """Only mmrag/ (the composition root: CLI + wiring) and bench's entry build from a whole Settings."""
     offenders = []
-    for pkg in ("core", "adapters", "ingestion", "retrieval", "rag", "serving"):
+    for pkg in PRODUCT:
         for path in (REPO / pkg).rglob("*.py"):
             calls = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)]
             if any(isinstance(c.func, ast.Name) and c.func.id == "Settings" for c in calls):

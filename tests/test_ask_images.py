@@ -14,8 +14,8 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from core.engine import PromptPlan
-from core.keys import ImageKey
+from mmrag.core.engine import PromptPlan
+from mmrag.core.keys import ImageKey
 from serving.api.conversations import Conversations, QuestionImage, UnknownConversationError
 from serving.api.services import QuestionImages
 from tests.conftest import API_KEY, free_port
@@ -209,7 +209,7 @@ async def test_an_unknown_conversation_is_a_404_that_says_to_send_the_images_aga
 
 async def test_the_vision_service_down_fails_questions_with_images_only(http, api_server):
     # The real client of the vision service, pointed at a port nothing listens on.
-    from adapters.vision_client import RemoteVisionEncoder
+    from mmrag.adapters.vision_client import RemoteVisionEncoder
 
     services = api_server["app"].state.services
     down = f"http://127.0.0.1:{free_port()}"

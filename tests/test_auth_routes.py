@@ -91,7 +91,7 @@ def test_every_route_but_the_public_ones_depends_on_require_api_key(api_server):
 
 
 async def test_a_route_that_forgets_the_key_is_caught_by_both():
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.wiring import create_app
 
     app = create_app(Settings(api_key=API_KEY))  # not started: the forgotten route needs no services

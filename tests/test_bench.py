@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.runner import llamaindex_messages, page_caption
+from mmrag.bench.runner import llamaindex_messages, page_caption
 from rag.plans import JOINT_PART_MIN_TOKENS
-from bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
+from mmrag.bench.workload import PromptImages, WorkloadSpec, cache_tokens, make_workload, oracle_bound, prefix_bound
 
 REPO = Path(__file__).resolve().parent.parent
 PER_SUB_QUESTION = {"no_cache", "vision_cache", "apc_naive", "vllm_llamaindex", "vllm_images_first"}
@@ -46,7 +46,7 @@ def bench_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     """One `mmrag bench --quick --tiny` run with the full run's floors and the mixed-resolution configurations
     named too (--configs brings in what --quick leaves out): one process, its two engine starts, for the tests below.
     The session's tiny model is the bench's --tiny model, linked where the bench looks for it."""
-    from bench.model import TINY_SPEC
+    from mmrag.bench.model import TINY_SPEC
 
     tmp_path = tmp_path_factory.mktemp("bench")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -176,7 +176,7 @@ def test_the_mixed_resolution_configs_run_on_pages_of_a_16x_token_spread_and_rep
     cfg = {n: c for n, c in data["configs"].items() if n in MIXED}
     base, tiered = cfg["mixed"], cfg["mixed_tiered"]
     for c in cfg.values():
-        # Per-sub-question plans on purpose (bench/runner.py): a request per sub-question.
+        # Per-sub-question plans on purpose (mmrag/bench/runner.py): a request per sub-question.
         assert c["short_requests"] + c["long_requests"] == c["requests"] == data["workload"]["sub_questions_total"]
         assert c["answer_mode"] is None
         assert 0 < c["peak_kv_image_share"] <= 1
@@ -206,7 +206,7 @@ def test_two_engine_starts_and_stops_leave_no_socket_file_in_the_temp_folder(ben
 def test_the_bench_model_is_shallower_where_the_engine_runs_fp32():
     import pytest
 
-    from bench.model import BenchModelSpec, bench_spec
+    from mmrag.bench.model import BenchModelSpec, bench_spec
 
     full, fp32 = bench_spec("bfloat16"), bench_spec("float32")
     assert (full.layers, full.vision_depth) == (8, 8) and (fp32.layers, fp32.vision_depth) == (1, 1)
@@ -231,9 +231,9 @@ def test_the_workload_is_deterministic_with_2_to_4_sub_questions_of_1_to_2_disti
 
 def _bench_corpus(n: int):
     """``n`` pages, each in a document of its own, with made-up keys of 256 tokens (no images are read)."""
-    from bench.corpus import BenchCorpus, BenchPage, CorpusSpec
-    from bench.runner import Keys
-    from core.keys import ImageKey, ResolutionPolicy
+    from mmrag.bench.corpus import BenchCorpus, BenchPage, CorpusSpec
+    from mmrag.bench.runner import Keys
+    from mmrag.core.keys import ImageKey, ResolutionPolicy
 
     # Keys sort the other way round from the pages: a stable order by key is not the retrieval order by chance.
     by_page = {i: ImageKey(f"{n - i:064x}", "0" * 8, ResolutionPolicy(3136, 200704)) for i in range(n)}
@@ -248,9 +248,9 @@ async def test_each_strategy_plans_every_question_as_the_pipeline_does():
     simulated ones (the only fakes: the bench has no index), its plans recorded at ``submit``."""
     from types import SimpleNamespace
 
-    from bench.runner import CONFIGS as SPECS
-    from bench.runner import BenchInputs, default_engine_config, question_hits, question_plans
-    from core.engine import Completion, Usage
+    from mmrag.bench.runner import CONFIGS as SPECS
+    from mmrag.bench.runner import BenchInputs, default_engine_config, question_hits, question_plans
+    from mmrag.core.engine import Completion, Usage
     from rag.decompose import Decomposition
     from rag.pipeline import Pipeline
 
@@ -294,10 +294,10 @@ async def test_each_strategy_plans_every_question_as_the_pipeline_does():
 def test_the_strategies_show_a_questions_pages_once_at_most_four_in_a_stable_order_or_each_leading_a_prompt():
     import pytest
 
-    from bench.runner import CONFIGS as SPECS
-    from bench.runner import ConfigSpec, ImageInput, question_plans
-    from bench.workload import Question, SubQuestion
-    from core.engine import Layout
+    from mmrag.bench.runner import CONFIGS as SPECS
+    from mmrag.bench.runner import ConfigSpec, ImageInput, question_plans
+    from mmrag.bench.workload import Question, SubQuestion
+    from mmrag.core.engine import Layout
     from rag.pipeline import PipelineConfig
     from rag.plans import AnswerMode
     from serving.scheduler import Policy
@@ -347,8 +347,8 @@ def test_the_report_states_each_ratio_and_target_at_both_answer_lengths():
     from collections import defaultdict
     from dataclasses import replace
 
-    from bench.report import comparisons, long_answer, markdown_tables, targets
-    from bench.runner import BASE_CONFIGS, CONFIGS as SPECS, LONG_ANSWER_CONFIGS, long_answer_name
+    from mmrag.bench.report import comparisons, long_answer, markdown_tables, targets
+    from mmrag.bench.runner import BASE_CONFIGS, CONFIGS as SPECS, LONG_ANSWER_CONFIGS, long_answer_name
 
     # The 128-token configurations: the named ones, otherwise the same, full run only, on the first questions.
     base = {c.name: c for c in BASE_CONFIGS}
@@ -427,7 +427,7 @@ def test_the_oracle_counts_repeat_uses_in_full_blocks_and_the_prefix_bound_needs
 
 
 def test_the_llamaindex_prompt_is_the_one_llama_index_builds_for_image_nodes(tmp_path):
-    """bench.runner.llamaindex_messages against llama-index itself: RetrieverQueryEngine with multimodal=True
+    """mmrag.bench.runner.llamaindex_messages against llama-index itself: RetrieverQueryEngine with multimodal=True
     over two retrieved page images, with and without metadata, the chat messages recorded at the LLM."""
     from PIL import Image
     from llama_index.core.llms import ChatMessage, ChatResponse, CustomLLM, LLMMetadata
@@ -487,7 +487,7 @@ def test_the_ordering_ablation_is_the_split_in_arrival_order_and_engine_batch_is
 
     import typer
 
-    from bench.runner import CONFIGS
+    from mmrag.bench.runner import CONFIGS
     from mmrag import bench_cmd
     from serving.scheduler import Policy
 

@@ -2,9 +2,9 @@
 over hand-built outcomes; then one real `--tiny` run, in process, that every side, class and the repeats run go
 through (timings mean nothing there).
 
-The real run is the smallest that reaches everything: 3 questions (one of each class, bench/e2e.CLASS_CYCLE), 6
+The real run is the smallest that reaches everything: 3 questions (one of each class, mmrag/bench/e2e.CLASS_CYCLE), 6
 pages, 2 in flight, one answer length of 8 tokens (with a single length, the mmrag variants, the repeats run and
-every target run at that length: bench/e2e.py, "the reference length"), 9 repeated asks. It calls the command's
+every target run at that length: mmrag/bench/e2e.py, "the reference length"), 9 repeated asks. It calls the command's
 own function (`_bench_e2e`) in this process: `mmrag ingest` and `mmrag serve` are child processes as in a user's
 run; the driver, the floor's pipeline and the llama-index pipelines run here. What a user's run starts afresh the
 test takes from the session where it can, everything else as the bench does it: the session's tiny model is the
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.corpus import _TOPICS, BenchCorpus, BenchPage, CorpusSpec
-from bench.e2e import (CLASS_CYCLE, CLASSES, COMPARISON, COMPOUND, FLOOR, LLAMAINDEX, MMRAG, MMRAG_JOINT,
+from mmrag.bench.corpus import _TOPICS, BenchCorpus, BenchPage, CorpusSpec
+from mmrag.bench.e2e import (CLASS_CYCLE, CLASSES, COMPARISON, COMPOUND, FLOOR, LLAMAINDEX, MMRAG, MMRAG_JOINT,
                        ONE_PART, E2EError, E2EInputs, E2ESpec, Outcome, auto_choices, class_report, first_generated,
                        floor_batches, floor_question, make_questions, repeat_stream, repeats_summary, stand_in_reply,
                        targets)
-from core.engine import PromptPlan, SamplingSpec
-from core.keys import ImageKey, ResolutionPolicy
+from mmrag.core.engine import PromptPlan, SamplingSpec
+from mmrag.core.keys import ImageKey, ResolutionPolicy
 from rag.decompose import RuleDecomposer
 from rag.plans import JOINT_PART_MIN_TOKENS
 from rag.plans import relates_across
@@ -270,7 +270,7 @@ class SessionReplica:
         self.url, self.model, self.config = url, model, config
 
     def __call__(self, model_path: Path, config, log_path: Path, *, port: int) -> SessionReplica:
-        from adapters.checkpoint import checkpoint_fingerprint
+        from mmrag.adapters.checkpoint import checkpoint_fingerprint
 
         assert checkpoint_fingerprint(model_path) == checkpoint_fingerprint(self.model)
         same = ("block_size", "kv_cache_gib", "max_model_len", "max_images_per_prompt", "enforce_eager", "caching",
@@ -333,20 +333,20 @@ def floor_on_a_copy(floor_pipeline):
 
 @pytest.fixture(scope="module")
 def e2e_run(tiny_model: Path, vllm_server: str, engine_settings, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    import bench.e2e
-    from bench.model import TINY_SPEC
-    from core.settings import Settings
+    import mmrag.bench.e2e
+    from mmrag.bench.model import TINY_SPEC
+    from mmrag.core.settings import Settings
     from mmrag import bench_cmd, wiring
 
     data = tmp_path_factory.mktemp("bench-e2e")
     (data / "models").mkdir()
     (data / "models" / TINY_SPEC.folder_name).symlink_to(tiny_model)
     out = data / "e2e.json"
-    serve = ServeReuse(bench.e2e.start_mmrag_serve)
+    serve = ServeReuse(mmrag.bench.e2e.start_mmrag_serve)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench.e2e, "start_replica", SessionReplica(vllm_server, tiny_model,
+        mp.setattr(mmrag.bench.e2e, "start_replica", SessionReplica(vllm_server, tiny_model,
                                                               wiring.engine_config(engine_settings)))
-        mp.setattr(bench.e2e, "start_mmrag_serve", serve)
+        mp.setattr(mmrag.bench.e2e, "start_mmrag_serve", serve)
         mp.setattr(bench_cmd, "_floor_pipeline", floor_on_a_copy(bench_cmd._floor_pipeline))
         try:
             bench_cmd._bench_e2e(Settings(data_dir=data), tiny=True, depth=None, quick=False, pages=6,

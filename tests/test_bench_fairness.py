@@ -1,4 +1,4 @@
-"""`mmrag bench --fairness` (bench/fairness.py, issue 41): the inputs it makes are what the issue measured (a PDF
+"""`mmrag bench --fairness` (mmrag/bench/fairness.py, issue 41): the inputs it makes are what the issue measured (a PDF
 of many pages sharing one content stream of tiny paths, pages slow to rasterise, images past the processor's
 aspect ratio and tiny files declaring huge sizes), its summaries and targets, and its flags. The run itself
 starts a replica and `mmrag serve` for minutes: docs/benchmarks.md records it; the behaviours it measures are tested
@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from bench.fairness import (MEMORY_BOUND_MIB, Asked, bad_inputs, fairness_table, memory_mib, pathological_pdf,
+from mmrag.bench.fairness import (MEMORY_BOUND_MIB, Asked, bad_inputs, fairness_table, memory_mib, pathological_pdf,
                             reset_peak, slow_render_pdf, summarize_asks)
 from ingestion.figures import FigureBudgetError, detect_figures
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, ROUNDS, SPLIT, FigureCorpusSpec,
+from mmrag.bench.figure_keys import (CONFIGS, FIGURE_LEVEL, PAGE_LEVEL, ROUNDS, SPLIT, FigureCorpusSpec,
                                build_figure_corpus, figures_table, make_questions, run_figure_bench)
-from bench.model import TINY_SPEC
+from mmrag.bench.model import TINY_SPEC
 from mmrag.bench_cmd import _figures_inputs, _report, _started
 
 CHARTS, QUESTIONS, LENGTH = 4, 8, 4
@@ -34,7 +34,7 @@ FIELDS = ("questions", "prompts", "questions_per_s", "ttft_p50_s", "image_hit_ra
 def _own_settings(**values):
     """Settings from only these values (a session's MMRAG_* variables, its Redis or Qdrant URL say, must not
     reach the bench's ingest), as the command's own process sees them; an emulated ISA stays."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     with pytest.MonkeyPatch.context() as mp:
         for k in [k for k in os.environ if k.startswith("MMRAG_") and k != "MMRAG_EMULATE_ISA"]:

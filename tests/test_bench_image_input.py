@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.model import TINY_SPEC
+from mmrag.bench.model import TINY_SPEC
 from tests.test_bench_figures import _own_settings
 
 PAGES, QUESTIONS, LENGTH = 4, 3, 4
@@ -31,7 +31,7 @@ async def image_input_run(inprocess_engine, tiny_model: Path, tmp_path_factory: 
     """What `mmrag bench --image-input --tiny` (pages=4, questions=3, concurrency=2, max_tokens=4, no replica)
     writes to its JSON file and prints: the command's own steps (mmrag/bench_cmd.py), its run on the session's
     engine (the command's engine config: the standard policy's processor bounds, over the session engine's)."""
-    from bench.image_input import engine_config_for, image_input_table, run_image_input
+    from mmrag.bench.image_input import engine_config_for, image_input_table, run_image_input
     from mmrag.bench_cmd import _image_input_inputs, _report, _started
 
     data = tmp_path_factory.mktemp("bench-image-input")

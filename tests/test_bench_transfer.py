@@ -1,5 +1,5 @@
 """`mmrag bench --transfer`: the three paths image tokens can take from the vision service to the engine, each
-checked to deliver the stored tokens exactly (inside bench/transfer.py), with bytes that mean what they say.
+checked to deliver the stored tokens exactly (inside mmrag/bench/transfer.py), with bytes that mean what they say.
 Smoke size with the tiny model, in a subprocess (it starts its own vision service); its timings mean nothing."""
 
 from __future__ import annotations

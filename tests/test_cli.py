@@ -120,7 +120,7 @@ def test_mmrag_log_level_debug_shows_our_debug_lines():
     ("0.0.0.0", {"api_key": "k"}, False), ("0.0.0.0", {"tenants_file": "tenants.toml"}, False),
 ])
 def test_serve_warns_when_anyone_can_reach_it_without_a_key(host, settings, warned):
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     from mmrag.cli import open_to_all
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from core.settings import COMPONENTS, Settings
+from mmrag.core.settings import COMPONENTS, Settings
 from mmrag import cli, config_cmd
 from mmrag.config_cmd import MASK, component_of, render_reference
 

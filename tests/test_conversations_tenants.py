@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from core.keys import ImageKey
+from mmrag.core.keys import ImageKey
 from serving.api.conversations import Conversations, QuestionImage, UnknownConversationError
 from serving.api.tenants import add_key
 from tests.test_deletion_leases import b64, own_store_app, page_png, small_png, upload

@@ -11,8 +11,8 @@ import pypdfium2 as pdfium
 import pytest
 from PIL import Image
 
-from core.keys import ContentHash, content_hash_of
-from devkit.corpus import AnswerRef, CorpusManifest, build_sample_corpus
+from mmrag.core.keys import ContentHash, content_hash_of
+from mmrag.devkit.corpus import AnswerRef, CorpusManifest, build_sample_corpus
 
 RENDER_DPI = 96  # the ingestion default (Settings.pdf_dpi): page identity is defined at this resolution
 

@@ -27,7 +27,7 @@ from rag.decompose import (
     sub_question_schema,
     validate_sub_questions,
 )
-from core.engine import EngineWrapper
+from mmrag.core.engine import EngineWrapper
 from serving.engine.prompt import SYSTEM_PROMPTS
 
 RULE_CASES = [
@@ -135,7 +135,7 @@ def test_a_reply_that_fails_a_check_is_rejected_with_the_reason(raw, kind, detai
 ])
 async def test_a_model_decomposer_can_say_its_parts_need_their_pages_together(reply, relates):
     """The model's ``"together"`` flag reaches the decomposition (rag/plans.choose_answer reads it: joint)."""
-    from core.engine import Completion, Usage
+    from mmrag.core.engine import Completion, Usage
 
     class Replies:  # the model's reply, as a stand-in for an engine (the schema-guided one is tested above)
         random_weights = False
@@ -150,7 +150,7 @@ async def test_a_model_decomposer_can_say_its_parts_need_their_pages_together(re
 
 
 async def test_a_decomposer_that_remembers_asks_the_model_once_per_question_within_its_bound():
-    from core.engine import Completion, Usage
+    from mmrag.core.engine import Completion, Usage
 
     asked: list[str] = []
 

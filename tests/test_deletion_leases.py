@@ -24,8 +24,8 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 from rich.console import Console
 
-from adapters.store import DiskFeatureStore, StoreLease
-from core.keys import ImageKey
+from mmrag.adapters.store import DiskFeatureStore, StoreLease
+from mmrag.core.keys import ImageKey
 from mmrag import store_cmd
 from serving.api.conversations import (Conversations, ImagesExpiredError, QuestionImage,
                                         UnknownConversationError)

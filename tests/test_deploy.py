@@ -19,8 +19,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from serving.dashboards import DASHBOARD_FILE, DATASOURCE_UID, dashboard_expressions
-from core.engine import Usage
-from core.keys import ResolutionPolicy
+from mmrag.core.engine import Usage
+from mmrag.core.keys import ResolutionPolicy
 from serving.metrics import Metrics
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
@@ -161,11 +161,11 @@ def test_the_vision_service_gets_its_own_gpu_and_shares_the_apis_store_and_model
     assert "/readyz" in " ".join(vision["healthcheck"]["test"])
 
 
-def test_the_image_holds_every_installed_package_but_the_test_kit():
+def test_the_image_holds_every_installed_package():
     import tomllib
 
     include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in include} - {"devkit"}
+    packages = {p.rstrip("*") for p in include}
     copied = set(re.findall(r"^COPY (\w+)/ \1/$", (REPO / "Dockerfile").read_text(), flags=re.M))
     assert copied == packages
 
@@ -173,7 +173,7 @@ def test_the_image_holds_every_installed_package_but_the_test_kit():
 def test_the_vllm_replica_gets_a_gpu_and_the_serve_flags_of_the_default_engine_config(monkeypatch):
     import torch
 
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.wiring import engine_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the compose replica runs on a GPU host
@@ -243,7 +243,7 @@ class _Store:
     backend = "disk"
 
     def __init__(self) -> None:
-        from adapters.store import StoreStats
+        from mmrag.adapters.store import StoreStats
 
         self.stats = StoreStats()
 

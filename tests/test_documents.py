@@ -10,8 +10,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from adapters.store import DiskFeatureStore
-from core.keys import ImageKey
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.core.keys import ImageKey
 from tests.conftest import API_KEY, copy_corpus, serving
 from tests.waiting import ingest_finished
 

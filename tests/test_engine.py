@@ -12,11 +12,11 @@ import pytest
 from prometheus_client import REGISTRY
 from qdrant_client import QdrantClient
 
-from core.keys import ImageKey, ResolutionPolicy
+from mmrag.core.keys import ImageKey, ResolutionPolicy
 from ingestion.loaders import open_document
 from mmrag.wiring import feature_store
-from adapters.vision import VisionEncoder
-from core.engine import Layout, PromptPlan, SamplingSpec
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
 from serving.engine.inprocess import sampling_params
 from serving.warmup import WarmCandidate, warm
 

@@ -82,7 +82,7 @@ def _arg(node: ast.Call, index: int, name: str) -> ast.expr | None:
 @functools.cache
 def api_error_calls() -> tuple[Call, ...]:
     calls = []
-    for folder in ("serving", "mmrag", "bench", "rag", "retrieval", "ingestion", "adapters"):
+    for folder in ("serving", "mmrag", "rag", "retrieval", "ingestion"):  # mmrag: its adapters and bench too
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \

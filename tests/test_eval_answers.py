@@ -16,14 +16,14 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from core.engine import Usage
+from mmrag.core.engine import Usage
 from rag.answer import Answer, Citation
 from rag.evaluate_answers import (AnswerLabel, grade, load_answer_labels, normalise, occurs, report, score,
                                   summarise)
 from retrieval.evaluate import LabelledQuestion, LabelsError, load_labels
 
 REPO = Path(__file__).resolve().parents[1]
-REALDOCS = REPO / "bench" / "realdocs" / "labels.jsonl"
+REALDOCS = REPO / "mmrag" / "bench" / "realdocs" / "labels.jsonl"
 
 
 def label(answer: str | None, *aliases: str, pages=(("a.pdf", 1),), needs_all: bool = False, kind: str = "text",
@@ -184,7 +184,7 @@ def test_the_command_refuses_an_unknown_strategy_and_unindexed_pages_before_star
 
 async def test_the_command_asks_every_question_through_every_strategy_on_the_tiny_model(
         engine_settings, ingested, inprocess_engine, sample_corpus, tmp_path):
-    from devkit.corpus import CorpusManifest
+    from mmrag.devkit.corpus import CorpusManifest
     from mmrag.eval_cmd import answer_report, eval_settings, prepare
     from tests.conftest import copy_corpus
 

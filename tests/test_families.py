@@ -25,14 +25,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel
 from typer.testing import CliRunner
 
-from adapters.checkpoint import ModelSource, read_marker
-from adapters.families import FAMILIES, UnsupportedFamilyError, family_for
-from adapters.store import DiskFeatureStore
-from adapters.vision import VisionEncoder
-from adapters.vision_client import png_bytes
-from core.engine import ImageInput, PromptPlan, SamplingSpec
-from core.keys import ContentHash, ImageKey
-from devkit.tiny_model import MODEL_NAMES, build_tiny_model
+from mmrag.adapters.checkpoint import ModelSource, read_marker
+from mmrag.adapters.families import FAMILIES, UnsupportedFamilyError, family_for
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.adapters.vision_client import png_bytes
+from mmrag.core.engine import ImageInput, PromptPlan, SamplingSpec
+from mmrag.core.keys import ContentHash, ImageKey
+from mmrag.devkit.tiny_model import MODEL_NAMES, build_tiny_model
 from mmrag.cli import app
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider

@@ -16,12 +16,12 @@ import uuid
 import httpx
 import pytest
 
-from adapters.checkpoint import ModelSource
-from adapters.store import DiskFeatureStore
-from adapters.vision import VisionEncoder
-from core.engine import ImageInput, PromptPlan, SamplingSpec
-from core.keys import ContentHash
-from devkit.tiny_model import MODEL_NAMES, build_tiny_model
+from mmrag.adapters.checkpoint import ModelSource
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.core.engine import ImageInput, PromptPlan, SamplingSpec
+from mmrag.core.keys import ContentHash
+from mmrag.devkit.tiny_model import MODEL_NAMES, build_tiny_model
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import RemoteEngine, sampling_fields

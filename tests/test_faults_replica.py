@@ -32,8 +32,8 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from core.engine import Completion, PromptPlan, SamplingSpec
-from core.keys import ImageKey
+from mmrag.core.engine import Completion, PromptPlan, SamplingSpec
+from mmrag.core.keys import ImageKey
 from mmrag.wiring import engine_config, feature_store, resolve_model
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import EngineUnavailableError, RemoteEngine

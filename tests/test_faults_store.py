@@ -19,8 +19,8 @@ import httpx
 import pytest
 import torch
 
-from adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore
-from core.pages import EncodedImage
+from mmrag.adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore
+from mmrag.core.pages import EncodedImage
 from tests.conftest import copy_corpus, free_port, serving
 from tests.test_store import key, value
 from tests.waiting import eventually_sync

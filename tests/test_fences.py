@@ -1,5 +1,5 @@
 """Fenced patches (issue 43): every patch of another project's internals declares the releases it was tested with
-and the shape of what it patches (adapters/fences.py); the installed releases pass, and a changed shape is caught
+and the shape of what it patches (mmrag/adapters/fences.py); the installed releases pass, and a changed shape is caught
 with a message that says what to install."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from adapters import qdrant_local
-from adapters.fences import Fence, PatchFenceError, Target
+from mmrag.adapters import qdrant_local
+from mmrag.adapters.fences import Fence, PatchFenceError, Target
 from serving.engine import lifeline
 
 
@@ -58,7 +58,7 @@ def shop(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 
 def _fence(tested: str = ">=1.19,<1.21") -> Fence:
-    return Fence(("qdrant-client",), tested, "adapters/somewhere.py", (
+    return Fence(("qdrant-client",), tested, "mmrag/adapters/somewhere.py", (
         Target("fence_shop", "price", ("item", "quantity")),
         Target("fence_shop", "Till.ring", ("self", "item", "amount")),
     ))
@@ -80,18 +80,18 @@ def test_a_changed_shape_is_caught_and_the_message_says_what_to_install(shop):
     with pytest.raises(PatchFenceError) as refused:
         fence.check()
     message = str(refused.value)
-    assert "adapters/somewhere.py patches qdrant-client internals" in message
+    assert "mmrag/adapters/somewhere.py patches qdrant-client internals" in message
     assert "pip install 'qdrant-client>=1.19,<1.21'" in message and "fence_shop.price" in message
 
 
 def test_a_release_outside_the_range_is_said_but_passes_while_the_shape_holds(shop):
     fence = _fence(tested=">=0.1,<0.2")
     version = fence.installed()
-    assert fence.version_problem() == (f"qdrant-client {version} is outside the releases adapters/somewhere.py was "
+    assert fence.version_problem() == (f"qdrant-client {version} is outside the releases mmrag/adapters/somewhere.py was "
                                        "tested with (>=0.1,<0.2)")
     assert fence.check() == fence.version_problem()  # the shape holds: allowed, returned for the caller to log
-    missing = Fence(("no-such-distribution-here",), ">=1,<2", "adapters/somewhere.py", ())
-    assert missing.version_problem() == "no-such-distribution-here is not installed (adapters/somewhere.py patches it)"
+    missing = Fence(("no-such-distribution-here",), ">=1,<2", "mmrag/adapters/somewhere.py", ())
+    assert missing.version_problem() == "no-such-distribution-here is not installed (mmrag/adapters/somewhere.py patches it)"
 
 
 def test_local_mode_left_unpatched_and_said_so_when_its_functions_changed(monkeypatch, caplog):
@@ -108,9 +108,9 @@ def test_local_mode_left_unpatched_and_said_so_when_its_functions_changed(monkey
     if "calculate_distance_sparse" in original:  # installed earlier in this process: start from local mode's own
         monkeypatch.setattr(local_collection, "calculate_distance_sparse", original["calculate_distance_sparse"])
         before = original["calculate_distance_sparse"]
-    with caplog.at_level(logging.WARNING, logger="adapters.qdrant_local"):
+    with caplog.at_level(logging.WARNING, logger="mmrag.adapters.qdrant_local"):
         qdrant_local.install()
         qdrant_local.install()  # idempotent: said once
     assert local_collection.calculate_distance_sparse is before
-    warnings = [r.getMessage() for r in caplog.records if r.name == "adapters.qdrant_local"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mmrag.adapters.qdrant_local"]
     assert len(warnings) == 1 and "runs unpatched" in warnings[0] and "pip install 'qdrant-client" in warnings[0]

@@ -20,9 +20,9 @@ from PIL import Image, ImageChops
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from core.engine import Usage
-from core.figures import FigureRegion, PageFigure
-from core.keys import ImageKey
+from mmrag.core.engine import Usage
+from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.core.keys import ImageKey
 from rag.answer import Answer, Citation
 from serving.api import schemas
 from serving.api.openai_schemas import ChatCompletion

@@ -2,7 +2,7 @@
 once however many documents show it, referenced by its pages (store gc, deletion), re-encoded with them, counted
 by `index check`, and named by the hits and citations it answers.
 
-The documents are built here with pdfium (devkit/pdfbuild.py PageBuilder): a report page and a slide that
+The documents are built here with pdfium (mmrag/devkit/pdfbuild.py PageBuilder): a report page and a slide that
 paste the same JPEG chart at different places and sizes, with different text around it.
 """
 
@@ -21,15 +21,15 @@ import pypdfium2.raw as pdfium_c
 import pytest
 from PIL import Image, ImageDraw
 
-from core.figures import FigureRegion, PageFigure
-from core.keys import ImageKey
-from core.settings import Settings
+from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import Settings
 from ingestion.figures import FIGURE_SCALE, crop_figures, detect_figures
 from ingestion.pipeline import IngestReport
 from mmrag import wiring
 from rag.plans import cite
 from retrieval.search import Channel, Hit, hit_figure, slide_title
-from devkit.pdfbuild import PageBuilder, stored_turned
+from mmrag.devkit.pdfbuild import PageBuilder, stored_turned
 
 SLIDE = (792.0, 612.0)  # a landscape slide, points
 
@@ -250,7 +250,7 @@ def test_a_drawing_with_a_shading_object_is_cropped_alone_too():
     whose offsets are snapped; the same chart a fractional offset away is one key."""
     import pypdfium2 as pdfium
 
-    from devkit.pdfbuild import shaded_chart
+    from mmrag.devkit.pdfbuild import shaded_chart
 
     crops = []
     for dx, dy in ((0.0, 0.0), (36.5, -120.25)):

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.figures.evaluate import match
-from core.figures import FigureRegion, iou, union_box
-from devkit.pdfbuild import PageBuilder
+from mmrag.bench.figures.evaluate import match
+from mmrag.core.figures import FigureRegion, iou, union_box
+from mmrag.devkit.pdfbuild import PageBuilder
 from ingestion.figures import FigureBudgetError, _cluster, detect_figures, figure_text
 
 
@@ -217,13 +217,13 @@ def _including(figure_pdf: bytes, page_size: tuple[float, float], at: tuple[floa
 
 
 def test_the_tuning_and_held_out_label_sets_are_well_formed_and_share_no_page():
-    """bench/figures: boxes.jsonl (the pages the rules were tuned on) and heldout.jsonl (pages drawn at random
+    """mmrag/bench/figures: boxes.jsonl (the pages the rules were tuned on) and heldout.jsonl (pages drawn at random
     from the rest) label pages of the fetched realdocs PDFs only, within each PDF's page count, never the same
     page twice, with ordered boxes of a known kind."""
-    from bench.figures.evaluate import load_labels
-    from bench.realdocs.fetch import load_sources
+    from mmrag.bench.figures.evaluate import load_labels
+    from mmrag.bench.realdocs.fetch import load_sources
 
-    here = Path(__file__).resolve().parents[1] / "bench" / "figures"
+    here = Path(__file__).resolve().parents[1] / "mmrag" / "bench" / "figures"
     pages = {s["doc"]: s["pages"] for s in load_sources()}
     tuned, held = (load_labels(here / name) for name in ("boxes.jsonl", "heldout.jsonl"))
     assert (len(tuned), len(held)) == (47, 64)
@@ -241,7 +241,7 @@ def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path)
     """Issue 26: a form XObject figure is rendered from the form alone, in its own coordinates, so the same
     figure included in two documents at other places and sizes is the same pixels, one key; as a region of its
     page (the way any other drawing is cropped) its pixels depend on the size it is shown at."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from ingestion.figures import _render_alone
     from ingestion.loaders import open_document
 
@@ -271,11 +271,11 @@ def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path)
 
 
 def test_the_key_measurement_detects_and_crops_each_drawn_figure_again_where_it_was_moved(tmp_path):
-    """bench/figures/evaluate.py --keys: the page's content moved and scaled onto a new page, detected and cropped
+    """mmrag/bench/figures/evaluate.py --keys: the page's content moved and scaled onto a new page, detected and cropped
     as ingestion does; a form keeps its key at every placement."""
     import json
 
-    from bench.figures.evaluate import PLACEMENTS, crop_key_stability
+    from mmrag.bench.figures.evaluate import PLACEMENTS, crop_key_stability
 
     drawing = PageBuilder(320, 210)
     drawing.chart((10, 10, 310, 200))

@@ -1,4 +1,4 @@
-"""adapters/files: the atomic, durable file write every writer of a shared file goes through."""
+"""mmrag/adapters/files: the atomic, durable file write every writer of a shared file goes through."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from adapters.files import atomic_file, write_atomically
+from mmrag.adapters.files import atomic_file, write_atomically
 
 
 def test_a_write_replaces_the_whole_file_and_leaves_no_temp_file(tmp_path):

@@ -21,10 +21,10 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 
-from adapters.store import DiskFeatureStore, FeatureStoreError
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
-from core.pages import EncodedImage
-from core.settings import Settings
+from mmrag.adapters.store import DiskFeatureStore, FeatureStoreError
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
+from mmrag.core.pages import EncodedImage
+from mmrag.core.settings import Settings
 from serving.api import errors
 from serving.metrics import Metrics
 from tests.conftest import API_KEY, free_port

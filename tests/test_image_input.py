@@ -12,12 +12,12 @@ import uuid
 
 import pytest
 
-from adapters.store import DiskFeatureStore
-from adapters.vision import VisionEncoder
-from adapters.vision_client import png_bytes
-from core.engine import ImageInput, PromptPlan, SamplingSpec
-from core.keys import ContentHash, ResolutionPolicy
-from core.payload import WITHOUT_PIXELS_FIX
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.adapters.vision_client import png_bytes
+from mmrag.core.engine import ImageInput, PromptPlan, SamplingSpec
+from mmrag.core.keys import ContentHash, ResolutionPolicy
+from mmrag.core.payload import WITHOUT_PIXELS_FIX
 from mmrag import wiring
 from serving.engine.features import FeatureProvider
 from serving.engine.images import ImageInputError, ImageTokenCountError, PIXELS_UUID_SUFFIX, multi_modal_uuid
@@ -228,7 +228,7 @@ async def test_another_unpooled_tier_is_resized_by_vllm_under_its_own_policy(inp
 def test_the_setting_reaches_every_engine_and_the_encoder(engine_settings):
     """MMRAG_IMAGE_INPUT=pixels: the in-process engine's config (Ray's replicas run wiring.replica_engine, the same
     wiring.engine), `mmrag engine serve`'s flags, the remote engine, and the encoder that ingests (keeping pixels)."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
 
     pixels = engine_settings.model_copy(update={"image_input": "pixels"})
     config = wiring.engine_config(pixels)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from core.engine import ImageInput
+from mmrag.core.engine import ImageInput
 from mmrag import wiring
 from serving.engine.features import FeatureProvider
 from serving.metrics import parse_samples, sample_total

@@ -7,10 +7,10 @@ import textwrap
 import pytest
 from qdrant_client import models
 
-from core.keys import ImageKey
-from core.pages import TextSource
-from core.payload import PagePayload
-from adapters.qdrant import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
+from mmrag.core.keys import ImageKey
+from mmrag.core.pages import TextSource
+from mmrag.core.payload import PagePayload
+from mmrag.adapters.qdrant import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
 
 
 def _index(path, text_dim=4, image_dim=3) -> PageIndex:

@@ -15,16 +15,16 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-from core.keys import ImageKey
-from devkit.pdfbuild import PageBuilder, join_pages
+from mmrag.core.keys import ImageKey
+from mmrag.devkit.pdfbuild import PageBuilder, join_pages
 from ingestion import figures
-from core.settings import Settings
-from adapters.embed import TextEmbedder
-from adapters.qdrant import PageIndex
+from mmrag.core.settings import Settings
+from mmrag.adapters.embed import TextEmbedder
+from mmrag.adapters.qdrant import PageIndex
 from ingestion.pipeline import Ingestor, IngestReport
-from adapters.store import DiskFeatureStore
+from mmrag.adapters.store import DiskFeatureStore
 from mmrag.wiring import feature_store
-from adapters.vision import VisionEncoder
+from mmrag.adapters.vision import VisionEncoder
 from mmrag.wiring import page_index
 from tests.waiting import eventually_sync
 
@@ -183,7 +183,7 @@ def test_pages_past_the_processors_aspect_ratio_are_fitted_and_one_bad_file_fail
 
 def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_corpus, tiny_model, encoder,
                                                                text_embedder):
-    from adapters.embed import ImageEmbedder
+    from mmrag.adapters.embed import ImageEmbedder
 
     settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, clip_random_init=True)
     image = ImageEmbedder(settings.clip_model, None)
@@ -393,8 +393,8 @@ def test_a_job_is_told_between_two_pages_of_one_batch_so_a_cancel_or_another_ten
 def test_a_batch_holds_at_most_its_pixels_and_a_page_over_them_is_a_batch_of_its_own():
     """Issue 41: the pages held at once are bounded by their decoded pixels (MMRAG_MAX_IMAGE_PIXELS), not only by
     MMRAG_VISION_BATCH_SIZE: a multi-frame TIFF's 7000x7000 frames go one by one."""
-    from core.keys import ContentHash
-    from core.pages import RenderedPage
+    from mmrag.core.keys import ContentHash
+    from mmrag.core.pages import RenderedPage
     from ingestion.pipeline import batches
 
     def page(side: int) -> RenderedPage:

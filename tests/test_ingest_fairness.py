@@ -21,9 +21,9 @@ from hypothesis import settings as examples
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw, ImageFont
 
-from adapters.store import StoreLease
-from core.keys import ImageKey, Tiers
-from core.scope import TenantScope
+from mmrag.adapters.store import StoreLease
+from mmrag.core.keys import ImageKey, Tiers
+from mmrag.core.scope import TenantScope
 from ingestion.pipeline import IngestReport
 from serving.api.tenants import add_key
 from serving.ingest_jobs import FairQueue, IngestJobs, Job, JobStore
@@ -220,7 +220,7 @@ async def test_an_ingest_leases_its_pages_keys_until_the_pages_are_indexed(fair_
     """A deletion that runs between a page's tokens being stored and the page being indexed finds them leased
     and keeps them (before, only running deletions on the ingest thread prevented it); the lease ends with the
     file."""
-    from adapters.vision import VisionEncoder
+    from mmrag.adapters.vision import VisionEncoder
     from mmrag import wiring
 
     settings = fair_server["settings"].model_copy(update={"data_dir": tmp_path, "tenants_file": None, "ocr": False})

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, content_hash_of, page_point_id
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, content_hash_of, page_point_id
 
 H1 = ContentHash(hashlib.sha256(b"a").hexdigest())
 H2 = ContentHash(hashlib.sha256(b"b").hexdigest())

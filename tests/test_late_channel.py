@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.late import maxsim, mean_pool
-from core.settings import Settings
-from devkit.tiny_colqwen import ensure_tiny_colqwen2
+from mmrag.adapters.late import maxsim, mean_pool
+from mmrag.core.settings import Settings
+from mmrag.devkit.tiny_colqwen import ensure_tiny_colqwen2
 from retrieval.search import Channel
-from adapters.qdrant import IS_FIGURE, PAGES_ONLY
-from core.payload import FIGURE_INDEX, FIGURE_PARENT, PagePayload
+from mmrag.adapters.qdrant import IS_FIGURE, PAGES_ONLY
+from mmrag.core.payload import FIGURE_INDEX, FIGURE_PARENT, PagePayload
 from qdrant_client.models import Filter
 
 CORPUS = ("q3_quarterly_report.pdf", "allhands_02_q3_revenue.png")
@@ -120,7 +120,7 @@ def test_token_pooling_stores_fewer_rows_per_page(tmp_path, tiny_model, sample_c
     pooled = Settings(model=str(tiny_model), data_dir=tmp_path, ocr=False, page_retriever=str(colqwen),
                       page_pool_factor=3)
     ingest(pooled, [sample_corpus / CORPUS[0]])
-    from adapters.qdrant import open_qdrant
+    from mmrag.adapters.qdrant import open_qdrant
 
     rows = {}
     for name, settings in (("full", late_settings), ("pooled", pooled)):

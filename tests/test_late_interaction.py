@@ -1,5 +1,5 @@
-"""The late-interaction page retriever (adapters/late.py) on the tiny random-weight ColQwen2
-(devkit/tiny_colqwen.py), Qdrant's two-stage multivector query in local mode, and the cost benchmark's quick mode."""
+"""The late-interaction page retriever (mmrag/adapters/late.py) on the tiny random-weight ColQwen2
+(mmrag/devkit/tiny_colqwen.py), Qdrant's two-stage multivector query in local mode, and the cost benchmark's quick mode."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from adapters.checkpoint import MARKER_FILE, read_marker
-from adapters.late import LateInteractionRetriever, maxsim, mean_pool, pool_tokens
-from devkit.tiny_colqwen import MODEL_NAME, build_tiny_colqwen2, ensure_tiny_colqwen2
+from mmrag.adapters.checkpoint import MARKER_FILE, read_marker
+from mmrag.adapters.late import LateInteractionRetriever, maxsim, mean_pool, pool_tokens
+from mmrag.devkit.tiny_colqwen import MODEL_NAME, build_tiny_colqwen2, ensure_tiny_colqwen2
 
 REPO = Path(__file__).resolve().parents[1]
 DIM = 128
@@ -201,7 +201,7 @@ def test_max_pixels_sets_the_pixel_budget(checkpoint):
 
 
 def test_importing_the_adapter_is_cheap():
-    probe = ("import sys, adapters.late; "
+    probe = ("import sys, mmrag.adapters.late; "
              "print(sorted(m for m in ('torch', 'transformers', 'colpali_engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO,
                          check=True)
@@ -209,7 +209,7 @@ def test_importing_the_adapter_is_cheap():
 
 
 def test_late_cost_quick_mode():
-    from bench.late_cost import print_late_cost, run_late_cost
+    from mmrag.bench.late_cost import print_late_cost, run_late_cost
 
     result = run_late_cost(pages=40, tokens_per_page=30, query_tokens=5, queries=3, prefetch=8, top_k=3,
                            variants=("float32", "pooled3", "int8", "binary"), local_pages=20, local_queries=2,

@@ -1,10 +1,10 @@
-"""adapters.lexical: BM25 sparse vectors for Qdrant (Modifier.IDF) and the offline word list."""
+"""mmrag.adapters.lexical: BM25 sparse vectors for Qdrant (Modifier.IDF) and the offline word list."""
 
 from __future__ import annotations
 
 import pytest
 
-from adapters.lexical import (
+from mmrag.adapters.lexical import (
     AVG_LEN,
     K1,
     LexicalEncoder,
@@ -15,7 +15,7 @@ from adapters.lexical import (
     stem,
     token_index,
 )
-from core.text import Caption, captions, figure_refs, normalise
+from mmrag.core.text import Caption, captions, figure_refs, normalise
 from tests.test_text_normalise import CAD_P5, CAD_P6, GNUPLOT_P22, GNUPLOT_P36, REAL
 
 

@@ -16,9 +16,9 @@ from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from adapters.embed import TextEmbedder  # noqa: E402
-from adapters.qdrant import open_async_qdrant  # noqa: E402
-from core.settings import Settings  # noqa: E402
+from mmrag.adapters.embed import TextEmbedder  # noqa: E402
+from mmrag.adapters.qdrant import open_async_qdrant  # noqa: E402
+from mmrag.core.settings import Settings  # noqa: E402
 from mmrag.retrieval_cmd import retrieval_app  # noqa: E402
 from retrieval.search import Channel, PageSearcher  # noqa: E402
 from tests.conftest import record_batches  # noqa: E402
@@ -86,7 +86,7 @@ async def test_a_question_naming_a_figure_reaches_the_page_with_its_caption_not_
 async def test_captions_are_stored_in_the_page_payload(searcher):
     (hits,) = await searcher.search_many(["Throughput of the prefix cache by block size"])
     page = next(h for h in hits if h.page == 3)
-    from adapters.qdrant import AsyncPageReader
+    from mmrag.adapters.qdrant import AsyncPageReader
 
     stored = await AsyncPageReader(searcher.client, searcher.collection).get(page.page_id)
     assert stored.captions == ("Figure 12: Throughput of the prefix cache by block size",)

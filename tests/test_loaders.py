@@ -25,9 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 
-from core.keys import doc_id_for  # noqa: E402
-from core.pages import TextSource  # noqa: E402
-from core.settings import Settings  # noqa: E402
+from mmrag.core.keys import doc_id_for  # noqa: E402
+from mmrag.core.pages import TextSource  # noqa: E402
+from mmrag.core.settings import Settings  # noqa: E402
 from ingestion import ocr  # noqa: E402
 from ingestion.loaders import (  # noqa: E402
     FileFailure,

@@ -15,10 +15,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, Tiers
-from core.pages import EncodedImage
-from adapters.store import DiskFeatureStore, RedisFeatureStore
-from core.engine import Usage
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, Tiers
+from mmrag.core.pages import EncodedImage
+from mmrag.adapters.store import DiskFeatureStore, RedisFeatureStore
+from mmrag.core.engine import Usage
 from serving.metrics import Metrics, Samples, parse_samples
 from serving.scheduler import SchedulerStats
 from tests.conftest import free_port
@@ -171,7 +171,7 @@ def test_dispatched_image_tokens_are_counted_by_tier_and_by_pooling(registry, me
 def test_every_configured_tier_outcome_and_pooling_has_a_series_at_zero_before_any_request(registry, metrics):
     """Issue 23: the tier histogram had no series until a plan asked for a tier, so its dashboard panel showed
     "no data" on a fresh server. The app sets the tiers at start-up (wiring.build_services)."""
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from serving.metrics import ANSWER_OUTCOMES
 
     tiers = Settings().tier_table

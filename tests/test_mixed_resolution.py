@@ -107,7 +107,7 @@ def test_a_reservation_that_leaves_long_plans_no_slot_is_refused_with_the_fix():
 
 
 def test_the_settings_reach_the_scheduler_config_and_a_bad_reservation_fails_with_the_variable_to_fix():
-    from core.settings import Settings
+    from mmrag.core.settings import Settings
     from mmrag.wiring import scheduler_config
 
     settings = Settings(scheduler_short_image_tokens=512, scheduler_short_reserved=2, max_concurrency=4)

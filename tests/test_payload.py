@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from adapters.qdrant import AsyncPageReader, open_async_qdrant
-from core.keys import ImageKey
-from core.pages import TextSource
-from core.settings import Settings
-from core.payload import FIELD_NAMES, PagePayload, PayloadError
+from mmrag.adapters.qdrant import AsyncPageReader, open_async_qdrant
+from mmrag.core.keys import ImageKey
+from mmrag.core.pages import TextSource
+from mmrag.core.settings import Settings
+from mmrag.core.payload import FIELD_NAMES, PagePayload, PayloadError
 from mmrag import wiring
 from mmrag.ask_cmd import lookup_pages
 
@@ -100,13 +100,15 @@ async def test_every_async_reader_returns_the_same_payload(ingested_one):
 
 
 def test_no_module_outside_the_contract_spells_a_payload_key():
-    """Payload keys live in core/payload.py; readers go through PagePayload or PageField."""
+    """Payload keys live in mmrag/core/payload.py; readers go through PagePayload or PageField."""
     import re
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     keys = [f.name for f in dataclasses.fields(PagePayload) if f.name not in ("page", "doc", "text", "path")]
     pattern = re.compile(r"""payload\[["'](%s)["']\]""" % "|".join(keys))
-    offenders = [str(p.relative_to(repo)) for pkg in ("adapters", "ingestion", "retrieval", "rag", "serving", "mmrag")
-                 for p in (repo / pkg).rglob("*.py") if pattern.search(p.read_text(encoding="utf-8"))]
+    service = ("ingestion", "retrieval", "rag", "serving", "mmrag")  # mmrag: its adapters and composition root
+    apart = [repo / "mmrag" / d for d in ("core", "bench", "devkit")]  # the contract itself; benchmarks; dev kit
+    offenders = [str(p.relative_to(repo)) for pkg in service for p in (repo / pkg).rglob("*.py")
+                 if not any(p.is_relative_to(d) for d in apart) and pattern.search(p.read_text(encoding="utf-8"))]
     assert not offenders

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from core.figures import FigureRegion, PageFigure
-from core.keys import ImageKey
+from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.core.keys import ImageKey
 from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
 from mmrag import wiring
@@ -19,7 +19,7 @@ from rag.plans import (JOINT_PART_MIN_TOKENS, AnswerMode, build_plans, choice_pl
                        joint_text, needs_page, part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
                        synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
-from core.engine import Layout, PromptPlan
+from mmrag.core.engine import Layout, PromptPlan
 
 TWO_PART = "What is the retry limit and the timeout of the ingest service?"
 APART = "What was the gross margin, and who signs off a production change?"
@@ -218,7 +218,7 @@ async def test_the_pipeline_answers_as_a_llama_index_query_engine(pipeline):
 
 
 def test_citations_keep_each_page_once_with_its_best_score():
-    from core.keys import ImageKey
+    from mmrag.core.keys import ImageKey
     from retrieval.search import Hit
 
     key = ImageKey.parse(f"img1-{'a' * 64}-{'ab' * 8}-px1-2")
@@ -634,7 +634,7 @@ def test_a_crop_is_said_to_be_one_in_every_prompt_that_shows_it_in_any_tier():
     """A figure's crop carries its caption and "(the figure alone)" in one prompt, per image and per sub-question
     (where the sub-answer still shows the sub-question as asked), in the asked tier too (its key's policy differs
     from the indexed crop's)."""
-    from core.keys import ResolutionPolicy
+    from mmrag.core.keys import ResolutionPolicy
     from rag.plans import image_label
 
     page_key, crop_key = (ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "ab")
@@ -686,7 +686,7 @@ async def test_with_figure_crops_warm_up_leaves_the_crop_a_question_is_shown_res
     """With MMRAG_FIGURE_CROPS a prompt leads with a figure's crop, so warm-up (serving/warmup.leading_images, as
     `mmrag serve` and `mmrag warm` rank it) warms crops beside pages: after it, the crop a question about Figure 4
     is shown comes from the prefix cache, all but its last partial block; without crops only the page is warmed."""
-    from adapters.qdrant import AsyncPageReader
+    from mmrag.adapters.qdrant import AsyncPageReader
     from serving.warmup import leading_images, rank_by_demand, warm
 
     # One page a sub-question: the canonical layout orders a prompt's images by key, so with other pages the crop

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.settings import Settings
+from mmrag.core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_header_size
 from serving.api.errors import api_error_of
 from serving.pixels import PixelBudget, PixelsInFlightError, TooManyPixelsError, admit

@@ -10,11 +10,11 @@ import pytest
 import torch
 from qdrant_client import QdrantClient
 
-from adapters.vision import VisionEncoder, pool_grid
-from core.engine import PromptPlan, SamplingSpec
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
-from core.pages import EncodedImage
-from core.settings import Settings
+from mmrag.adapters.vision import VisionEncoder, pool_grid
+from mmrag.core.engine import PromptPlan, SamplingSpec
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
+from mmrag.core.pages import EncodedImage
+from mmrag.core.settings import Settings
 from ingestion.loaders import open_document
 from mmrag.wiring import feature_store
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
+from mmrag.core.settings import Settings
 from mmrag.errors import is_user_error
 from mmrag.wiring import ModelNotConfiguredError, resolve_model
 

@@ -13,8 +13,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from core.keys import ImageKey
-from core.engine import Layout, PromptPlan, SamplingSpec
+from mmrag.core.keys import ImageKey
+from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
 from serving.engine.prompt import SYSTEM_PROMPTS, PromptRenderer
 from tests.conftest import API_KEY
 

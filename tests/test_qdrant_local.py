@@ -1,4 +1,4 @@
-"""adapters/qdrant_local.py: local mode's sparse scoring as a cached matrix product gives qdrant-client's own
+"""mmrag/adapters/qdrant_local.py: local mode's sparse scoring as a cached matrix product gives qdrant-client's own
 scores, follows upserts and deletes, and keeps the -inf of a point that shares no index with the query."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from qdrant_client import QdrantClient, models
 
-from adapters import qdrant_local
+from mmrag.adapters import qdrant_local
 
-qdrant_local.install()  # what importing adapters.qdrant does
+qdrant_local.install()  # what importing mmrag.adapters.qdrant does
 
 
 def random_vectors(rng, n, vocab=500, terms=30):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from core.settings import Settings
+from mmrag.core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, decode_image, image_header_size
 from ingestion.raster import MAX_ASPECT, fit_aspect, fitted_size
 

@@ -19,9 +19,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed: .venv/bin/pip install 'ray[serve]==2.60.0' "
                           "-c constraints.txt (scripts/setup.sh does it)")
 
-from bench.runner import machine_info  # noqa: E402
-from core.engine import Completion, PromptPlan, SamplingSpec  # noqa: E402
-from core.keys import ImageKey  # noqa: E402
+from mmrag.bench.runner import machine_info  # noqa: E402
+from mmrag.core.engine import Completion, PromptPlan, SamplingSpec  # noqa: E402
+from mmrag.core.keys import ImageKey  # noqa: E402
 from mmrag import wiring  # noqa: E402
 from serving.ray.router import DEFAULT, PINNED  # noqa: E402
 from serving.routing import rendezvous_order  # noqa: E402
@@ -172,10 +172,10 @@ async def test_affinity_keeps_the_single_replica_hit_rate_on_a_shared_figure_wor
 
 
 async def test_the_replicas_bench_reports_three_routings_in_one_run(ray_cluster, keys):
-    # `mmrag bench --replicas`'s measurement (bench/replicas.py) on this module's cluster, not a cluster of its
+    # `mmrag bench --replicas`'s measurement (mmrag/bench/replicas.py) on this module's cluster, not a cluster of its
     # own: Ray starts once per test session. Smoke size; its timings mean nothing and are not asserted.
-    from bench.replicas import ROUTINGS, measure_routings, replicas_table, workload_plans
-    from bench.workload import WorkloadSpec, make_workload
+    from mmrag.bench.replicas import ROUTINGS, measure_routings, replicas_table, workload_plans
+    from mmrag.bench.workload import WorkloadSpec, make_workload
 
     workload = make_workload(WorkloadSpec(questions=6, pages=8, max_tokens=2))
     plans = workload_plans(workload, dict(enumerate(keys[:8])))

@@ -28,6 +28,6 @@ def test_waiting_ends_when_the_probe_answers_and_fails_after_the_timeout_otherwi
 
 
 def test_nothing_listening_is_not_ready_yet():
-    from devkit.ports import free_port
+    from mmrag.devkit.ports import free_port
 
     assert answers_200(f"http://127.0.0.1:{free_port()}/health", timeout_s=1)() is False

@@ -1,4 +1,4 @@
-"""bench/realdocs/fetch.py (issue 43): the benchmark's PDFs are fetched with the package client by name,
+"""mmrag/bench/realdocs/fetch.py (issue 43): the benchmark's PDFs are fetched with the package client by name,
 `apt-get download <package>=<version>`, as a user's machine would, and checked twice (the .deb, the PDF); no
 tracked file names a package registry's host.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.realdocs.fetch import FetchError, fetch, load_sources
+from mmrag.bench.realdocs.fetch import FetchError, fetch, load_sources
 
 REPO = Path(__file__).resolve().parent.parent
 PDF = b"%PDF-1.4\n% a stand-in page for the fetch tests\n%%EOF\n"
@@ -85,7 +85,7 @@ def apt(tmp_path, monkeypatch):
 
 
 def _sources(tmp_path: Path, deb_sha256: str) -> list[dict]:
-    """A sources.json of one entry in the shape of bench/realdocs/sources.json, read by the same loader."""
+    """A sources.json of one entry in the shape of mmrag/bench/realdocs/sources.json, read by the same loader."""
     path = tmp_path / "sources.json"
     path.write_text(json.dumps([{
         "doc": "demo.pdf", "package": PACKAGE, "version": VERSION, "deb_sha256": deb_sha256,
@@ -114,7 +114,7 @@ def test_a_deb_with_another_checksum_is_refused_naming_the_file_and_both_hashes(
         fetch(out, sources=_sources(tmp_path, expected), progress=lambda _: None)
     message = str(refused.value)
     assert DEB_NAME in message and expected in message and _sha256(apt["deb"]) in message
-    assert "bench/realdocs/sources.json" in message
+    assert "mmrag/bench/realdocs/sources.json" in message
     assert not (out / "demo.pdf").exists()
 
 
@@ -125,7 +125,7 @@ def test_without_apt_get_the_error_names_the_fix(tmp_path, monkeypatch):
     message = str(refused.value)
     assert "apt-get is not on PATH" in message
     assert "Debian 12 (bookworm) with its main archive in the apt sources" in message
-    assert "copy the PDFs listed in bench/realdocs/sources.json into DIR by hand" in message
+    assert "copy the PDFs listed in mmrag/bench/realdocs/sources.json into DIR by hand" in message
 
 
 def test_a_version_apt_does_not_know_names_apt_get_update_and_the_package(tmp_path, monkeypatch):

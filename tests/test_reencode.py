@@ -21,11 +21,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from adapters.embed import ImageEmbedder, TextEmbedder
-from adapters.store import DiskFeatureStore, FeatureStore, FeatureStoreError, RedisFeatureStore
-from adapters.vision import VisionCheckpoint
-from core.keys import ImageKey
-from core.payload import WITHOUT_PIXELS_FIX, EncoderScope, PagePayload
+from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
+from mmrag.adapters.store import DiskFeatureStore, FeatureStore, FeatureStoreError, RedisFeatureStore
+from mmrag.adapters.vision import VisionCheckpoint
+from mmrag.core.keys import ImageKey
+from mmrag.core.payload import WITHOUT_PIXELS_FIX, EncoderScope, PagePayload
 from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE, Reencoder
 from mmrag import wiring
 from mmrag.cli import app
@@ -404,8 +404,8 @@ def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_for
 
     from PIL import Image
 
-    from core.engine import ImageInput
-    from core.keys import content_hash_of
+    from mmrag.core.engine import ImageInput
+    from mmrag.core.keys import content_hash_of
     from serving.engine.images import ImageInputError, plan_form
 
     data = _copy(corpus.old, tmp_path / "data")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from core.keys import ImageKey
+from mmrag.core.keys import ImageKey
 from mmrag.wiring import resolve_model
 from mmrag.wiring import feature_store
-from core.engine import PromptPlan, SamplingSpec
+from mmrag.core.engine import PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import EngineRequestError, EngineUnavailableError, RemoteEngine
 from serving.routing import rendezvous_order, route_key
@@ -153,7 +153,7 @@ async def test_a_replica_started_with_64_sequences_is_offered_more_than_4_plans_
     # fixed default) would leave the door shut and time out here.
     import asyncio
 
-    from core.engine import EngineWrapper
+    from mmrag.core.engine import EngineWrapper
     from mmrag import wiring
     from serving.scheduler import Scheduler
 

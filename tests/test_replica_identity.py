@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.checkpoint import ModelSource, checkpoint_fingerprint, fingerprint_name
+from mmrag.adapters.checkpoint import ModelSource, checkpoint_fingerprint, fingerprint_name
 from serving.engine.remote import EngineRequestError, RemoteEngine, ReplicaIdentityError, identify_replica
 
 SERVED = "Qwen/Qwen2-VL-2B-Instruct"  # the name both checkpoints are served under
@@ -26,7 +26,7 @@ URL = "http://replica:8000"
 @pytest.fixture(scope="module")
 def fine_tune(tmp_path_factory) -> Path:
     """Another checkpoint with the tiny model's config and tensor shapes, other weights: a fine-tune's case."""
-    from devkit.tiny_model import build_tiny_model
+    from mmrag.devkit.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("fine-tune") / "tiny", seed=1)
 

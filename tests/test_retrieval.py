@@ -13,16 +13,16 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from qdrant_client import QdrantClient
 from typer.testing import CliRunner
 
-from core.keys import ImageKey
-from core.settings import Settings
-from devkit.corpus import CorpusManifest
-from adapters.embed import ImageEmbedder, TextEmbedder
-from adapters.qdrant import IndexLockedError, PageIndex
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import Settings
+from mmrag.devkit.corpus import CorpusManifest
+from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
+from mmrag.adapters.qdrant import IndexLockedError, PageIndex
 from ingestion.ocr import ocr_available
 from retrieval.evaluate import evaluate
 from mmrag.retrieval_cmd import labelled_questions
 from retrieval.llama import MMRAGRetriever, SyncRetrieveInLoopError
-from adapters.qdrant import open_async_qdrant
+from mmrag.adapters.qdrant import open_async_qdrant
 from retrieval.search import (
     RRF_K, Channel, Fusion, Hit, ImageChannelOffError, NoDocumentsError, PageSearcher, UnknownDocumentError,
 )

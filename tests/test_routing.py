@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.engine import PromptPlan
-from core.settings import Settings
+from mmrag.core.engine import PromptPlan
+from mmrag.core.settings import Settings
 from serving.routing import AffinityTable, choose_replica, prefix_path, rank_replicas, rendezvous_order, route_key
 
 A, B, C = "replica-a", "replica-b", "replica-c"

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from core.engine import Completion, PromptPlan, Usage
+from mmrag.core.engine import Completion, PromptPlan, Usage
 from serving.scheduler import Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
 from tests.waiting import eventually
 

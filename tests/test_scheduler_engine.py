@@ -6,9 +6,9 @@ import asyncio
 
 from qdrant_client import QdrantClient
 
-from core.keys import ImageKey
+from mmrag.core.keys import ImageKey
 from rag.order import canonical_order
-from core.engine import Layout, PromptPlan, SamplingSpec
+from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
 from serving.scheduler import Policy, Scheduler, SchedulerConfig
 
 SAMPLING = SamplingSpec(max_tokens=4)

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from core.engine import PromptPlan
+from mmrag.core.engine import PromptPlan
 from serving.scheduler import TENANT_RECENT_S, Policy, Scheduler, SchedulerConfig
 from tests.test_scheduler import RecordingEngine
 from tests.waiting import eventually

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
-from core.pages import EncodedImage
-from adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore, encode_entry
+from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
+from mmrag.core.pages import EncodedImage
+from mmrag.adapters.store import DiskFeatureStore, FeatureStoreError, RedisFeatureStore, encode_entry
 from tests.waiting import eventually_sync
 
 POLICY = ResolutionPolicy(3136, 200704)
@@ -88,9 +88,9 @@ def test_disk_store_never_leaves_a_torn_entry_when_killed_mid_write(tmp_path):
     root = tmp_path / "features"
     code = textwrap.dedent(f"""
         import hashlib, torch
-        from core.keys import *
-        from core.pages import EncodedImage
-        from adapters.store import DiskFeatureStore
+        from mmrag.core.keys import *
+        from mmrag.core.pages import EncodedImage
+        from mmrag.adapters.store import DiskFeatureStore
         s = DiskFeatureStore({str(root)!r})
         print("ready", flush=True)
         for i in range(10_000):

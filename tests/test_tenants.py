@@ -18,9 +18,9 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
-from core.engine import PromptPlan, SamplingSpec
-from core.keys import ImageKey
-from core.settings import Settings
+from mmrag.core.engine import PromptPlan, SamplingSpec
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import Settings
 from serving.api.tenants import TenantKeys, TenantsFileError, add_key, key_digest, read_tenants, remove_tenant
 from tests.conftest import serving
 from tests.waiting import ingest_finished

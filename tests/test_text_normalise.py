@@ -1,4 +1,4 @@
-"""core.text: the one normaliser, caption extraction and figure references, on real PDF text layers.
+"""mmrag.core.text: the one normaliser, caption extraction and figure references, on real PDF text layers.
 
 The raw strings marked with a document and page are pypdfium2 ``get_textpage().get_text_range()`` of the
 Debian gnuplot and asymptote manuals (gnuplot.pdf, asymptote.pdf, CAD.pdf), copied verbatim: pdfium's U+FFFE
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.lexical import is_english_word, known_words
-from core.text import Caption, captions, figure_refs, normalise
+from mmrag.adapters.lexical import is_english_word, known_words
+from mmrag.core.text import Caption, captions, figure_refs, normalise
 from ingestion.loaders import normalise_text
 
 # --- real samples ---------------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ import pytest
 from PIL import Image
 from qdrant_client import QdrantClient
 
-from adapters.store import DiskFeatureStore
-from adapters.vision import VisionEncoder
-from core.keys import ImageKey, ResolutionPolicy, Tiers, UnknownTierError
-from core.payload import PagePayload
-from core.settings import Settings
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.core.keys import ImageKey, ResolutionPolicy, Tiers, UnknownTierError
+from mmrag.core.payload import PagePayload
+from mmrag.core.settings import Settings
 from mmrag import wiring
 from rag.tiers import PageTiers
 from retrieval.search import Hit

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from adapters.checkpoint import MARKER_FILE, is_random_weight_model, read_marker
-from devkit.tiny_model import MODEL_NAME, MODEL_NAMES, build_tiny_model, ensure_tiny_model
+from mmrag.adapters.checkpoint import MARKER_FILE, is_random_weight_model, read_marker
+from mmrag.devkit.tiny_model import MODEL_NAME, MODEL_NAMES, build_tiny_model, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -124,7 +124,7 @@ def test_marker_says_the_weights_are_random(model_dir, tmp_path):
 
 def test_checking_the_marker_imports_neither_vllm_nor_torch(model_dir):
     code = (
-        "import sys; from adapters.checkpoint import is_random_weight_model; "
+        "import sys; from mmrag.adapters.checkpoint import is_random_weight_model; "
         f"assert is_random_weight_model({str(model_dir)!r}); "
         "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))"
     )

@@ -33,7 +33,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from core.figures import FigureRegion
+from mmrag.core.figures import FigureRegion
 from serving.api.routers.ui import ASSETS, UI_PATH
 from tests.conftest import API_KEY
 
@@ -225,7 +225,7 @@ def chart_jpeg() -> bytes:
 
 def greenhouse_pdf() -> bytes:
     """Two pages, built object by object: a captioned chart (FIGURE_BOX) on the first, text only on the second."""
-    from devkit.pdfbuild import PageBuilder, join_pages
+    from mmrag.devkit.pdfbuild import PageBuilder, join_pages
 
     first = PageBuilder()
     first.text(72, 72, "Greenhouse tomato harvest", size=18)

@@ -19,10 +19,10 @@ import pytest
 from qdrant_client import models
 from typer.testing import CliRunner
 
-from adapters.qdrant import IndexConfigError
-from adapters.store import DiskFeatureStore, FeatureStore, RedisFeatureStore, StaleFeaturesError
-from core.keys import EncoderVersion, ImageKey
-from core.payload import EncoderScope, PageField, PayloadError
+from mmrag.adapters.qdrant import IndexConfigError
+from mmrag.adapters.store import DiskFeatureStore, FeatureStore, RedisFeatureStore, StaleFeaturesError
+from mmrag.core.keys import EncoderVersion, ImageKey
+from mmrag.core.payload import EncoderScope, PageField, PayloadError
 from mmrag import store_cmd, wiring
 from mmrag.cli import app
 from retrieval.search import StaleIndexError

@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-import adapters.vision as vision
-from core.keys import ContentHash, ImageKey, ResolutionPolicy
-from adapters.checkpoint import ModelNotFoundError
-from devkit.tiny_model import build_tiny_model
-from adapters.vision import EncodedImage, VisionEncoder
+import mmrag.adapters.vision as vision
+from mmrag.core.keys import ContentHash, ImageKey, ResolutionPolicy
+from mmrag.adapters.checkpoint import ModelNotFoundError
+from mmrag.devkit.tiny_model import build_tiny_model
+from mmrag.adapters.vision import EncodedImage, VisionEncoder
 
 POLICY = ResolutionPolicy(56 * 56, 448 * 448)
 SIZES = [(448, 448), (500, 300), (60, 100)]  # (width, height): square, landscape, tiny portrait

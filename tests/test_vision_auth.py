@@ -1,6 +1,6 @@
 """The vision service's key (issue 24): with MMRAG_VISION_API_KEY every route but /healthz, /readyz and /metrics
 answers 401 in the error shape, naming the setting, to a request without `Authorization: Bearer <key>`, before
-its body is read; the client (adapters/vision_client.py) sends the key; `mmrag vision serve` listens on
+its body is read; the client (mmrag/adapters/vision_client.py) sends the key; `mmrag vision serve` listens on
 127.0.0.1 unless --host says otherwise. The guarded service is the real app on a real port, in this process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from adapters.vision_client import RemoteVisionEncoder, VisionServiceError, service_info
+from mmrag.adapters.vision_client import RemoteVisionEncoder, VisionServiceError, service_info
 from mmrag import wiring
 from serving.vision.app import PUBLIC_PATHS
 from tests.conftest import serving

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from adapters.hardware import VisionPlacement, vision_placement
-from adapters.vision import VisionEncoder, encoder_version_of
-from core.settings import Settings
+from mmrag.adapters.hardware import VisionPlacement, vision_placement
+from mmrag.adapters.vision import VisionEncoder, encoder_version_of
+from mmrag.core.settings import Settings
 from mmrag import wiring
 from mmrag.errors import describe
 from tests.test_vision import POLICY, noise_images

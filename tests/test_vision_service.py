@@ -18,11 +18,11 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters.store import DiskFeatureStore
-from adapters.vision import VisionEncoder
-from adapters.vision_client import RemoteVisionEncoder, VisionServiceInfo, png_bytes, unpack_tokens
-from core.keys import ContentHash, EncoderVersion, ResolutionPolicy
-from core.settings import Settings
+from mmrag.adapters.store import DiskFeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.adapters.vision_client import RemoteVisionEncoder, VisionServiceInfo, png_bytes, unpack_tokens
+from mmrag.core.keys import ContentHash, EncoderVersion, ResolutionPolicy
+from mmrag.core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, decode_image, image_content_hash
 from mmrag import wiring
 from tests.conftest import free_port, serving

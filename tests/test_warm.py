@@ -12,17 +12,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.keys import ImageKey
+from mmrag.core.keys import ImageKey
 from mmrag.wiring import resolve_model
 from mmrag.wiring import feature_store
 from mmrag.ask_cmd import lookup_pages, open_page_index
-from core.engine import KVCapacity, PromptPlan, SamplingSpec
+from mmrag.core.engine import KVCapacity, PromptPlan, SamplingSpec
 from serving.engine.features import FeatureProvider
 from serving.engine.remote import RemoteEngine
 from serving.warmup import WarmCandidate, fit_to_capacity, leading_images, rank_by_demand
-from core.figures import FigureRegion, PageFigure
-from core.pages import TextSource
-from core.payload import PagePayload
+from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.core.pages import TextSource
+from mmrag.core.payload import PagePayload
 
 REPO = Path(__file__).resolve().parents[1]
 K = [ImageKey.parse(f"img1-{c * 64}-{'ab' * 8}-px1-2") for c in "abcd"]
@@ -113,7 +113,7 @@ async def test_ingest_warm_and_ask_with_a_tenant_land_in_its_salt_and_collection
     """`mmrag ingest --tenant acme --warm` and `mmrag ask --tenant acme` against a shared `vllm serve`: the page
     goes to acme's collection, and its KV lands under acme's cache salt: a salted request hits it, an unsalted
     one (the default tenant's) does not. Both used to write the default tenant's namespace."""
-    from core.scope import cache_salt
+    from mmrag.core.scope import cache_salt
 
     slide = sorted(sample_corpus.glob("*.png"))[-1]
     data = tmp_path / "data"

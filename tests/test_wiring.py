@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.settings import Settings
+from mmrag.core.settings import Settings
 from mmrag import wiring
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def test_the_engine_config_carries_every_engine_setting(defaults):
 
 
 def test_auto_dtype_is_what_the_cpu_runs_natively():
-    from adapters.hardware import native_cpu_dtype
+    from mmrag.adapters.hardware import native_cpu_dtype
 
     assert native_cpu_dtype({"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
     assert native_cpu_dtype({"avx2", "amx_bf16"}) == "bfloat16"
@@ -73,8 +73,8 @@ def test_auto_dtype_is_what_the_cpu_runs_natively():
 
 EMULATED_PROBE = """
 import json, torch
-from adapters.hardware import cpu_flags
-from bench.runner import machine_info
+from mmrag.adapters.hardware import cpu_flags
+from mmrag.bench.runner import machine_info
 from serving.engine.config import resolve_dtype
 from vllm.platforms import current_platform
 current_platform.import_kernels()
@@ -92,7 +92,7 @@ def test_an_emulated_avx2_run_caps_every_kernel_and_auto_picks_fp32(tmp_path):
     import subprocess
     import sys
 
-    from adapters.hardware import emulation_env
+    from mmrag.adapters.hardware import emulation_env
 
     env = emulation_env({**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}, "avx2")
     out = subprocess.run([sys.executable, "-c", EMULATED_PROBE], env=env, capture_output=True, text=True,
@@ -117,8 +117,8 @@ def test_an_emulated_avx2_run_caps_every_kernel_and_auto_picks_fp32(tmp_path):
 THREADS_PROBE = """
 import hashlib, sys, torch
 from PIL import Image, ImageDraw
-from adapters.vision import VisionEncoder
-from core.keys import ResolutionPolicy
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.core.keys import ResolutionPolicy
 encoder = VisionEncoder(sys.argv[1], ResolutionPolicy(3136, 200704))
 page = Image.new("RGB", (1123, 794), "white")
 ImageDraw.Draw(page).rectangle((100, 100, 800, 600), outline="black", width=5)
@@ -131,12 +131,12 @@ for threads in (2, 1):
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", [None, "avx2"])
 def test_a_pages_tokens_do_not_depend_on_the_thread_count(tiny_model, isa):
-    """MKL_CBWR=AUTO,STRICT (adapters/hardware.reproducible_numerics): with AVX2 kernels a page's fp32 tokens
+    """MKL_CBWR=AUTO,STRICT (mmrag/adapters/hardware.reproducible_numerics): with AVX2 kernels a page's fp32 tokens
     differed at 1 and 2 threads without it, so two processes wrote different bytes under one key."""
     import subprocess
     import sys
 
-    from adapters.hardware import emulation_env
+    from mmrag.adapters.hardware import emulation_env
 
     env = emulation_env(dict(os.environ), isa) if isa else dict(os.environ)
     out = subprocess.run([sys.executable, "-c", THREADS_PROBE, str(tiny_model)], env=env, capture_output=True,
@@ -168,7 +168,7 @@ def test_the_answer_modes_are_one_list_in_settings_the_api_and_the_cli():
     from typing import get_args
 
     from mmrag.cli import ANSWER_MODES
-    from core.settings import DEPRECATED_ANSWER_MODES
+    from mmrag.core.settings import DEPRECATED_ANSWER_MODES
     from rag.plans import AnswerMode
     from serving.api.schemas import AnswerModeName
 

@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from core.settings import DEFAULT_TENANT
+from mmrag.core.settings import DEFAULT_TENANT
 from serving.api.errors import ApiError
 
 T = TypeVar("T")

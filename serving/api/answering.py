@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from core.keys import KeyLease
+from mmrag.core.keys import KeyLease
 from ingestion.loaders import ImageTooLargeError, IngestError
 from rag.answer import Answer
 from rag.pipeline import Emit, stream_events

@@ -2,7 +2,7 @@
 sending them again. Only keys and token counts are kept (the tokens are in the feature store, their KV in the
 engine's prefix cache), in this process's memory, bounded in count and age, per tenant.
 
-Each conversation leases its images' tokens in the feature store (core/keys.py KeyLease) while it lives: a
+Each conversation leases its images' tokens in the feature store (mmrag/core/keys.py KeyLease) while it lives: a
 document deleted meanwhile, or ``mmrag store gc``, keeps them, even when they are also an indexed page's pixels.
 The lease lasts as long as the conversation (``ttl_s``), is renewed at each use and released when the
 conversation expires or is evicted; one forgotten by a killed process lapses by itself ``ttl_s`` after its last
@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from core.keys import ImageKey, KeyLease, NoLease
-from core.settings import DEFAULT_TENANT
+from mmrag.core.keys import ImageKey, KeyLease, NoLease
+from mmrag.core.settings import DEFAULT_TENANT
 
 SEND_AGAIN_FIX = ("send the images again in `images` (with or without that conversation_id): they are encoded "
                   "once more and the conversation goes on")

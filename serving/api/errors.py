@@ -18,11 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from adapters.qdrant import IndexConfigError
-from adapters.store import FeatureStoreError, StaleFeaturesError
-from adapters.vision_client import VisionServiceError
-from core.payload import PayloadError
-from core.settings import Settings
+from mmrag.adapters.qdrant import IndexConfigError
+from mmrag.adapters.store import FeatureStoreError, StaleFeaturesError
+from mmrag.adapters.vision_client import VisionServiceError
+from mmrag.core.payload import PayloadError
+from mmrag.core.settings import Settings
 from rag.decompose import BadQuestionError
 from retrieval.search import (ImageChannelOffError, NoDocumentsError, RetrievalError, StaleIndexError,
                               UnknownDocumentError)

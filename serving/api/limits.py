@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from core.keys import UnknownTierError
-from core.settings import Settings
+from mmrag.core.keys import UnknownTierError
+from mmrag.core.settings import Settings
 from serving.api.errors import ApiError, error_body
 
 

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
-from core.settings import Settings
+from mmrag.core.settings import Settings
 from serving.api import errors
 from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
 from serving.api.routers import ask, documents, health, ingest, openai, ui

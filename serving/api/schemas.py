@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.figures import FigureKind, figure_reference
-from core.pages import TextSource
-from core.payload import PagePayload
+from mmrag.core.figures import FigureKind, figure_reference
+from mmrag.core.pages import TextSource
+from mmrag.core.payload import PagePayload
 
 
 class _Response(BaseModel):
@@ -96,7 +96,7 @@ TIER_DESCRIPTION = (
 
 
 # The old names (one_prompt, per_image, per_sub_question) are accepted one more release, with a deprecation line
-# in the server's log: core/settings.DEPRECATED_ANSWER_MODES says what each is now.
+# in the server's log: mmrag/core/settings.DEPRECATED_ANSWER_MODES says what each is now.
 AnswerModeName = Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"]
 ANSWER_MODE_DESCRIPTION = (
     "How the retrieved pages become the answer: `split` (each shown page, or figure crop, leads a prompt of its "
@@ -141,7 +141,7 @@ class FigureCitation(_Response):
     bbox: list[float] = Field(min_length=4, max_length=4, description=BBOX_DESCRIPTION)
 
     def reference(self) -> str:
-        """How a footnote or `mmrag ask` names it (core/figures.py figure_reference): "Figure 3: Revenue by
+        """How a footnote or `mmrag ask` names it (mmrag/core/figures.py figure_reference): "Figure 3: Revenue by
         quarter"."""
         return figure_reference(self.kind, self.number, self.caption)
 

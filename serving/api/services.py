@@ -11,15 +11,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from adapters.checkpoint import ModelSource
-from adapters.qdrant import AsyncPageReader
-from adapters.store import FeatureStore
-from core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan
-from core.keys import ContentHash, ImageKey
-from core.pages import EncodedImage
-from core.settings import Settings
+from mmrag.adapters.checkpoint import ModelSource
+from mmrag.adapters.qdrant import AsyncPageReader
+from mmrag.adapters.store import FeatureStore
+from mmrag.core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan
+from mmrag.core.keys import ContentHash, ImageKey
+from mmrag.core.pages import EncodedImage
+from mmrag.core.settings import Settings
 from ingestion.loaders import decode_image, image_content_hash, image_header_size
-from core.scope import TenantScope
+from mmrag.core.scope import TenantScope
 from rag.pipeline import Pipeline
 from serving.api.admission import Admission
 from serving.api.limits import RequestRates
@@ -52,8 +52,8 @@ class MeteredEngine(EngineWrapper):
 
 
 class ImageEncoder(Protocol):
-    """What question images need of a vision encoder: the in-process ``adapters.vision.VisionEncoder`` or the
-    vision service's client ``adapters.vision_client.RemoteVisionEncoder``."""
+    """What question images need of a vision encoder: the in-process ``mmrag.adapters.vision.VisionEncoder`` or the
+    vision service's client ``mmrag.adapters.vision_client.RemoteVisionEncoder``."""
 
     forwards: int
 
@@ -148,7 +148,7 @@ class Services:
     question_images: QuestionImages
     conversations: TenantConversations
     keys: TenantKeys
-    scope: TenantScope  # the tenant's, as the wiring built it (core/scope.py)
+    scope: TenantScope  # the tenant's, as the wiring built it (mmrag/core/scope.py)
     tenants: dict[str, Services] = field(default_factory=dict)  # every tenant's view, by name
     rates: RequestRates = field(default_factory=lambda: RequestRates({}))  # each tenant's requests a second
     renders: Renders = field(default_factory=Renders)  # page images, fair between tenants, kept once made

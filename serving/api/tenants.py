@@ -34,8 +34,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.files import write_atomically
-from core.settings import DEFAULT_TENANT, Settings, check_tenant
+from mmrag.adapters.files import write_atomically
+from mmrag.core.settings import DEFAULT_TENANT, Settings, check_tenant
 
 _PREFIX = "sha256:"
 

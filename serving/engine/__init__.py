@@ -1,1 +1,1 @@
-"""The engine layer: one async interface over vLLM, in-process or remote replicas (contract: core/engine.py)."""
+"""The engine layer: one async interface over vLLM, in-process or remote replicas (contract: mmrag/core/engine.py)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from adapters.hardware import native_cpu_dtype
-from core.engine import ImageInput
+from mmrag.adapters.hardware import native_cpu_dtype
+from mmrag.core.engine import ImageInput
 
 
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: str
     max_num_seqs: int
     # False: vLLM's prefix caching and its multimodal processor cache both off — the benchmark's baselines
-    # that must recompute every prompt (bench/). Every serving path keeps the default.
+    # that must recompute every prompt (mmrag/bench/). Every serving path keeps the default.
     caching: bool = True
     # How images are sent (MMRAG_IMAGE_INPUT, serving/engine/images.py): vLLM takes both, so it is no vLLM flag.
     image_input: ImageInput = ImageInput.EMBEDS

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 
-from adapters.store import FeatureStore, ScopedFeatureStore
-from core.keys import ImageKey, ResolutionPolicy, Tiers
-from core.pages import EncodedImage
-from core.payload import EncoderScope
+from mmrag.adapters.store import FeatureStore, ScopedFeatureStore
+from mmrag.core.keys import ImageKey, ResolutionPolicy, Tiers
+from mmrag.core.pages import EncodedImage
+from mmrag.core.payload import EncoderScope
 
 
 class MissingFeaturesError(LookupError):

@@ -1,4 +1,4 @@
-"""How a plan's images go to vLLM, in either deployment form (MMRAG_IMAGE_INPUT, core/engine.ImageInput).
+"""How a plan's images go to vLLM, in either deployment form (MMRAG_IMAGE_INPUT, mmrag/core/engine.ImageInput).
 
 ``embeds`` (form A): the stored image tokens as ``image_embeds``; vLLM runs no encoder. ``pixels`` (form B): the
 stored pixels of the page (the very image its tokens were made from, lossless PNG in the same store entry), which
@@ -25,10 +25,10 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from core.engine import ImageInput
-from core.keys import ImageKey
-from core.pages import EncodedImage
-from core.payload import WITHOUT_PIXELS_FIX
+from mmrag.core.engine import ImageInput
+from mmrag.core.keys import ImageKey
+from mmrag.core.pages import EncodedImage
+from mmrag.core.payload import WITHOUT_PIXELS_FIX
 
 PIXELS_UUID_SUFFIX = "+pixels"
 

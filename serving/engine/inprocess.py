@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from adapters.checkpoint import ModelSource
-from adapters.families import checkpoint_family
-from core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
-from core.pages import EncodedImage
+from mmrag.adapters.checkpoint import ModelSource
+from mmrag.adapters.families import checkpoint_family
+from mmrag.core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
+from mmrag.core.pages import EncodedImage
 from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.images import (ImageTokenCountError, count_mismatch, decode_pixels, multi_modal_uuid,

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil  # comes with vLLM
 
-from adapters.fences import Fence, Target
+from mmrag.adapters.fences import Fence, Target
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from core.engine import Layout, PromptPlan
+from mmrag.core.engine import Layout, PromptPlan
 
 SYSTEM_PROMPTS: dict[str, str] = {
     "default": (

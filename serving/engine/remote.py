@@ -23,7 +23,7 @@ The prompt is the one the in-process engine renders: the same chat messages (Pro
 image tokens sent as precomputed embeddings with the ImageKey as uuid (vLLM's cache key for the image).
 
 Identity: a replica gets our image tokens only once its checkpoint is known to be the configured one, by
-fingerprint (adapters/checkpoint.checkpoint_fingerprint: config and weights), never by its served name alone —
+fingerprint (mmrag/adapters/checkpoint.checkpoint_fingerprint: config and weights), never by its served name alone —
 a fine-tune served under the base model's name would take the base tower's tokens without a word. vLLM exposes
 no digest of what it loaded, so the fingerprint is, in this order: the one the replica announces as a second
 served name (`mmrag engine serve` computes it from the files it hands to vLLM, on the replica's host; when it is
@@ -50,8 +50,8 @@ from typing import Any
 import httpx
 import torch
 
-from core.pages import EncodedImage
-from adapters.checkpoint import (
+from mmrag.core.pages import EncodedImage
+from mmrag.adapters.checkpoint import (
     FINGERPRINT_NAME_PREFIX,
     ModelNotFoundError,
     ModelSource,
@@ -59,8 +59,8 @@ from adapters.checkpoint import (
     fingerprint_name,
     local_checkpoint,
 )
-from adapters.families import checkpoint_family
-from core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
+from mmrag.adapters.families import checkpoint_family
+from mmrag.core.engine import Completion, ImageInput, KVCapacity, OnText, PromptPlan, Usage
 from serving.engine.features import FeatureProvider
 from serving.engine.images import (ImageTokenCountError, count_mismatch, multi_modal_uuid, pixels_part, plan_form,
                                    processor_kwargs, uncached_images)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core.engine import Engine
+from mmrag.core.engine import Engine
 from serving.ray.deployments import EngineReplica, VisionReplica
 
 ENGINE_APP = "mmrag-engine"

@@ -17,7 +17,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from core.engine import Completion, Engine, KVCapacity, PromptPlan
+from mmrag.core.engine import Completion, Engine, KVCapacity, PromptPlan
 
 # What EngineReplica.generate streams: ("first", None) once prefill is done, ("text", delta) per piece of
 # answer, then ("done", Completion).

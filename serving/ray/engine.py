@@ -1,4 +1,4 @@
-"""RayEngine: the Engine contract (core/engine.py) over the engine deployment's DeploymentHandle.
+"""RayEngine: the Engine contract (mmrag/core/engine.py) over the engine deployment's DeploymentHandle.
 
 The handle's request router (serving/ray/router.py) picks the replica; this client streams the replica's
 events into ``on_first_token`` / ``on_text`` and returns its completion. Faults: a replica that dies with a
@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from adapters.checkpoint import ModelSource
-from core.engine import Completion, KVCapacity, OnText, PromptPlan
+from mmrag.adapters.checkpoint import ModelSource
+from mmrag.core.engine import Completion, KVCapacity, OnText, PromptPlan
 from serving.engine.remote import EngineUnavailableError, once, Told
 from serving.ray.deployments import DONE, FIRST, TEXT
 from serving.ray.router import AFFINITY, PINNED

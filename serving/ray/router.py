@@ -39,8 +39,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from adapters.fences import Fence, Target
-from core.engine import PromptPlan
+from mmrag.adapters.fences import Fence, Target
+from mmrag.core.engine import PromptPlan
 from serving.routing import AffinityTable, prefix_path, rank_replicas
 
 # What this router reaches into in Ray Serve beyond its public API, as tested (pyproject.toml pins ray[serve]):

@@ -3,7 +3,7 @@
 POST /v1/encode takes image bytes (multipart, one or more ``images`` parts; PNG for rendered pages, which keeps
 them lossless) and answers, per image, its ImageKey, token count and grid; the tokens go to the shared
 feature store under that key. With ``Accept: application/octet-stream`` (or ``?tokens=true``) the answer is
-the tokens themselves, one safetensors blob (adapters/vision_client.py pack_tokens). Images are decoded with
+the tokens themselves, one safetensors blob (mmrag/adapters/vision_client.py pack_tokens). Images are decoded with
 ingestion's defences and hashed as ingestion hashes a page, so a page gets the same key either way.
 Built by mmrag/wiring.py ``vision_app``; the batching lives in serving/vision/batcher.py.
 
@@ -30,11 +30,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from adapters.store import FeatureStore
-from adapters.vision import VisionEncoder
-from adapters.vision_client import TOKENS_MEDIA_TYPE, EncodedEntry, VisionServiceInfo, pack_tokens
-from core.keys import ImageKey
-from core.settings import Settings
+from mmrag.adapters.store import FeatureStore
+from mmrag.adapters.vision import VisionEncoder
+from mmrag.adapters.vision_client import TOKENS_MEDIA_TYPE, EncodedEntry, VisionServiceInfo, pack_tokens
+from mmrag.core.keys import ImageKey
+from mmrag.core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_content_hash, image_header_size
 from serving.api import errors
 from serving.api.errors import ApiError

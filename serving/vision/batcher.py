@@ -25,9 +25,9 @@ from typing import Protocol
 
 from PIL import Image
 
-from adapters.store import FeatureStore
-from core.keys import ImageKey
-from core.pages import EncodedImage
+from mmrag.adapters.store import FeatureStore
+from mmrag.core.keys import ImageKey
+from mmrag.core.pages import EncodedImage
 
 
 class Source(str, enum.Enum):

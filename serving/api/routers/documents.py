@@ -15,10 +15,10 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from PIL import Image, ImageDraw
 
-from adapters.files import atomic_file
-from core.figures import Box, FigureRegion
-from core.keys import doc_id_for
-from core.payload import PagePayload
+from mmrag.adapters.files import atomic_file
+from mmrag.core.figures import Box, FigureRegion
+from mmrag.core.keys import doc_id_for
+from mmrag.core.payload import PagePayload
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload

