@@ -1,4 +1,4 @@
-"""`mmrag ask` and `mmrag warm`: parts from mmrag/wiring.py."""
+"""`mmrag ask` and `mmrag warm`: parts from mmrag/wiring/."""
 
 from __future__ import annotations
 

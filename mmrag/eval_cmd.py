@@ -1,5 +1,5 @@
 """`mmrag eval answers`: what answers are worth, per answer strategy (rag/evaluate_answers.py scores; parts from
-mmrag/wiring.py, built as `mmrag ask` builds them).
+mmrag/wiring/, built as `mmrag ask` builds them).
 
 Imported by mmrag/cli.py at start-up (for the sub-command's --help): the pipeline, vLLM and Qdrant are imported
 inside the command.

@@ -1,4 +1,4 @@
-"""`mmrag ingest` and `mmrag index`: parts from mmrag/wiring.py, progress, the report."""
+"""`mmrag ingest` and `mmrag index`: parts from mmrag/wiring/, progress, the report."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`mmrag retrieval eval` and `mmrag retrieval latency`: retrieval quality and speed (parts from mmrag/wiring.py).
+"""`mmrag retrieval eval` and `mmrag retrieval latency`: retrieval quality and speed (parts from mmrag/wiring/).
 
 Imported by mmrag/cli.py at start-up (for the sub-commands' --help): numpy, Qdrant, the embedders and the
 sample corpus' plotting are imported inside the functions that use them.

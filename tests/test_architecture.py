@@ -35,7 +35,7 @@ def test_every_top_level_package_is_under_a_contract():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
     found = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "scripts"}
     assert found == set(config["root_packages"]) == set(PACKAGES)
-    assert {p.parent.name for p in (REPO / "mmrag").glob("*/__init__.py")} == set(SUBPACKAGES)
+    assert {p.parent.name for p in (REPO / "mmrag").glob("*/__init__.py")} == {*SUBPACKAGES, "wiring"}
 
 
 def test_every_module_of_the_composition_root_is_forbidden_below_it():
@@ -44,7 +44,9 @@ def test_every_module_of_the_composition_root_is_forbidden_below_it():
 
     contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     (top,) = [c for c in contracts if c["name"].startswith("Composition at the top")]
-    modules = {f"mmrag.{p.stem}" for p in (REPO / "mmrag").glob("*.py")} - {"mmrag.__init__"}
+    modules = ({f"mmrag.{p.stem}" for p in (REPO / "mmrag").glob("*.py")} - {"mmrag.__init__"}
+               | {f"mmrag.{p.parent.name}" for p in (REPO / "mmrag").glob("*/__init__.py")
+                  if p.parent.name not in SUBPACKAGES})
     assert set(top["forbidden_modules"]) == modules
 
 
@@ -75,3 +77,16 @@ def test_settings_become_objects_only_in_the_wiring_module():
             if any(isinstance(c.func, ast.Name) and c.func.id == "Settings" for c in calls):
                 offenders.append(str(path.relative_to(REPO)))
     assert not offenders, f"Settings() built below the composition root in {offenders}"
+
+
+def test_the_wiring_builds_from_the_settings_it_was_given_and_patches_no_copy():
+    """Each deployment's builder passes what differs (an in-process tower or engine, a job's tiers) as arguments;
+    a patched copy of the settings would hide from `mmrag config show` what a part really runs with. The one
+    exception is named: Ray's vision service URL, known only once Serve has deployed it."""
+    copies = []
+    for path in sorted((REPO / "mmrag" / "wiring").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            copies += [f"{path.name}:{fn.name}" for n in ast.walk(fn)
+                       if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "model_copy"]
+    assert copies == ["ray_serve.py:ray_app"], copies

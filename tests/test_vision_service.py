@@ -96,7 +96,7 @@ async def test_a_pooled_services_info_keeps_pool_so_the_client_mints_the_service
     settings = local_settings(tiny_model, tmp_path)
     pooled = ResolutionPolicy(settings.min_pixels, settings.max_pixels, pool=2)
     encoder = VisionEncoder(tiny_model, pooled)
-    monkeypatch.setattr(wiring, "vision_encoder", lambda _settings, _model: encoder)
+    monkeypatch.setattr(wiring.vision, "local_vision_encoder", lambda _settings, _model: encoder)
     async with serving(wiring.vision_app(settings)) as url:
         body = (await asyncio.to_thread(httpx.get, f"{url}/v1/info")).json()
         client = await asyncio.to_thread(RemoteVisionEncoder, url)

@@ -2,7 +2,7 @@
 
 ``MMRAG_MODEL`` names a local folder or a hub id already in the local Hugging Face cache; mmrag never
 downloads at run time. Which checkpoint to use when none is configured (the tiny test model) is decided by
-the composition root (``mmrag/wiring.py``), not here.
+the composition root (``mmrag/wiring/``), not here.
 """
 
 from __future__ import annotations

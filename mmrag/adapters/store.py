@@ -158,7 +158,7 @@ class OutOfScopeWriteError(ValueError):
 
 class ScopedFeatureStore:
     """A store that reads and writes only the keys of one encoder: its version under its policy, or under one of
-    ``tiers`` (the same tower under another resolution policy). The engines read through it (mmrag/wiring.py),
+    ``tiers`` (the same tower under another resolution policy). The engines read through it (mmrag/wiring/),
     so whatever names a page — retrieval, ``--pages``, warm-up — tokens of another encoder never reach a prompt;
     writers store through it, so no tokens are filed under a key their encoder did not mint."""
 

@@ -1,6 +1,6 @@
 """A tenant's scope: everything that is one tenant's own, as one value.
 
-The wiring builds it once per tenant (mmrag/wiring.py ``tenant_scope``) and hands the same value to whatever
+The wiring builds it once per tenant (mmrag/wiring/ ``tenant_scope``) and hands the same value to whatever
 acts for the tenant: the pipeline (its collection, the salt on every plan and decomposition request), the
 scheduler and routing (they key prefixes by ``routing.prefix_path``, which starts with the plan's salt),
 warm-up (it prefills under the salt), server-side ingest (its root and uploads folder), conversations (their

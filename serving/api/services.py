@@ -1,4 +1,4 @@
-"""What the app serves with: built once at start-up by the composition root (mmrag/wiring.py), shared by
+"""What the app serves with: built once at start-up by the composition root (mmrag/wiring/), shared by
 every request."""
 
 from __future__ import annotations

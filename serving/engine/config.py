@@ -1,5 +1,5 @@
 """Engine configuration, shared by the in-process engine and `mmrag engine serve` (built from Settings by
-mmrag/wiring.py), and the automatic dtype choice."""
+mmrag/wiring/), and the automatic dtype choice."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 - ``mmrag-vision``: the vision service at ``/vision`` on Serve's HTTP proxy, autoscaled on its ongoing
   requests (its batcher's queue), so the API's MMRAG_VISION_URL is that route.
 
-The API stays the normal FastAPI process (mmrag/wiring.py ``ray_app``), not a Serve ingress: its state — the
+The API stays the normal FastAPI process (mmrag/wiring/ ``ray_app``), not a Serve ingress: its state — the
 prefix-aware scheduler, admission, conversations, ingest jobs over Qdrant — is per process by design, and
 one process holding the engine handle gives the router one view of all traffic.
 

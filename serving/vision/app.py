@@ -5,7 +5,7 @@ them lossless) and answers, per image, its ImageKey, token count and grid; the t
 feature store under that key. With ``Accept: application/octet-stream`` (or ``?tokens=true``) the answer is
 the tokens themselves, one safetensors blob (mmrag/adapters/vision_client.py pack_tokens). Images are decoded with
 ingestion's defences and hashed as ingestion hashes a page, so a page gets the same key either way.
-Built by mmrag/wiring.py ``vision_app``; the batching lives in serving/vision/batcher.py.
+Built by mmrag/wiring/ ``vision_app``; the batching lives in serving/vision/batcher.py.
 
 Memory is bounded by configuration, not by the client (issue 24): a request is admitted by the pixels its images
 declare in their headers before any is decoded (serving/pixels.py: 413 over MMRAG_MAX_REQUEST_PIXELS, 429 over
