@@ -257,7 +257,7 @@ def serve(
     from serving.api.slow_clients import header_timeout_protocol
 
     settings = Settings()
-    if ray and settings.engine_url_list:
+    if ray and settings.engine_urls:
         raise typer.BadParameter("--ray deploys its own engine replicas: unset MMRAG_ENGINE_URLS, or drop --ray")
     host = host or settings.host
     if warning := open_to_all(settings, host):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
+from pydantic_settings import NoDecode
 from rich.console import Console
 from rich.markup import escape
 
@@ -81,8 +82,10 @@ def mask_url_passwords(text: str) -> str:
 
 
 def masked(name: str, value: Any) -> Any:
-    if is_secret(name) and value not in ("", None):
+    if is_secret(name) and value not in ("", None, [], {}):
         return MASK
+    if isinstance(value, list):
+        return [masked(name, item) for item in value]
     return mask_url_passwords(value) if isinstance(value, str) else value
 
 
@@ -130,6 +133,10 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
 def _shown(value: Any) -> str:
     if value is None:
         return "(unset)"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # as the variable writes it
+        value = ",".join(value)
+    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+        value = ",".join(f"{k}={v:g}" for k, v in value.items())
     if isinstance(value, str):
         return value if value else '""'
     return json.dumps(value)
@@ -206,10 +213,13 @@ def type_of(field: FieldInfo) -> str:
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         optional, annotation = len(args) < len(get_args(annotation)), args[0]
+    plain = any(m is NoDecode or isinstance(m, NoDecode) for m in field.metadata)  # settings.py CommaList, CommaMap
     if get_origin(annotation) is Literal:
         text = "one of " + ", ".join(f"`{a}`" for a in get_args(annotation))
     elif get_origin(annotation) is dict:
-        text = "JSON object"
+        text = "map: `name=value` comma-separated, or a JSON object" if plain else "JSON object"
+    elif get_origin(annotation) is list:
+        text = "list: comma-separated, or a JSON list"
     else:
         text = _TYPE_NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))
     bounds = [f"{sign} {getattr(m, attr):g}" for m in field.metadata for attr, sign in _BOUNDS if hasattr(m, attr)]
@@ -222,8 +232,10 @@ def default_of(field: FieldInfo) -> str:
     default = TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
     if default is None:
         return "unset"
-    if default == "":
+    if default in ("", [], {}):
         return "empty"
+    if isinstance(default, list) and all(isinstance(v, str) for v in default):  # as the variable writes it
+        default = ",".join(default)
     return f"`{default if isinstance(default, str) else json.dumps(default)}`"
 
 

@@ -24,11 +24,10 @@ def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: 
     if tiers:
         from mmrag.ask_cmd import check_tier
 
-        names = [settings.ingest_tiers, *(check_tier(settings, t) for t in tiers)]
-        settings = settings.model_copy(update={"ingest_tiers": ",".join(names)})
+        tiers = tuple(check_tier(settings, t) for t in tiers)
     model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
-    ingestor = wiring.ingestor(settings, model=model)
+    ingestor = wiring.ingestor(settings, model=model, tiers=tuple(tiers))
     if ingestor.image_embedder is not None:
         console.print(f"image channel: on ({ingestor.image_embedder.name})")
     else:

@@ -92,7 +92,7 @@ async def api(engine_settings, data_dir: Path, salt: str) -> AsyncIterator[tuple
     copy_corpus(engine_settings, data_dir)
     settings = engine_settings.model_copy(update={"data_dir": data_dir, "encoder_salt": salt, "warm_top": 0})
     model = wiring.resolve_model(settings)
-    engine = wiring.engine(settings.model_copy(update={"engine_urls": NOWHERE}), model)
+    engine = wiring.engine(settings.model_copy(update={"engine_urls": [NOWHERE]}), model)
     try:
         async with serving(wiring.create_app(settings, engine=engine)) as url:
             yield url.removeprefix("http://"), wiring.encoder_scope(settings, model)

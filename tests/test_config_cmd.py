@@ -148,8 +148,10 @@ def test_secrets_are_masked_in_text_and_json_and_never_printed(environ):
     assert not [s for s in hidden if s in out + err]
     rows = {row["env"]: row for row in json.loads(out)}
     assert rows["MMRAG_API_KEY"]["value"] == rows["MMRAG_VISION_API_KEY"]["value"] == MASK
-    for name, (_, shown) in passwords.items():
-        assert rows[name]["value"] == shown and rows[name]["source"] == "env"
+    for name, (_, shown) in passwords.items():  # a list setting is a JSON list there
+        value = rows[name]["value"]
+        assert (",".join(value) if isinstance(value, list) else value) == shown and rows[name]["source"] == "env"
+    assert rows["MMRAG_ENGINE_URLS"]["value"] == ["http://a:1", "http://u:***@b:2"]
 
 
 def test_an_unset_secret_shows_that_it_is_unset(environ):

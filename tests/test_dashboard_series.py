@@ -66,7 +66,7 @@ async def test_every_series_a_panel_or_an_alert_queries_is_served_from_start_up(
     from mmrag import wiring
 
     copy_corpus(engine_settings, tmp_path)
-    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "engine_urls": vllm_server,
+    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "engine_urls": [vllm_server],
                                                   "warm_top": 0})  # not one prefill: nothing has been asked
     app = wiring.create_app(settings)
     async with app.router.lifespan_context(app):

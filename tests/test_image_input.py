@@ -237,7 +237,7 @@ def test_the_setting_reaches_every_engine_and_the_encoder(engine_settings):
     flags = config.serve_flags()
     assert "--trust-request-mm-kwargs" in flags and "--mm-processor-kwargs" in flags
     assert "--trust-request-mm-kwargs" not in wiring.engine_config(engine_settings).serve_flags()
-    remote = wiring.engine(pixels.model_copy(update={"engine_urls": "http://127.0.0.1:9"}),
+    remote = wiring.engine(pixels.model_copy(update={"engine_urls": ["http://127.0.0.1:9"]}),
                            wiring.resolve_model(pixels))
     assert remote.image_input is ImageInput.PIXELS and remote.image_pixels == config.image_pixels
     encoder = wiring.vision_encoder(pixels.model_copy(update={"ingest_image_tokens": False}),

@@ -85,7 +85,7 @@ def test_ingestion_encodes_the_configured_tiers_once_and_a_new_tier_makes_a_file
     files.mkdir()
     for name in ("operations_manual.pdf", "allhands_03_platform.png"):
         shutil.copy(sample_corpus / name, files / name)
-    base = engine_settings.model_copy(update={"data_dir": tmp_path / "data", "ingest_tiers": "standard,low"})
+    base = engine_settings.model_copy(update={"data_dir": tmp_path / "data", "ingest_tiers": ["standard", "low"]})
     ingestor = wiring.ingestor(base)
     try:
         first = ingestor.run([files])
@@ -101,7 +101,7 @@ def test_ingestion_encodes_the_configured_tiers_once_and_a_new_tier_makes_a_file
     store = wiring.feature_store(base)
     assert all(store.contains(k.in_policy(low)) for k in keys)
 
-    more = wiring.ingestor(base.model_copy(update={"ingest_tiers": "standard,low,high"}))
+    more = wiring.ingestor(base.model_copy(update={"ingest_tiers": ["standard", "low", "high"]}))
     try:
         third = more.run([files])
     finally:

@@ -165,7 +165,7 @@ async def test_an_engine_refuses_stale_tokens_whatever_names_them(upgraded):
     settings, old = upgraded["settings"], upgraded["old"]
     stale = next(p.image_key for p in upgraded["after"] if not old.covers(p.image_key))
     fresh = next(p.image_key for p in upgraded["after"] if old.covers(p.image_key))
-    engine = wiring.engine(settings.model_copy(update={"engine_urls": "http://127.0.0.1:9"}),
+    engine = wiring.engine(settings.model_copy(update={"engine_urls": ["http://127.0.0.1:9"]}),
                            wiring.resolve_model(settings))  # remote: nothing starts until a request
     try:
         recorder = RecordingStore(engine.features.store)

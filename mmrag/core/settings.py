@@ -9,14 +9,16 @@ the model itself, so ``mmrag config show`` (the effective values, grouped by com
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticUndefined
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mmrag.core.keys import STANDARD_TIER, ResolutionPolicy, Tiers
 
@@ -83,6 +85,43 @@ def setting(component: Component, default: Any = PydanticUndefined, *, descripti
     0 or empty means) and the ``component`` it configures, both required, so no setting is documented only by a
     comment. ``field``: Field's other arguments (``ge``, ``default_factory``, ...)."""
     return Field(default, description=description, json_schema_extra={"component": component}, **field)
+
+
+def comma_list(value: Any) -> Any:
+    """A list setting as the environment writes it: comma-separated (`a,b`) or a JSON list; a list stays a list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return value
+
+
+def comma_map(value: Any, bad: Callable[[str], Exception]) -> Any:
+    """A map setting as the environment writes it: `name=value` comma-separated or a JSON object; a dict stays one.
+    ``bad(item)``: the error for an item that is not `name=value`."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        return json.loads(text)
+    table: dict[str, str] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, sep, number = item.partition("=")
+        if not sep:
+            raise bad(item)
+        table[name.strip()] = number.strip()
+    return table
+
+
+def bad_fusion_weight(item: str) -> ValueError:
+    return ValueError(f"MMRAG_FUSION_WEIGHTS item {item!r} is not `channel=weight` with a channel of "
+                      f"{', '.join(FUSED_CHANNELS)} and a weight >= 0, e.g. text=1,lexical=1.5,image=0.5")
+
+
+# A list or a map read from one variable: pydantic-settings would take it as JSON only; these take the plain form.
+CommaList = Annotated[list[str], NoDecode]
+CommaMap = Annotated[dict[str, float], NoDecode]
 
 
 class Settings(BaseSettings):
@@ -237,9 +276,9 @@ class Settings(BaseSettings):
         description="How the channels' rankings become one (retrieval/search.py): score (each channel's scores "
                     "scaled to [0, 1] within the query's candidates, then a weighted sum) or rrf (weighted "
                     "reciprocal rank fusion).")
-    fusion_weights: str = setting(
-        "retrieval", "",
-        description="Weights per channel, `name=w` comma-separated, of " + ", ".join(FUSED_CHANNELS) + " (caption: "
+    fusion_weights: CommaMap = setting(
+        "retrieval", {},
+        description="Weights per channel, `name=w` comma-separated (or a JSON object), of " + ", ".join(FUSED_CHANNELS) + " (caption: "
                     "the pages captioned with a figure or table the question names by number; figure: figure "
                     "points, found by their caption and the sentences naming them). A channel not named keeps its "
                     "default: " + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_FUSION_WEIGHTS.items()) + ". Empty: "
@@ -249,10 +288,10 @@ class Settings(BaseSettings):
         description="Each channel's candidates per sub-question, before fusion; at least MMRAG_TOP_K.")
 
     # --- engine (vLLM) ------------------------------------------------------------------------------------------
-    engine_urls: str = setting(
-        "engine", "",
-        description="Comma-separated `vllm serve` replicas (`mmrag engine serve`), e.g. http://127.0.0.1:8100. "
-                    "Empty: vLLM runs in this process.")
+    engine_urls: CommaList = setting(
+        "engine", [],
+        description="The `vllm serve` replicas (`mmrag engine serve`), comma-separated, e.g. "
+                    "http://127.0.0.1:8100,http://127.0.0.1:8101. Empty: vLLM runs in this process.")
     kv_block_size: int = setting(
         "engine", 0,
         description="KV cache block size, in tokens; only full blocks are cached (on a CPU a multiple of 32). 0: "
@@ -419,8 +458,8 @@ class Settings(BaseSettings):
                     "`{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}`; pool 2 averages 2x2 "
                     "merged tokens after the projector (a quarter of the tokens). Default: low = standard's bounds "
                     "pooled, high = 4x standard's pixels.")
-    ingest_tiers: str = setting(
-        "ingestion", "standard",
+    ingest_tiers: CommaList = setting(
+        "ingestion", ["standard"],
         description="The resolution tiers ingestion encodes, comma-separated: standard always, each more one vision "
                     "forward per page; a page asked for in another tier is encoded on demand.")
     scheduler_short_image_tokens: int = setting(
@@ -538,6 +577,29 @@ class Settings(BaseSettings):
             raise ValueError("use auto, cpu, cuda or cuda:N (N: a GPU index)")
         return value
 
+    @field_validator("engine_urls", "ingest_tiers", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return comma_list(value)
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        return [u.strip().rstrip("/") for u in urls if u.strip()]
+
+    @field_validator("fusion_weights", mode="before")
+    @classmethod
+    def _weights(cls, value: Any) -> Any:
+        table = comma_map(value, bad_fusion_weight)
+        for name, weight in table.items():
+            try:
+                number = float(weight)
+            except (TypeError, ValueError):
+                number = -1.0
+            if name not in DEFAULT_FUSION_WEIGHTS or number < 0:
+                raise bad_fusion_weight(f"{name}={weight}")
+        return table
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.answer_mode in DEPRECATED_ANSWER_MODES:
@@ -578,7 +640,6 @@ class Settings(BaseSettings):
         if not self.ingest_image_tokens and self.image_input != "pixels":
             raise ValueError("MMRAG_INGEST_IMAGE_TOKENS=false stores pages without image tokens, which only the "
                              "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
-        self.fusion_weight_table  # names and numbers checked, with the fix
         if self.top_k > self.candidate_k:
             raise ValueError(f"MMRAG_TOP_K={self.top_k} is over MMRAG_CANDIDATE_K={self.candidate_k}: raise "
                              "MMRAG_CANDIDATE_K (each channel's candidates) or lower MMRAG_TOP_K")
@@ -607,8 +668,7 @@ class Settings(BaseSettings):
     def ingest_tier_policies(self) -> list[ResolutionPolicy]:
         """The policies ingestion encodes besides standard's (MMRAG_INGEST_TIERS), each once."""
         table = self.tier_table
-        names = [n.strip() for n in self.ingest_tiers.split(",") if n.strip()]
-        policies = dict.fromkeys(table.policy(n) for n in names)
+        policies = dict.fromkeys(table.policy(n) for n in self.ingest_tiers)
         return [p for p in policies if p != self.resolution_policy]
 
     @property
@@ -631,18 +691,7 @@ class Settings(BaseSettings):
     @property
     def fusion_weight_table(self) -> dict[str, float]:
         """MMRAG_FUSION_WEIGHTS as {channel: weight}, every channel present (its default where not named)."""
-        table = dict(DEFAULT_FUSION_WEIGHTS)
-        for item in (i.strip() for i in self.fusion_weights.split(",") if i.strip()):
-            name, _, value = item.partition("=")
-            try:
-                weight = float(value)
-            except ValueError:
-                weight = -1.0
-            if name.strip() not in table or weight < 0:
-                raise ValueError(f"MMRAG_FUSION_WEIGHTS item {item!r} is not `channel=weight` with a channel of "
-                                 f"{', '.join(FUSED_CHANNELS)} and a weight >= 0, e.g. text=1,lexical=1.5,image=0.5")
-            table[name.strip()] = weight
-        return table
+        return {**DEFAULT_FUSION_WEIGHTS, **self.fusion_weights}
 
     @property
     def features_dir(self) -> Path:
@@ -651,10 +700,6 @@ class Settings(BaseSettings):
     @property
     def qdrant_path(self) -> Path:
         return self.data_dir / "qdrant"
-
-    @property
-    def engine_url_list(self) -> list[str]:
-        return [u.strip().rstrip("/") for u in self.engine_urls.split(",") if u.strip()]
 
     @property
     def tiny_model_dir(self) -> Path:

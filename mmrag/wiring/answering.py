@@ -50,12 +50,12 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 def require_engine_urls(settings: Settings) -> list[str]:
     """The remote replicas; commands that must act on a running engine (warm-up) stop here without them."""
-    if not settings.engine_url_list:
+    if not settings.engine_urls:
         raise EngineNotConfiguredError(
             "no running engine to talk to: start one with `mmrag engine serve` and set MMRAG_ENGINE_URLS="
             "http://127.0.0.1:8100 (comma-separate several replicas)"
         )
-    return settings.engine_url_list
+    return settings.engine_urls
 
 
 def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = None, *,
@@ -63,14 +63,14 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
     """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process. It reads image
     tokens of ``encoder`` only (default: the configured model's), refusing stale ones whatever names them."""
     encoder = encoder or encoder_scope(settings, model)
-    if settings.engine_url_list:
+    if settings.engine_urls:
         from serving.engine.features import FeatureProvider
         from serving.engine.remote import RemoteEngine
 
         features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.tier_table)
 
         # Refuses a replica that serves another checkpoint (a fine-tune under the same name), at start-up.
-        return RemoteEngine.connect(settings.engine_url_list, model, features, timeout_s=settings.engine_timeout_s,
+        return RemoteEngine.connect(settings.engine_urls, model, features, timeout_s=settings.engine_timeout_s,
                                     queue_bound=settings.ray_affinity_queue_bound,
                                     image_input=ImageInput(settings.image_input),
                                     image_pixels=(settings.min_pixels, settings.max_pixels),

@@ -75,8 +75,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     await pipe.searcher.stale_pages()  # warns at start-up when pages of another encoder are indexed
     reader = AsyncPageReader(pipe.searcher.client, settings.qdrant_collection)
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
-    if settings.engine_url_list:
-        metrics.register_remote_replicas(settings.engine_url_list)
+    if settings.engine_urls:
+        metrics.register_remote_replicas(settings.engine_urls)
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
 
