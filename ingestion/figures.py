@@ -8,7 +8,7 @@ What a page is made of tells where its figures are:
 * path and shading objects that lie close together are one vector drawing (a plot, a mosaic, a table's rules);
   what is thin (a header rule, an underline) is not a figure. Short text lines next to a drawing are its
   labels (tick labels, a legend) and join it;
-* a caption line ("Figure 3: ...", "Table 2", parsed by ``mmrag.core.text.captions``) names the regions right above
+* a caption line ("Figure 3: ...", "Table 2", parsed by ``mmrag.core.figures.captions``) names the regions right above
   or below it; several regions named by one caption are the panels of one figure and become one region.
 
 Overlapping regions are merged and the result sorted in reading order. A pure function of a page: it reads
@@ -30,11 +30,10 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image
 
-from mmrag.core.figures import Box, FigureRegion, area, intersection, iou, union_box
+from mmrag.core.figures import Box, FigureRegion, area, captions, intersection, iou, union_box
+from mmrag.core.figures import figure_refs as _refs
 from mmrag.core.keys import content_hash_of
 from mmrag.core.pages import FigureCrop
-from mmrag.core.text import captions
-from mmrag.core.text import figure_refs as _refs
 from ingestion.raster import fit_aspect, fitted_size
 
 log = logging.getLogger(__name__)
@@ -251,7 +250,7 @@ def _same_line(a: Box, b: Box) -> bool:
 
 
 def _caption_lines(lines: list[_Line]) -> list[_Region]:
-    """Caption lines with their boxes: mmrag.core.text.captions over the page's lines, mapped back to each line."""
+    """Caption lines with their boxes: mmrag.core.figures.captions over the page's lines, mapped back to each line."""
     found: list[_Region] = []
     text = "\n".join(line.text for line in lines)
     start = 0

@@ -51,10 +51,9 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import PageFigure, figure_refs
 from mmrag.core.keys import ImageKey
 from mmrag.core.settings import DEPRECATED_ANSWER_MODES
-from mmrag.core.text import figure_refs
 from rag.answer import Citation
 from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit

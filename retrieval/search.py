@@ -39,7 +39,7 @@ from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool
 from mmrag.adapters.lexical import LexicalEncoder, special_token, token_index
 from mmrag.adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import PageFigure, caption_label, figure_refs, starts_with_reference
 from mmrag.core.keys import ImageKey
 from mmrag.core.payload import (
     FIGURE_INDEX,
@@ -55,7 +55,7 @@ from mmrag.core.payload import (
     PagePayload,
 )
 from mmrag.core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
-from mmrag.core.text import caption_label, figure_refs, normalise, starts_with_reference
+from mmrag.core.text import normalise
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def named_figures(page: PagePayload) -> list[PageFigure]:
 
 def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") -> PageFigure | None:
     """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
-    "Table 2", "Figure 3a"; mmrag/core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms
+    "Table 2", "Figure 3a"; mmrag/core/figures.py figure_refs, FigureRegion.named_by), else the one whose caption terms
     (without its "Figure N:" label) the query shares most of, at least CAPTION_MATCH_SHARE of them and two; None
     when neither holds. A slide's lone uncaptioned figure (a chart pasted on a slide) is what the slide's
     ``title`` says, and matches by the title's terms."""

@@ -1,8 +1,9 @@
-"""A figure region of a page: where a figure, table or picture sits, what it is called, and how it was found.
+"""Figures' rules, in one home: what a figure region is, how a figure is named, numbered and labelled, and which
+figures a text names (its caption lines, a question's "Figure 3").
 
-The contract between figure detection at ingest (``ingestion.figures``) and everything that stores, crops or
-cites a figure (a Qdrant payload, a crop of the page image, "Figure 3" in an answer). Pure: no I/O, standard
-library only.
+The contract between figure detection at ingest (``ingestion.figures``, which finds regions from a PDF page's
+objects) and everything that stores, crops, finds or cites a figure (a Qdrant payload, a crop of the page image,
+"Figure 3" in an answer). Pure: no I/O, standard library only.
 
 Boxes are in PDF points with a TOP-LEFT origin and y growing down, so a page rendered at ``scale`` pixels per
 point maps a box to pixels by one multiplication (:meth:`FigureRegion.bbox_px`).
@@ -16,7 +17,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from mmrag.core.keys import ImageKey
-from mmrag.core.text import caption_label
 
 Box = tuple[float, float, float, float]
 """x0, y0, x1, y1 in points, top-left origin, y down; x0 <= x1 and y0 <= y1."""
@@ -55,14 +55,14 @@ class FigureRegion:
 
     @property
     def ref(self) -> tuple[str, str] | None:
-        """How a question names it, as mmrag/core/text.py figure_refs gives it: ("figure" | "table", "3"); None without a
+        """How a question names it, as :func:`figure_refs` gives it: ("figure" | "table", "3"); None without a
         whole number."""
         if self.number is None:
             return None
         return ("table" if self.kind == "table" else "figure"), str(self.number)
 
     def named_by(self, ref: tuple[str, str]) -> bool:
-        """Whether a question's reference (mmrag/core/text.py figure_refs: ("figure", "3")) names this figure: by its
+        """Whether a question's reference (:func:`figure_refs`: ("figure", "3")) names this figure: by its
         kind (a table, or any other kind as a figure) and whole number, or as its caption prints it ("Table IV",
         "Figure 3.2", "Listing 2"), a panel of it included ("Figure 3a", "Figure 3B", "Figure 3.2a")."""
         kind, number = ref
@@ -170,3 +170,153 @@ class PageFigure:
         origin) on the page."""
         return {"number": self.region.number, "kind": self.region.kind, "caption": self.region.caption,
                 "bbox": [round(v, 1) for v in self.region.bbox_pt]}
+
+
+# --- captions ---------------------------------------------------------------------------------------------
+
+CaptionKind = Literal["figure", "table", "listing", "title"]
+
+
+@dataclass(frozen=True, slots=True)
+class Caption:
+    """A caption line of a page (or a slide's title): what a question naming "Figure 12" should find."""
+
+    kind: CaptionKind
+    number: str | None  # "12", "3.2", "A.1", "IV"; None for a title
+    text: str  # the caption as it reads on the page, normalised (continuation lines included)
+
+
+_KIND_WORDS = {
+    "figure": "figure", "figures": "figure", "fig": "figure", "figs": "figure",
+    "table": "table", "tables": "table", "tab": "table",
+    "listing": "listing", "listings": "listing",
+}
+# A caption number: 12, 3.2, 12a, A.1, S3, 2-1; or an upper-case Roman numeral (IEEE tables: TABLE IV).
+_NUMBER = r"(?:[A-Z]\.?)?\d+(?:[.\-]\d+)*[a-z]?|[IVXL]+"
+# At the start of a line, capitalised or upper-case as captions are written ("figure 1," in a sentence that
+# begins a line is a reference); after the number a separator, the end of the line, or a capital/quote/bracket
+# starting the caption text ("Fig. 3 Results of ..."); never a lowercase word ("Figure 3 shows ...").
+_CAPTION = re.compile(
+    rf"^(?P<word>Figure|FIGURE|Fig\.?|FIG\.?|Table|TABLE|Tab\.|TAB\.|Listing|LISTING)\s*(?P<num>{_NUMBER})"
+    r"(?:\s*[:.|\u2013\u2014-](?!\d)|\s*$|\s+(?=[\"'(\[A-Z0-9]))"
+)
+# A caption does not continue a sentence: the line before it does not end in one of these.
+_REFERRING = frozenset(
+    "see in of to and or from shown cf cf. per with by on at under e.g. i.e. the as like also is are was were "
+    "than into below above for a an this that which".split()
+)
+_ROMAN = r"(?=[ivxlcdm])m{0,3}(?:cm|cd|d?c{0,3})(?:xc|xl|l?x{0,3})(?:ix|iv|v?i{0,3})"  # a well-formed one
+# What is on a slide before its title: a page number ("12", "- 4 -", "iv", "Page 3 of 10", "Slide 3 / 20"),
+# punctuation, a copyright line.
+_PAGE_FURNITURE = re.compile(
+    rf"^\W*(?:page\s*|slide\s*)?(?:\d+|{_ROMAN})(?:\s*(?:/|of)\s*\d+)?\W*$"
+    r"|^\W*$|^(?:©|\(c\)|copyright\b)",
+    re.IGNORECASE,
+)
+_SENTENCE_END = ".:;!?"
+_MAX_CONTINUATION = 3
+
+
+def _number(raw: str) -> str:
+    return raw.rstrip(".").upper() if raw[:1].isalpha() and not _is_roman(raw) else raw.rstrip(".")
+
+
+def _is_roman(raw: str) -> bool:
+    return bool(re.fullmatch(r"[IVXL]+", raw))
+
+
+def captions(text: str, *, slide: bool = False) -> list[Caption]:
+    """The caption lines of a page's (normalised) text: "Figure 12: ...", "Fig. 3 ...", "FIGURE 3 ...",
+    "Table 2: ...", "TABLE IV ...", "Listing 1 ...", each starting a line. A caption whose line ends without
+    punctuation takes up to 3 following lines that start lowercase (the rest of a wrapped caption).
+
+    References are not captions: "see Figure 12" (not at a line start), "figure 1, use this code"
+    (lowercase), "Figure 3 shows ..." (a lowercase word after the number), or a line after one ending in
+    "see", "in", "of" ... (a sentence carrying on). With ``slide`` (the caller's call: a landscape page with
+    little text), the first line that is not a page number, a footer or punctuation is a ``title`` caption,
+    listed first.
+    """
+    lines = text.split("\n")
+    found: list[Caption] = []
+    if slide:
+        for line in lines:
+            line = line.strip()
+            if line and not _PAGE_FURNITURE.match(line):
+                found.append(Caption("title", None, line))
+                break
+    for i, line in enumerate(lines):
+        m = _CAPTION.match(line)
+        if m is None:
+            continue
+        if i > 0:
+            last = lines[i - 1].rstrip().rpartition(" ")[2].lower()
+            if last in _REFERRING:
+                continue
+        kind = _KIND_WORDS[m.group("word").rstrip(".").lower()]
+        num = m.group("num")
+        if _is_roman(num) and kind != "table":  # Roman numerals number tables, and are words elsewhere
+            continue
+        caption = line.strip()
+        for nxt in lines[i + 1 : i + 1 + _MAX_CONTINUATION]:
+            if caption[-1:] in _SENTENCE_END or not nxt[:1].islower():
+                break
+            caption += " " + nxt.strip()
+        found.append(Caption(kind, _number(num), caption))  # type: ignore[arg-type]
+    return found
+
+
+def caption_label(caption: str) -> tuple[str, str, str] | None:
+    """A caption line's label and the rest: "Fig. 3. Revenue" -> ("figure", "3", "Revenue"), numbers as
+    :func:`captions` gives them; None for a line that does not start with a caption label."""
+    m = _CAPTION.match(caption.strip())
+    if m is None:
+        return None
+    return _KIND_WORDS[m.group("word").rstrip(".").lower()], _number(m.group("num")), caption.strip()[m.end():].strip()
+
+
+_REF = re.compile(
+    rf"\b(?P<word>figures?|figs?\.?|tables?|tab\.|listings?)\s*(?P<nums>(?:{_NUMBER})(?!\w)"
+    rf"(?:\s*(?:,|and|or|&|\u2013|-|to)\s*(?:{_NUMBER})(?!\w))*)",
+    re.IGNORECASE,
+)
+_REF_NUM = re.compile(rf"({_NUMBER})(?!\w)(?:\s*(?:\u2013|-|to)\s*({_NUMBER})(?!\w))?", re.IGNORECASE)
+_MAX_RANGE = 20
+
+
+def starts_with_reference(line: str) -> bool:
+    """Whether ``line`` opens with a figure, table or listing reference that :func:`figure_refs` accepts ("Figure
+    3: ...", "TABLE IV costs", "Fig. 2 shows ..."), as every caption line does and a slide's title does not."""
+    opening = _REF.match(line.strip())
+    return opening is not None and bool(figure_refs(opening.group(0)))
+
+
+def figure_refs(text: str) -> list[tuple[str, str]]:
+    """(kind, number) for each figure/table/listing a question names, in order, once each:
+    "Figure 12", "fig. 3.2", "Table A.1", "Figure 2-1", "Figures 3 and 4", "Figs. 2-4" (after a plural, a
+    range, of up to 20 spelled out),
+    "table IV" (Roman numerals for tables, written upper-case). Numbers come out as :func:`captions` gives them.
+    """
+    refs: list[tuple[str, str]] = []
+    for m in _REF.finditer(text):
+        word = m.group("word").rstrip(".").lower()
+        kind = _KIND_WORDS[word]
+        plural = word.endswith("s")
+        for n in _REF_NUM.finditer(m.group("nums")):
+            first, last = n.group(1), n.group(2)
+            dashed = re.fullmatch(r"(\d+)-(\d+)", first)
+            if plural and dashed and last is None:  # "Figs. 2-4" is a range, "Figure 2-4" a number
+                first, last = dashed.groups()
+            nums = [first]
+            if last and first.isdigit() and last.isdigit() and 0 < int(last) - int(first) <= _MAX_RANGE:
+                nums = [str(k) for k in range(int(first), int(last) + 1)]
+            elif last:
+                nums.append(last)
+            for num in nums:
+                if _is_roman(num.upper()) and not num.isupper():
+                    continue  # "table i" is not Table I
+                if _is_roman(num) and kind != "table":
+                    continue
+                ref = (kind, _number(num))
+                if ref not in refs:
+                    refs.append(ref)
+    return refs
