@@ -30,7 +30,7 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image
 
-from mmrag.core.figures import Box, FigureRegion, area, captions, intersection, iou, union_box
+from mmrag.core.figures import Box, FigureRegion, area, captions, intersection, iou, region_name, union_box
 from mmrag.core.figures import figure_refs as _refs
 from mmrag.core.keys import content_hash_of
 from mmrag.core.pages import FigureCrop
@@ -444,13 +444,7 @@ def _reading_order(regions: list[_Region]) -> list[_Region]:
 
 
 def _finish(region: _Region) -> FigureRegion:
-    if region.kind in ("figure", "table"):
-        kind = region.kind
-    elif region.kind == "listing":
-        kind = "figure"
-    else:
-        kind = "image" if region.source == "raster" else "figure"
-    number = int(region.number) if region.number is not None and re.fullmatch(r"\d+", region.number) else None
+    kind, number = region_name(region.kind, region.number, region.source)  # named as mmrag/core/figures.py says
     x0, y0, x1, y1 = region.box
     return FigureRegion(number, kind, region.caption, (x0, y0, x1, y1), region.source)  # type: ignore[arg-type]
 

@@ -59,7 +59,7 @@ class FigureRegion:
         whole number."""
         if self.number is None:
             return None
-        return ("table" if self.kind == "table" else "figure"), str(self.number)
+        return ref_kind(self.kind), str(self.number)
 
     def named_by(self, ref: tuple[str, str]) -> bool:
         """Whether a question's reference (:func:`figure_refs`: ("figure", "3")) names this figure: by its
@@ -67,7 +67,7 @@ class FigureRegion:
         "Figure 3.2", "Listing 2"), a panel of it included ("Figure 3a", "Figure 3B", "Figure 3.2a")."""
         kind, number = ref
         own = set()
-        if self.number is not None and kind == ("table" if self.kind == "table" else "figure"):
+        if self.number is not None and kind == ref_kind(self.kind):
             own.add(str(self.number))
         printed = caption_label(self.caption)
         if printed is not None and printed[0] == kind:
@@ -104,9 +104,30 @@ class FigureRegion:
         )
 
 
+def ref_kind(kind: str) -> str:
+    """The word a figure of ``kind`` is named by, in a question and in a label: "table" for a table, "figure" for
+    any other kind (an uncaptioned picture too)."""
+    return "table" if kind == "table" else "figure"
+
+
+def region_name(caption_kind: str, caption_number: str | None, source: str) -> tuple[FigureKind, int | None]:
+    """A detected region's kind and number, from the caption that names it (its kind and number as
+    :func:`captions` gives them; "" and None for none) and what it was found from (FigureSource): a figure or
+    table caption gives its kind, a listing's a figure; uncaptioned, a raster picture is an "image" and anything
+    else a "figure". The number only when it is whole ("3"; not "3.2", "A.1" or "IV", which the caption keeps)."""
+    if caption_kind in ("figure", "table"):
+        kind = caption_kind
+    elif caption_kind == "listing":
+        kind = "figure"
+    else:
+        kind = "image" if source == "raster" else "figure"
+    number = int(caption_number) if caption_number is not None and re.fullmatch(r"\d+", caption_number) else None
+    return kind, number  # type: ignore[return-value]
+
+
 def figure_label(kind: str, number: int | None) -> str:
     """"Figure 3", "Table 2"; "a figure" ("a table") without a whole number."""
-    word = "table" if kind == "table" else "figure"
+    word = ref_kind(kind)
     return f"a {word}" if number is None else f"{word.title()} {number}"
 
 
