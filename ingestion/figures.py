@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +30,6 @@ import pypdfium2.raw as pdfium_c
 from PIL import Image
 
 from mmrag.core.figures import Box, FigureRegion, area, captions, intersection, iou, region_name, union_box
-from mmrag.core.figures import figure_refs as _refs
 from mmrag.core.keys import content_hash_of
 from mmrag.core.pages import FigureCrop
 from ingestion.raster import fit_aspect, fitted_size
@@ -481,7 +479,8 @@ def _finish(region: _Region) -> FigureRegion:
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
 FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
 # v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset; boxes and
-# crops on the page as shown, its crop box turned by /Rotate)
+# crops on the page as shown, its crop box turned by /Rotate), and so does a changed naming of what it found
+# (mmrag/core/figures.py: captions, region_name, figure_text)
 FIGURE_RENDER = {"no_smoothpath": True, "no_smoothtext": True}  # pypdfium2's render flags for what is drawn alone
 SIZE_GRID_PT = 1 / 1024  # ... on a page of its extent's size rounded to this (far above pdfium's float noise)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
@@ -675,20 +674,3 @@ def _render_alone(page: pdfium.PdfPage, box: Box) -> Image.Image:
         return bitmap.to_pil().convert("RGB")
     finally:
         bitmap.close()
-
-
-# --- what a figure point is found by ------------------------------------------------------------------------
-
-FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
-
-
-def figure_text(region: FigureRegion, page_text: str) -> str:
-    """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
-    it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page)."""
-    parts = [region.caption] if region.caption else []
-    if region.ref is not None:
-        for sentence in _SENTENCE.split(" ".join(page_text.split())):
-            if sentence.strip() and sentence.strip() not in region.caption and region.ref in _refs(sentence):
-                parts.append(sentence.strip())
-    return " ".join(parts)[:FIGURE_TEXT_CHARS]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmrag.core.figures import Caption, PageFigure
+from mmrag.core.figures import Caption, PageFigure, figure_text
 from mmrag.core.figures import captions as find_captions
 from mmrag.core.keys import ImageKey, KeyLease
 from mmrag.core.pages import RenderedPage, TextSource
@@ -38,7 +38,7 @@ from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
 from mmrag.adapters.lexical import LexicalEncoder
 from mmrag.adapters.qdrant import PageIndex, make_point
-from ingestion.figures import FIGURES_VERSION, figure_text
+from ingestion.figures import FIGURES_VERSION
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
 from mmrag.adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
 from mmrag.adapters.vision import VisionEncoder

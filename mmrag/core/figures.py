@@ -341,3 +341,21 @@ def figure_refs(text: str) -> list[tuple[str, str]]:
                 if ref not in refs:
                     refs.append(ref)
     return refs
+
+
+# --- which figures a text names ----------------------------------------------------------------------------
+
+FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
+
+
+def figure_text(region: FigureRegion, page_text: str) -> str:
+    """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
+    it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page).
+    Ingestion stores it: a change re-ingests (ingestion/figures.py FIGURES_VERSION)."""
+    parts = [region.caption] if region.caption else []
+    if region.ref is not None:
+        for sentence in _SENTENCE.split(" ".join(page_text.split())):
+            if sentence.strip() and sentence.strip() not in region.caption and region.ref in figure_refs(sentence):
+                parts.append(sentence.strip())
+    return " ".join(parts)[:FIGURE_TEXT_CHARS]
