@@ -359,7 +359,7 @@ def make_questions(corpus: FigureCorpus, n: int, zipf_s: float, seed: int, place
 
 def question_hits(q: FigureQuestion, titles: Sequence[str], ingested: Ingested) -> list[list[Hit]]:
     """One hit per sub-question: the page it reaches its chart through, its figure named as retrieval names it
-    (retrieval/search.py hit_figure: by the caption, on a slide by its title), which must be that chart."""
+    (Hit.of: mmrag/core/figures.py hit_figure, by the caption, on a slide by its title), which must be that chart."""
     out = []
     for text, place in zip(q.sub_texts(titles), q.places):
         page = ingested.by_place[(place.doc, place.page)]

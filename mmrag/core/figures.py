@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mmrag.core.keys import ImageKey
+
+if TYPE_CHECKING:
+    from mmrag.core.payload import PagePayload  # which imports this module
 
 Box = tuple[float, float, float, float]
 """x0, y0, x1, y1 in points, top-left origin, y down; x0 <= x1 and y0 <= y1."""
@@ -359,3 +363,83 @@ def figure_text(region: FigureRegion, page_text: str) -> str:
             if sentence.strip() and sentence.strip() not in region.caption and region.ref in figure_refs(sentence):
                 parts.append(sentence.strip())
     return " ".join(parts)[:FIGURE_TEXT_CHARS]
+
+
+# --- which figure a hit names ------------------------------------------------------------------------------
+
+Terms = Callable[[str], Iterable[str]]
+"""A text's terms, by which a question matches a caption or a slide's title: the lexical channel's tokens
+(mmrag/adapters/lexical.py LexicalEncoder.tokens: normalised, stemmed, stop words out), passed in by the caller
+as normalise's ``known`` is (the contracts stem nothing). Retrieval naming a hit's figure and warm-up choosing the
+crops a hit can name must pass the same."""
+
+# A caption matches a query that shares at least this share of the caption's terms, and two of them at least.
+CAPTION_MATCH_SHARE = 0.5
+
+# The figure channel names a page's figure (Hit.figure) only when the figure point's text is this close to the
+# query (MiniLM cosine): the channel always returns its nearest figures, and a page it helped rank for an
+# unrelated question ("how long are backups retained?") must not be cited as that figure.
+FIGURE_NAMING_MIN_SIMILARITY = 0.5
+
+
+def slide_title(captions: Sequence[str]) -> str:
+    """A slide's title among a page's caption lines (ingestion finds one on a slide only: a landscape page of
+    few words; the payload keeps caption lines as text only): the line that opens with no figure, table or
+    listing reference; empty when there is none."""
+    return next((c for c in captions if not starts_with_reference(c)), "")
+
+
+def _lone_uncaptioned(figures: Sequence[PageFigure]) -> bool:
+    """A page's only figure, without a caption: on a slide, what the slide's title is about."""
+    return len(figures) == 1 and not figures[0].region.caption
+
+
+def named_figures(page: PagePayload, *, terms: Terms) -> list[PageFigure]:
+    """The page's figures a question's words can name (:func:`hit_figure`): by a number, by a caption, or, a
+    slide's lone uncaptioned figure, by the slide's title (of two terms at least, as a match needs two). The
+    others are found only by their pixels (a page-image channel's figure points)."""
+    if _lone_uncaptioned(page.figures):
+        title = slide_title(page.captions)
+        return list(page.figures) if len(set(terms(title))) >= 2 else []
+    return [f for f in page.figures if f.region.number is not None or f.region.caption]
+
+
+def hit_figure(figures: Sequence[PageFigure], query: str, *, terms: Terms, title: str = "",
+               found: int | None = None) -> PageFigure | None:
+    """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
+    "Table 2", "Figure 3a"; :func:`figure_refs`, FigureRegion.named_by), else the one whose caption terms
+    (without its "Figure N:" label) the query shares most of, at least CAPTION_MATCH_SHARE of them and two, else
+    the one a channel ``found`` the page by (its index in ``figures``: the figure channel's point, a page-image
+    channel's crop); None when none holds. A slide's lone uncaptioned figure (a chart pasted on a slide) is what
+    the slide's ``title`` says, and matches by the title's terms."""
+    if not figures:
+        return None
+    named = figure_refs(query)
+    for figure in figures:
+        if any(figure.region.named_by(ref) for ref in named):
+            return figure
+    asked = set(terms(query))
+    lone = _lone_uncaptioned(figures)
+    best, best_share = None, 0.0
+    for figure in figures:
+        caption = title if lone else figure.region.caption
+        parsed = caption_label(caption)
+        words = set(terms(parsed[2] if parsed else caption))
+        shared = len(asked & words)
+        if words and shared >= 2 and shared / len(words) > best_share:
+            best, best_share = figure, shared / len(words)
+    if best_share >= CAPTION_MATCH_SHARE:
+        return best
+    return figures[found] if found is not None and 0 <= found < len(figures) else None
+
+
+# --- which crops warm-up prefills --------------------------------------------------------------------------
+
+
+def leading_crops(page: PagePayload, *, by_pixels: bool, terms: Terms) -> list[PageFigure]:
+    """The page's figures whose crops a prompt can lead with when a hit on a figure is shown as its crop
+    (MMRAG_FIGURE_CROPS): those a hit can name, by a question's words (:func:`named_figures`: a number, a
+    caption, a slide's title) and, with a page-image channel finding crops by their pixels (``by_pixels``:
+    Settings.page_image_channel), every one. Another figure is never a hit's, so its crop is never shown, however
+    many pages show it."""
+    return list(page.figures) if by_pixels else named_figures(page, terms=terms)
