@@ -39,7 +39,8 @@ from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool
 from mmrag.adapters.lexical import LexicalEncoder, special_token, token_index
 from mmrag.adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
-from mmrag.core.figures import FIGURE_NAMING_MIN_SIMILARITY, PageFigure, figure_refs, hit_figure, slide_title
+from mmrag.core.figures import (FIGURE_NAMING_MIN_SIMILARITY, PageFigure, figure_refs, hit_figure, shows_crop,
+                                 slide_title)
 from mmrag.core.keys import ImageKey
 from mmrag.core.payload import (
     FIGURE_INDEX,
@@ -184,7 +185,7 @@ class Hit:
     @property
     def shows_crop(self) -> bool:
         """Whether the image this hit shows is its figure's crop (rag/plans.shown_as_figures), in any tier."""
-        return self.figure is not None and self.image_key.content_hash == self.figure.image_key.content_hash
+        return shows_crop(self.image_key, self.figure)
 
     @classmethod
     def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0, found: int | None = None

@@ -433,6 +433,44 @@ def hit_figure(figures: Sequence[PageFigure], query: str, *, terms: Terms, title
     return figures[found] if found is not None and 0 <= found < len(figures) else None
 
 
+# --- shown as its crop or as its page ----------------------------------------------------------------------
+
+# Words by which a question asks for what a page SAYS, not what its figure shows: the page is shown then. Whole
+# words only ("cross-section" is not "section").
+_PAGE_WORDS = re.compile(r"(?<![\w-])(?:text|texts|paragraphs?|sections?|passages?|surrounding|according|why|"
+                         r"explain\w*|discuss\w*|mention\w*|say|says|said|conclu\w*)(?![\w-])", re.IGNORECASE)
+
+
+def needs_page(question: str, figure: PageFigure, *, whole: str = "") -> str | None:
+    """Why ``question`` needs more than ``figure``'s crop (None when the crop is enough): it, or the ``whole``
+    question it was split from, asks what the page says around the figure (its words: "according to the text",
+    "why", "explain", "what does the section conclude"; _PAGE_WORDS), or it names another figure or table than
+    this one ("is Figure 2 like Table 3?"), which the page may show beside it. A rule over the question's words,
+    so it errs on the page's side: a question the crop would answer but that uses one of those words costs the
+    page's tokens, never an answer."""
+    for text in (question, whole):
+        if word := _PAGE_WORDS.search(text):
+            return f"it asks what the page says ({word.group(0)!r})"
+    others = [ref for ref in figure_refs(question) if not figure.region.named_by(ref)]
+    if others:
+        kind, number = others[0]
+        return f"it names {kind} {number} too"
+    return None
+
+
+def shown_as_crop(question: str, figure: PageFigure | None, *, whole: str = "") -> bool:
+    """Whether a hit on ``figure`` (None: on no figure) that ``question`` found is shown as the figure's crop
+    (MMRAG_FIGURE_CROPS; rag/plans.py shown_as_figures): unless the question needs more (:func:`needs_page`),
+    when it stays its page, the figure still named in its citation."""
+    return figure is not None and needs_page(question, figure, whole=whole) is None
+
+
+def shows_crop(image_key: ImageKey, figure: PageFigure | None) -> bool:
+    """Whether the image ``image_key`` names (a hit's, in any tier) is ``figure``'s crop, not its page: the same
+    content."""
+    return figure is not None and image_key.content_hash == figure.image_key.content_hash
+
+
 # --- which crops warm-up prefills --------------------------------------------------------------------------
 
 
