@@ -1,9 +1,12 @@
-"""Figures' rules, in one home: what a figure region is, how a figure is named, numbered and labelled, and which
-figures a text names (its caption lines, a question's "Figure 3").
+"""Figures' rules, in one home: what a figure region is; how a figure is named, numbered and labelled; which
+figures a text names (a page's caption lines, a question's "Figure 3", the sentences a figure point is found by);
+which figure a hit names; whether a hit is shown as its figure's crop or as its page; which crops warm-up prefills.
 
 The contract between figure detection at ingest (``ingestion.figures``, which finds regions from a PDF page's
-objects) and everything that stores, crops, finds or cites a figure (a Qdrant payload, a crop of the page image,
-"Figure 3" in an answer). Pure: no I/O, standard library only.
+objects and crops them) and everything that stores, finds, shows or cites a figure (a Qdrant payload, the search's
+hits, a prompt's images, warm-up, "Figure 3" in an answer). Each rule is written here once and imported by the
+rooms that apply it. Pure: no I/O, standard library only; what needs a library (the lexical channel's stemmed
+terms) is passed in.
 
 Boxes are in PDF points with a TOP-LEFT origin and y growing down, so a page rendered at ``scale`` pixels per
 point maps a box to pixels by one multiplication (:meth:`FigureRegion.bbox_px`).
@@ -21,6 +24,9 @@ from mmrag.core.keys import ImageKey
 
 if TYPE_CHECKING:
     from mmrag.core.payload import PagePayload  # which imports this module
+
+
+# --- regions, names and labels ----------------------------------------------------------------------------
 
 Box = tuple[float, float, float, float]
 """x0, y0, x1, y1 in points, top-left origin, y down; x0 <= x1 and y0 <= y1."""
@@ -197,7 +203,7 @@ class PageFigure:
                 "bbox": [round(v, 1) for v in self.region.bbox_pt]}
 
 
-# --- captions ---------------------------------------------------------------------------------------------
+# --- captions: how a figure is numbered, and which figures a text names -----------------------------------
 
 CaptionKind = Literal["figure", "table", "listing", "title"]
 
@@ -347,7 +353,7 @@ def figure_refs(text: str) -> list[tuple[str, str]]:
     return refs
 
 
-# --- which figures a text names ----------------------------------------------------------------------------
+# --- what a figure point is found by ----------------------------------------------------------------------
 
 FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
