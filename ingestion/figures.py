@@ -8,7 +8,7 @@ What a page is made of tells where its figures are:
 * path and shading objects that lie close together are one vector drawing (a plot, a mosaic, a table's rules);
   what is thin (a header rule, an underline) is not a figure. Short text lines next to a drawing are its
   labels (tick labels, a legend) and join it;
-* a caption line ("Figure 3: ...", "Table 2", parsed by ``mmrag.core.text.captions``) names the regions right above
+* a caption line ("Figure 3: ...", "Table 2", parsed by ``mmrag.core.figures.captions``) names the regions right above
   or below it; several regions named by one caption are the panels of one figure and become one region.
 
 Overlapping regions are merged and the result sorted in reading order. A pure function of a page: it reads
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,11 +29,9 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 from PIL import Image
 
-from mmrag.core.figures import Box, FigureRegion, area, intersection, iou, union_box
+from mmrag.core.figures import Box, FigureRegion, area, captions, intersection, iou, region_name, union_box
 from mmrag.core.keys import content_hash_of
 from mmrag.core.pages import FigureCrop
-from mmrag.core.text import captions
-from mmrag.core.text import figure_refs as _refs
 from ingestion.raster import fit_aspect, fitted_size
 
 log = logging.getLogger(__name__)
@@ -251,7 +248,7 @@ def _same_line(a: Box, b: Box) -> bool:
 
 
 def _caption_lines(lines: list[_Line]) -> list[_Region]:
-    """Caption lines with their boxes: mmrag.core.text.captions over the page's lines, mapped back to each line."""
+    """Caption lines with their boxes: mmrag.core.figures.captions over the page's lines, mapped back to each line."""
     found: list[_Region] = []
     text = "\n".join(line.text for line in lines)
     start = 0
@@ -445,13 +442,7 @@ def _reading_order(regions: list[_Region]) -> list[_Region]:
 
 
 def _finish(region: _Region) -> FigureRegion:
-    if region.kind in ("figure", "table"):
-        kind = region.kind
-    elif region.kind == "listing":
-        kind = "figure"
-    else:
-        kind = "image" if region.source == "raster" else "figure"
-    number = int(region.number) if region.number is not None and re.fullmatch(r"\d+", region.number) else None
+    kind, number = region_name(region.kind, region.number, region.source)  # named as mmrag/core/figures.py says
     x0, y0, x1, y1 = region.box
     return FigureRegion(number, kind, region.caption, (x0, y0, x1, y1), region.source)  # type: ignore[arg-type]
 
@@ -488,7 +479,8 @@ def _finish(region: _Region) -> FigureRegion:
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
 FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
 # v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset; boxes and
-# crops on the page as shown, its crop box turned by /Rotate)
+# crops on the page as shown, its crop box turned by /Rotate), and so does a changed naming of what it found
+# (mmrag/core/figures.py: captions, region_name, figure_text)
 FIGURE_RENDER = {"no_smoothpath": True, "no_smoothtext": True}  # pypdfium2's render flags for what is drawn alone
 SIZE_GRID_PT = 1 / 1024  # ... on a page of its extent's size rounded to this (far above pdfium's float noise)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well
@@ -682,20 +674,3 @@ def _render_alone(page: pdfium.PdfPage, box: Box) -> Image.Image:
         return bitmap.to_pil().convert("RGB")
     finally:
         bitmap.close()
-
-
-# --- what a figure point is found by ------------------------------------------------------------------------
-
-FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
-
-
-def figure_text(region: FigureRegion, page_text: str) -> str:
-    """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
-    it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page)."""
-    parts = [region.caption] if region.caption else []
-    if region.ref is not None:
-        for sentence in _SENTENCE.split(" ".join(page_text.split())):
-            if sentence.strip() and sentence.strip() not in region.caption and region.ref in _refs(sentence):
-                parts.append(sentence.strip())
-    return " ".join(parts)[:FIGURE_TEXT_CHARS]

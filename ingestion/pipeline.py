@@ -27,17 +27,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import Caption, PageFigure, figure_text
+from mmrag.core.figures import captions as find_captions
 from mmrag.core.keys import ImageKey, KeyLease
 from mmrag.core.pages import RenderedPage, TextSource
 from mmrag.core.settings import Settings
 from mmrag.core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, PAGE_MEAN_VECTOR, PAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
-from mmrag.core.text import TEXT_VERSION, Caption, captions as find_captions
+from mmrag.core.text import TEXT_VERSION
 from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool, pool_tokens
 from mmrag.adapters.lexical import LexicalEncoder
 from mmrag.adapters.qdrant import PageIndex, make_point
-from ingestion.figures import FIGURES_VERSION, figure_text
+from ingestion.figures import FIGURES_VERSION
 from ingestion.loaders import Document, FileFailure, IngestError, discover, open_document
 from mmrag.adapters.store import FeatureStore, FeatureStoreError, ScopedFeatureStore, StoreLease
 from mmrag.adapters.vision import VisionEncoder
@@ -392,7 +393,7 @@ SLIDE_MAX_WORDS = 150
 
 
 def find_page_captions(page: RenderedPage) -> list[Caption]:
-    """The page's caption lines (mmrag/core/text.py captions): figures, tables, listings and, on a slide, its title."""
+    """The page's caption lines (mmrag/core/figures.py captions): figures, tables, listings and, on a slide, its title."""
     slide = page.image.width > page.image.height and len(page.text.split()) <= SLIDE_MAX_WORDS
     return find_captions(page.text, slide=slide)
 

@@ -51,10 +51,9 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from mmrag.core.engine import Layout, PromptPlan, SamplingSpec
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import shown_as_crop
 from mmrag.core.keys import ImageKey
 from mmrag.core.settings import DEPRECATED_ANSWER_MODES
-from mmrag.core.text import figure_refs
 from rag.answer import Citation
 from rag.order import PagePopularity, canonical_order
 from retrieval.search import Hit
@@ -295,38 +294,15 @@ def part_heading(page: Hit, first: bool) -> str:
     return f"{'' if first else chr(10) * 2}{image_label(page, in_prompt=False)}: "
 
 
-# Words by which a question asks for what a page SAYS, not what its figure shows: the page is shown then. Whole
-# words only ("cross-section" is not "section").
-_PAGE_WORDS = re.compile(r"(?<![\w-])(?:text|texts|paragraphs?|sections?|passages?|surrounding|according|why|"
-                         r"explain\w*|discuss\w*|mention\w*|say|says|said|conclu\w*)(?![\w-])", re.IGNORECASE)
-
-
-def needs_page(question: str, figure: PageFigure, *, whole: str = "") -> str | None:
-    """Why ``question`` needs more than ``figure``'s crop (None when the crop is enough): it, or the ``whole``
-    question it was split from, asks what the page says around the figure (its words: "according to the text",
-    "why", "explain", "what does the section conclude"; _PAGE_WORDS), or it names another figure or table than
-    this one ("is Figure 2 like Table 3?"), which the page may show beside it. A rule over the question's words,
-    so it errs on the page's side: a question the crop would answer but that uses one of those words costs the
-    page's tokens, never an answer."""
-    for text in (question, whole):
-        if word := _PAGE_WORDS.search(text):
-            return f"it asks what the page says ({word.group(0)!r})"
-    others = [ref for ref in figure_refs(question) if not figure.region.named_by(ref)]
-    if others:
-        kind, number = others[0]
-        return f"it names {kind} {number} too"
-    return None
-
-
 def shown_as_figures(hits: Sequence[Sequence[Hit]], questions: Sequence[str], whole: str = "") -> list[list[Hit]]:
     """Each hit on a figure (``Hit.figure``) shown as the figure's crop, its image key and tokens, the page's
     place kept for the citation, unless its sub-question (``questions[i]`` found ``hits[i]``; ``whole``: the
-    question they were split from) needs more than the figure (:func:`needs_page`): then it stays its page, the
-    figure still named in its citation. What the model loses with the crop alone is the page around the figure:
-    its body text, its other figures, and the caption's look (the caption is given as text: joint_text,
-    plan_prompts). A hit on no figure stays its page."""
+    question they were split from) needs more than the figure (mmrag/core/figures.py shown_as_crop, needs_page):
+    then it stays its page, the figure still named in its citation. What the model loses with the crop alone is
+    the page around the figure: its body text, its other figures, and the caption's look (the caption is given as
+    text: joint_text, plan_prompts). A hit on no figure stays its page."""
     return [[dataclasses.replace(h, image_key=h.figure.image_key, image_tokens=h.figure.image_tokens)
-             if h.figure is not None and needs_page(q, h.figure, whole=whole) is None else h for h in hs]
+             if shown_as_crop(q, h.figure, whole=whole) else h for h in hs]
             for hs, q in zip(hits, questions, strict=True)]
 
 

@@ -39,7 +39,8 @@ from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool
 from mmrag.adapters.lexical import LexicalEncoder, special_token, token_index
 from mmrag.adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import (FIGURE_NAMING_MIN_SIMILARITY, PageFigure, figure_refs, hit_figure, shows_crop,
+                                 slide_title)
 from mmrag.core.keys import ImageKey
 from mmrag.core.payload import (
     FIGURE_INDEX,
@@ -55,7 +56,7 @@ from mmrag.core.payload import (
     PagePayload,
 )
 from mmrag.core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
-from mmrag.core.text import caption_label, figure_refs, normalise, starts_with_reference
+from mmrag.core.text import normalise
 
 log = logging.getLogger(__name__)
 
@@ -176,77 +177,29 @@ class Hit:
     # channel's): comparable across sub-questions where raw scores are not (a vague sub-question's candidates all
     # score alike, and high), so one prompt's page budget is spent on the pages that stand out (rag/plans.py).
     margin: float = 0.0
-    # The page's figure this hit is on (hit_figure): the one the query names by number, else the one whose
-    # caption the query matches; None when the page as a whole answered.
+    # The page's figure this hit is on (mmrag/core/figures.py hit_figure): the one the query names by number, else
+    # the one whose caption the query matches, else the one a channel found the page by; None when the page as a
+    # whole answered.
     figure: PageFigure | None = None
 
     @property
     def shows_crop(self) -> bool:
         """Whether the image this hit shows is its figure's crop (rag/plans.shown_as_figures), in any tier."""
-        return self.figure is not None and self.image_key.content_hash == self.figure.image_key.content_hash
+        return shows_crop(self.image_key, self.figure)
 
     @classmethod
     def of(cls, page: PagePayload, score: float, query: str, margin: float = 0.0, found: int | None = None
            ) -> Hit:
         """``found``: the index of the page's figure whose figure point the query found (the figure channel)."""
-        figure = hit_figure(page.figures, query, title=slide_title(page.captions))
-        if figure is None and found is not None and 0 <= found < len(page.figures):
-            figure = page.figures[found]
+        figure = hit_figure(page.figures, query, title=slide_title(page.captions), found=found,
+                            terms=_CAPTION_TERMS.tokens)
         return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
                    snippet=make_snippet(page.text, query), image_key=page.image_key,
                    image_tokens=page.image_tokens, path=page.path, text=page.text, margin=margin, figure=figure)
 
 
-# A caption matches a query that shares at least this share of the caption's terms, and two of them at least.
-CAPTION_MATCH_SHARE = 0.5
+# What a hit's figure is named by (mmrag/core/figures.py Terms): the lexical channel's tokens.
 _CAPTION_TERMS = LexicalEncoder()
-
-
-def slide_title(captions: Sequence[str]) -> str:
-    """A slide's title among a page's caption lines (ingestion finds one on a slide only: a landscape page of
-    few words; the payload keeps caption lines as text only): the line that opens with no figure, table or
-    listing reference; empty when there is none."""
-    return next((c for c in captions if not starts_with_reference(c)), "")
-
-
-def _lone_uncaptioned(figures: Sequence[PageFigure]) -> bool:
-    """A page's only figure, without a caption: on a slide, what the slide's title is about."""
-    return len(figures) == 1 and not figures[0].region.caption
-
-
-def named_figures(page: PagePayload) -> list[PageFigure]:
-    """The page's figures a question's words can name (:func:`hit_figure`): by a number, by a caption, or, a
-    slide's lone uncaptioned figure, by the slide's title (of two terms at least, as a match needs two). The
-    others are found only by their pixels (a page-image channel's figure points)."""
-    if _lone_uncaptioned(page.figures):
-        title = slide_title(page.captions)
-        return list(page.figures) if len(set(_CAPTION_TERMS.tokens(title))) >= 2 else []
-    return [f for f in page.figures if f.region.number is not None or f.region.caption]
-
-
-def hit_figure(figures: Sequence[PageFigure], query: str, *, title: str = "") -> PageFigure | None:
-    """Which of a retrieved page's figures the query is about: the one it names by number ("Figure 3",
-    "Table 2", "Figure 3a"; mmrag/core/text.py figure_refs, FigureRegion.named_by), else the one whose caption terms
-    (without its "Figure N:" label) the query shares most of, at least CAPTION_MATCH_SHARE of them and two; None
-    when neither holds. A slide's lone uncaptioned figure (a chart pasted on a slide) is what the slide's
-    ``title`` says, and matches by the title's terms."""
-    if not figures:
-        return None
-    named = figure_refs(query)
-    for figure in figures:
-        if any(figure.region.named_by(ref) for ref in named):
-            return figure
-    asked = set(_CAPTION_TERMS.tokens(query))
-    lone = _lone_uncaptioned(figures)
-    best, best_share = None, 0.0
-    for figure in figures:
-        caption = title if lone else figure.region.caption
-        parsed = caption_label(caption)
-        terms = set(_CAPTION_TERMS.tokens(parsed[2] if parsed else caption))
-        shared = len(asked & terms)
-        if terms and shared >= 2 and shared / len(terms) > best_share:
-            best, best_share = figure, shared / len(terms)
-    return best if best_share >= CAPTION_MATCH_SHARE else None
 
 
 class PageSearcher:
@@ -620,12 +573,6 @@ def _hits(scored: list[tuple[float, models.ScoredPoint]], query: str, limit: int
     found = found or {}
     return [Hit.of(PagePayload.from_qdrant(p.payload), float(s), query, margin=float(s) - median,
                    found=found.get(p.id)) for s, p in scored[:limit]]
-
-
-# The figure channel names a page's figure (Hit.figure) only when the figure point's text is this close to the
-# query (MiniLM cosine): the channel always returns its nearest figures, and a page it helped rank for an
-# unrelated question ("how long are backups retained?") must not be cited as that figure.
-FIGURE_NAMING_MIN_SIMILARITY = 0.5
 
 
 def _as_pages(points: list[models.ScoredPoint], named_from: float = FIGURE_NAMING_MIN_SIMILARITY

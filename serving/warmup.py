@@ -19,14 +19,17 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from mmrag.adapters.lexical import LexicalEncoder
 from mmrag.core.keys import ImageKey
 from mmrag.core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
+from mmrag.core.figures import leading_crops
 from mmrag.core.payload import PagePayload
-from retrieval.search import named_figures
 
 log = logging.getLogger(__name__)
 
 WARM_SAMPLING = SamplingSpec(max_tokens=1)
+# What a hit's figure is named by (mmrag/core/figures.py Terms): the lexical channel's tokens, as retrieval's.
+_CAPTION_TERMS = LexicalEncoder()
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,14 +66,14 @@ def leading_images(pages: Iterable[PagePayload], *, figure_crops: bool, by_pixel
                    ) -> Iterator[tuple[ImageKey, int]]:
     """(image key, image tokens) of every image a prompt over ``pages`` can lead with, once per occurrence (the
     demand :func:`rank_by_demand` counts): each page's image and, with ``figure_crops`` (a hit on a figure is shown
-    as its crop: rag/plans.shown_as_figures), the crops of its figures that a hit can name: those a question's words
-    name (retrieval/search.py named_figures: a number, a caption, a slide's title), and with a page-image channel
-    finding crops by their pixels (``by_pixels``: Settings.page_image_channel), every one. Another figure is never
-    a hit's, so its crop is never shown, however many pages show it."""
+    as its crop: rag/plans.shown_as_figures), the crops of its figures that a hit can name (mmrag/core/figures.py
+    leading_crops: those a question's words name, and with a page-image channel finding crops by their pixels,
+    ``by_pixels``: Settings.page_image_channel, every one)."""
     for page in pages:
         yield page.image_key, page.image_tokens
         if figure_crops:
-            yield from ((f.image_key, f.image_tokens) for f in (page.figures if by_pixels else named_figures(page)))
+            yield from ((f.image_key, f.image_tokens)
+                        for f in leading_crops(page, by_pixels=by_pixels, terms=_CAPTION_TERMS.tokens))
 
 
 def rank_by_demand(pages: Iterable[tuple[ImageKey, int]]) -> list[WarmCandidate]:

@@ -50,6 +50,46 @@ def test_every_module_of_the_composition_root_is_forbidden_below_it():
     assert set(top["forbidden_modules"]) == modules
 
 
+# The figure rules (issue 43): how a figure is named and numbered, which figures a text or a hit names, whether a
+# hit is shown as its figure's crop or as its page, which crops warm-up prefills. Each is written once, in
+# mmrag/core/figures.py; ingestion/figures.py detects and crops, the search, the plans and warm-up apply the rules.
+FIGURE_RULES = ("ref_kind", "region_name", "figure_label", "figure_reference", "Caption", "captions", "caption_label",
+                "starts_with_reference", "figure_refs", "figure_text", "slide_title", "named_figures", "hit_figure",
+                "CAPTION_MATCH_SHARE", "FIGURE_NAMING_MIN_SIMILARITY", "needs_page", "shown_as_crop", "shows_crop",
+                "leading_crops")
+FIGURES_HOME = REPO / "mmrag" / "core" / "figures.py"
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """What a module defines at its top: functions, classes and assigned names."""
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    return out
+
+
+def test_every_figure_rule_is_written_once_in_its_home_and_imported_from_there():
+    """A figure rule defined again elsewhere is a second copy that can drift (warm-up prefilling crops no hit can
+    name); one imported from another room than its home is a re-export that hides where it lives."""
+    assert set(FIGURE_RULES) <= _top_level_names(ast.parse(FIGURES_HOME.read_text(encoding="utf-8")))
+    offenders = []
+    for path in sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")):
+        if path == FIGURES_HOME:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = str(path.relative_to(REPO))
+        offenders += [f"{where} defines {name}" for name in sorted(_top_level_names(tree) & set(FIGURE_RULES))]
+        offenders += [f"{where} imports {alias.name} from {node.module or '.'}" for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and (node.level or node.module != "mmrag.core.figures")
+                      for alias in node.names if alias.name in FIGURE_RULES]
+    assert not offenders, offenders
+
+
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     out: set[str] = set()

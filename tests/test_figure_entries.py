@@ -9,6 +9,7 @@ paste the same JPEG chart at different places and sizes, with different text aro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import random
 import shutil
@@ -21,17 +22,21 @@ import pypdfium2.raw as pdfium_c
 import pytest
 from PIL import Image, ImageDraw
 
-from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.adapters.lexical import LexicalEncoder
+from mmrag.core import figures as figure_rules
+from mmrag.core.figures import FigureRegion, PageFigure, slide_title
 from mmrag.core.keys import ImageKey
 from mmrag.core.settings import Settings
 from ingestion.figures import FIGURE_SCALE, crop_figures, detect_figures
 from ingestion.pipeline import IngestReport
 from mmrag import wiring
 from rag.plans import cite
-from retrieval.search import Channel, Hit, hit_figure, slide_title
+from retrieval.search import Channel, Hit
 from mmrag.devkit.pdfbuild import PageBuilder, stored_turned
 
 SLIDE = (792.0, 612.0)  # a landscape slide, points
+# mmrag/core/figures.py hit_figure over the lexical channel's tokens, as retrieval names a hit's figure (Hit.of).
+hit_figure = functools.partial(figure_rules.hit_figure, terms=LexicalEncoder().tokens)
 
 
 def chart_jpeg() -> bytes:

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmrag.bench.figures.evaluate import match
-from mmrag.core.figures import FigureRegion, iou, union_box
+from mmrag.core.figures import FigureRegion, figure_text, iou, union_box
 from mmrag.devkit.pdfbuild import PageBuilder
-from ingestion.figures import FigureBudgetError, _cluster, detect_figures, figure_text
+from ingestion.figures import FigureBudgetError, _cluster, detect_figures
 
 
 def close(a, b, tol=2.0) -> bool:

@@ -15,7 +15,8 @@ from mmrag.adapters.lexical import (
     stem,
     token_index,
 )
-from mmrag.core.text import Caption, captions, figure_refs, normalise
+from mmrag.core.figures import Caption, captions, figure_refs
+from mmrag.core.text import normalise
 from tests.test_text_normalise import CAD_P5, CAD_P6, GNUPLOT_P22, GNUPLOT_P36, REAL
 
 

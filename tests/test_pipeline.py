@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from mmrag.core.figures import FigureRegion, PageFigure
+from mmrag.core.figures import FigureRegion, PageFigure, needs_page
 from mmrag.core.keys import ImageKey
 from rag.decompose import BadQuestionError
 from rag.llama import as_query_engine
@@ -16,7 +16,7 @@ from mmrag import wiring
 from rag.order import PagePopularity
 from rag.plans import (JOINT_PART_MIN_TOKENS, AnswerMode, build_plans, choice_plans, choose_answer, cite, fit_pages,
                        joint_parts, joint_plan,
-                       joint_text, needs_page, part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
+                       joint_text, part_lengths, plan_prompts, relates_across, shown_as_figures, split_plans, stable_order,
                        synthesis_plan, union_pages)
 from retrieval.search import Hit, NoDocumentsError, UnknownDocumentError
 from mmrag.core.engine import Layout, PromptPlan

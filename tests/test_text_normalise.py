@@ -1,4 +1,5 @@
-"""mmrag.core.text: the one normaliser, caption extraction and figure references, on real PDF text layers.
+"""mmrag.core.text, the one normaliser, and mmrag.core.figures' caption extraction and figure references, on real PDF
+text layers.
 
 The raw strings marked with a document and page are pypdfium2 ``get_textpage().get_text_range()`` of the
 Debian gnuplot and asymptote manuals (gnuplot.pdf, asymptote.pdf, CAD.pdf), copied verbatim: pdfium's U+FFFE
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from mmrag.adapters.lexical import is_english_word, known_words
-from mmrag.core.text import Caption, captions, figure_refs, normalise
+from mmrag.core.figures import Caption, captions, figure_refs
+from mmrag.core.text import normalise
 from ingestion.loaders import normalise_text
 
 # --- real samples ---------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_the_crop_of_a_figure_no_hit_can_name_is_not_warmed_unless_pixels_find_i
     assert [c.key for c in rank_by_demand(leading_images(pages, figure_crops=True))] == [K[0], K[1]]
     ranked = rank_by_demand(leading_images(pages, figure_crops=True, by_pixels=True))
     assert [(c.key, c.demand) for c in ranked] == [(K[3], 2), (K[0], 1), (K[1], 1)]
-    # On a slide, its lone uncaptioned chart is named by the slide's title (retrieval's hit_figure).
+    # On a slide, its lone uncaptioned chart is named by the slide's title (mmrag/core/figures.py hit_figure).
     slide = dataclasses.replace(pages[0], captions=("Headcount by team: where we stand",))
     assert [(c.key, c.demand) for c in rank_by_demand(leading_images([slide, pages[1]], figure_crops=True))] == \
         [(K[0], 1), (K[1], 1), (K[3], 1)]

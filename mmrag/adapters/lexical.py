@@ -29,8 +29,8 @@ The tokenizer (:meth:`LexicalEncoder.tokens`), and why:
   concatenation, stemmed ("column-head" -> ..., columnhead), so "columnhead" and "column head" find a page
   whatever the normaliser decided about a line-end hyphen;
 * a figure, table or listing gets a special token "figure#12" / "table#a.1" / "listing#3"
-  (:func:`special_token`): in a page only from its :class:`~mmrag.core.text.Caption` list (the page that HAS the
-  caption, not every page that mentions it), in a question from every mention (:func:`mmrag.core.text.figure_refs`).
+  (:func:`special_token`): in a page only from its :class:`~mmrag.core.figures.Caption` list (the page that HAS the
+  caption, not every page that mentions it), in a question from every mention (:func:`mmrag.core.figures.figure_refs`).
   Ordinary tokenization cannot produce it ("#" is not a connector), and being on one page per document its IDF
   is high.
 
@@ -53,7 +53,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmrag.core.text import Caption, figure_refs, ligature_repairs, normalise
+from mmrag.core.figures import Caption, figure_refs
+from mmrag.core.text import ligature_repairs, normalise
 
 LEXICAL_VERSION = "bm25-snowball-en-blake2b31-v1"
 """What stored lexical vectors depend on (tokenizer, stemmer, hash): a change means re-indexing."""
@@ -165,7 +166,7 @@ class LexicalEncoder:
         """A page's sparse vector: (indices, values), BM25 term weights without IDF.
 
         ``text`` is the page text (normalised again here: a no-op on what ingestion stored); ``captions`` what
-        :func:`mmrag.core.text.captions` found on it. A page without tokens gives ([], []).
+        :func:`mmrag.core.figures.captions` found on it. A page without tokens gives ([], []).
         """
         body = self._tokens(normalise(text))
         tf: Counter[str] = Counter(body)

@@ -50,7 +50,7 @@ from PIL import Image, ImageDraw, ImageFont
 from mmrag.adapters.checkpoint import ModelSource
 from mmrag.adapters.store import FeatureStore
 from mmrag.core.engine import PromptPlan
-from mmrag.core.figures import PageFigure
+from mmrag.core.figures import PageFigure, area
 from mmrag.core.keys import ImageKey
 from mmrag.core.payload import PagePayload
 from mmrag.devkit.pdfbuild import PageBuilder, join_pages
@@ -315,12 +315,8 @@ def ingest(corpus: FigureCorpus, run: IngestFn) -> Ingested:
             raise RuntimeError(f"{pl.doc} page {pl.page}: no figure detected on a page that shows chart {pl.chart} "
                                "(ingestion/figures.py): the corpus layout no longer suits the detector")
         # The chart is the page's largest figure (each layout places one; the detector finds nothing else here).
-        chart_figure[(pl.doc, pl.page)] = max(page.figures, key=lambda f: _area(f.region.bbox_pt))
+        chart_figure[(pl.doc, pl.page)] = max(page.figures, key=lambda f: area(f.region.bbox_pt))
     return Ingested(report, reused, seconds, by_place, chart_figure)
-
-
-def _area(box: tuple[float, float, float, float]) -> float:
-    return (box[2] - box[0]) * (box[3] - box[1])
 
 
 # --- questions and plans -------------------------------------------------------------------------------------
@@ -359,7 +355,7 @@ def make_questions(corpus: FigureCorpus, n: int, zipf_s: float, seed: int, place
 
 def question_hits(q: FigureQuestion, titles: Sequence[str], ingested: Ingested) -> list[list[Hit]]:
     """One hit per sub-question: the page it reaches its chart through, its figure named as retrieval names it
-    (retrieval/search.py hit_figure: by the caption, on a slide by its title), which must be that chart."""
+    (Hit.of: mmrag/core/figures.py hit_figure, by the caption, on a slide by its title), which must be that chart."""
     out = []
     for text, place in zip(q.sub_texts(titles), q.places):
         page = ingested.by_place[(place.doc, place.page)]
