@@ -37,7 +37,7 @@ from qdrant_client import AsyncQdrantClient, models
 
 from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
 from mmrag.adapters.late import LateInteractionRetriever, mean_pool
-from mmrag.adapters.lexical import LexicalEncoder, special_token, token_index
+from mmrag.adapters.lexical import LexicalEncoder, caption_terms, special_token, token_index
 from mmrag.adapters.qdrant import IS_FIGURE, IndexConfigError, check_vectors, scope_filter
 from mmrag.core.figures import (FIGURE_NAMING_MIN_SIMILARITY, PageFigure, figure_refs, hit_figure, shows_crop,
                                  slide_title)
@@ -192,14 +192,10 @@ class Hit:
            ) -> Hit:
         """``found``: the index of the page's figure whose figure point the query found (the figure channel)."""
         figure = hit_figure(page.figures, query, title=slide_title(page.captions), found=found,
-                            terms=_CAPTION_TERMS.tokens)
+                            terms=caption_terms)
         return cls(page_id=page.page_id, doc_id=page.doc_id, doc=page.doc, page=page.page, score=score,
                    snippet=make_snippet(page.text, query), image_key=page.image_key,
                    image_tokens=page.image_tokens, path=page.path, text=page.text, margin=margin, figure=figure)
-
-
-# What a hit's figure is named by (mmrag/core/figures.py Terms): the lexical channel's tokens.
-_CAPTION_TERMS = LexicalEncoder()
 
 
 class PageSearcher:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from mmrag.adapters.lexical import LexicalEncoder
+from mmrag.adapters.lexical import caption_terms
 from mmrag.core.keys import ImageKey
 from mmrag.core.engine import Engine, KVCapacity, PromptPlan, SamplingSpec
 from mmrag.core.figures import leading_crops
@@ -28,8 +28,6 @@ from mmrag.core.payload import PagePayload
 log = logging.getLogger(__name__)
 
 WARM_SAMPLING = SamplingSpec(max_tokens=1)
-# What a hit's figure is named by (mmrag/core/figures.py Terms): the lexical channel's tokens, as retrieval's.
-_CAPTION_TERMS = LexicalEncoder()
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,7 +71,7 @@ def leading_images(pages: Iterable[PagePayload], *, figure_crops: bool, by_pixel
         yield page.image_key, page.image_tokens
         if figure_crops:
             yield from ((f.image_key, f.image_tokens)
-                        for f in leading_crops(page, by_pixels=by_pixels, terms=_CAPTION_TERMS.tokens))
+                        for f in leading_crops(page, by_pixels=by_pixels, terms=caption_terms))
 
 
 def rank_by_demand(pages: Iterable[tuple[ImageKey, int]]) -> list[WarmCandidate]:

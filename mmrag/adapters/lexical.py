@@ -319,6 +319,15 @@ def known_words(text: str) -> Callable[[str], bool]:
     return known
 
 
+_SHARED = LexicalEncoder()
+
+
+def caption_terms(text: str) -> list[str]:
+    """The terms a question and a figure's caption are matched by (mmrag/core/figures.py ``Terms``): the lexical
+    channel's tokens. One binding, so retrieval's naming of a hit's figure and warm-up's choice of crops agree."""
+    return _SHARED.tokens(text)
+
+
 def describe() -> dict[str, Any]:
     """What the encoder is, for logs and the collection's metadata."""
     return {"version": LEXICAL_VERSION, "k1": K1, "b": B, "avg_len": AVG_LEN, "caption_weight": CAPTION_WEIGHT,
