@@ -29,8 +29,9 @@ from llama_index.core.schema import QueryBundle
 from llama_index.core.tools.types import ToolMetadata
 
 from mmrag.core.engine import Completion, Engine, PromptPlan, SamplingSpec
+from mmrag.core.settings import default_of
 
-MAX_QUESTION_CHARS = 2000
+MAX_QUESTION_CHARS = default_of("max_question_chars")  # declared once, in mmrag/core/settings.py
 EMPTY_QUESTION = 'the question is empty: send a question, e.g. "What does the chart on page 2 show?"'
 
 Source = Literal["model", "rules"]
@@ -503,11 +504,11 @@ class Decomposer:
         self,
         engine: Engine | None,
         *,
-        max_n: int = 4,
+        max_n: int = default_of("max_sub_questions"),
         max_len: int = 200,
         max_question_chars: int = MAX_QUESTION_CHARS,
-        max_tokens: int = 160,
-        fixed_tokens: int = 0,
+        max_tokens: int = default_of("decompose_max_tokens"),
+        fixed_tokens: int = default_of("decompose_fixed_tokens"),
         cache_salt: str = "",
         remember: int = 0,
     ) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from mmrag.core.engine import Completion, Engine, ImageTokenCounts, Layout, PromptPlan, Submit, Usage
 from mmrag.core.keys import ImageKey, KeyLease, NoLease
-from mmrag.core.settings import DEFAULT_TENANT
+from mmrag.core.settings import DEFAULT_TENANT, default_of
 from rag.answer import Answer, Citation
 from rag.answer_cache import AnswerCache, CachedAnswer, answer_key
 from rag.decompose import Decomposer
@@ -49,20 +49,22 @@ Emit = Callable[[dict], None]
 
 @dataclass(slots=True, frozen=True)
 class PipelineConfig:
-    top_k: int = 3  # pages per sub-question
-    max_tokens: int = 128  # the answer's (all its parts together); a question may ask fewer
-    max_images_per_prompt: int = 12  # the engine's limit: a question's own images and its pages together
-    answer_mode: AnswerMode = AnswerMode.AUTO
-    sub_answer_max_tokens: int = 64  # joint's overflow: each sub-answer's, the notes the synthesis reads
-    max_model_len: int = 4096  # the engine's context: one prompt and its answer must fit in it
-    one_prompt_pages: int = 4  # most pages an answer shows, each sub-question's best first (0: every page)
-    figure_crops: bool = False  # a hit on a figure shows the figure's crop, not its page (MMRAG_FIGURE_CROPS)
+    """Each default is the setting's (mmrag/core/settings.py, declared once there)."""
+
+    top_k: int = default_of("top_k")  # pages per sub-question
+    max_tokens: int = default_of("answer_max_tokens")  # the answer's (all its parts); a question may ask fewer
+    max_images_per_prompt: int = default_of("max_images_per_prompt")  # a question's own images and its pages
+    answer_mode: AnswerMode = AnswerMode(default_of("answer_mode"))
+    sub_answer_max_tokens: int = default_of("sub_answer_max_tokens")  # joint's overflow: each sub-answer's
+    max_model_len: int = default_of("max_model_len")  # the engine's context: one prompt and its answer fit in it
+    one_prompt_pages: int = default_of("one_prompt_pages")  # most pages an answer shows (0: every page)
+    figure_crops: bool = default_of("figure_crops")  # a hit on a figure shows its crop, not its page
     # A joint answer's shortest part (rag/plans.joint_parts): a shorter answer is one prompt. Not a setting: tests
     # of the parts' mechanics lower it to see parts at a few tokens.
     joint_part_min_tokens: int = JOINT_PART_MIN_TOKENS
     # Benchmarks only: every answer plan decodes exactly its max_tokens. A random-weight model stops at an end of
     # sequence wherever it happens to draw one, so answers of one length would differ by side and by mode.
-    fixed_length: bool = False
+    fixed_length: bool = default_of("answer_fixed_length")
 
 
 class Pipeline:

@@ -55,7 +55,7 @@ from mmrag.core.payload import (
     PageField,
     PagePayload,
 )
-from mmrag.core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS
+from mmrag.core.settings import DEFAULT_FUSION, DEFAULT_FUSION_WEIGHTS, default_of
 from mmrag.core.text import normalise
 
 log = logging.getLogger(__name__)
@@ -209,9 +209,9 @@ class PageSearcher:
         lexical: LexicalEncoder | None = None,
         late: LateInteractionRetriever | None = None,
         fusion: Fusion | None = None,
-        top_k: int = 3,
-        candidate_k: int = 20,
-        page_prefetch: int = 100,
+        top_k: int = default_of("top_k"),
+        candidate_k: int = default_of("candidate_k"),
+        page_prefetch: int = default_of("page_prefetch"),
         encoder: EncoderScope | None = None,
     ) -> None:
         """``encoder``: the encoder whose image tokens the caller will feed to the VLM. Pages outside it are

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from mmrag.core.engine import Completion, Engine, OnText, PromptPlan
+from mmrag.core.settings import default_of
 from serving.routing import Path, prefix_path
 
 log = logging.getLogger(__name__)
@@ -116,15 +117,19 @@ class _Node:
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
-    policy: Policy = Policy.DFS_WEIGHT
+    """Each default is the setting's (mmrag/core/settings.py, declared once there; MMRAG_<name> in brackets)."""
+
+    policy: Policy = Policy(default_of("scheduler_policy"))  # [SCHEDULER_POLICY]
     # Plans in flight. 0: as many as the engine batches (Engine.batch_capacity: its max_num_seqs, the replicas'
     # sum), asked once before the first plan (Scheduler.fit).
-    max_concurrency: int = 0
-    max_image_tokens_in_flight: int = 32_768
-    max_wait_ms: float = 2_000.0
-    queue_cap: int = 128
-    short_image_tokens: int = 0  # 0: one queue; else the largest plan (in image tokens) of the short queue
-    short_reserved: int = 1  # slots only short plans take (with short_image_tokens set)
+    max_concurrency: int = default_of("max_concurrency")
+    max_image_tokens_in_flight: int = default_of("max_image_tokens_in_flight")
+    max_wait_ms: float = default_of("max_wait_ms")
+    queue_cap: int = default_of("queue_cap")
+    # 0: one queue; else the largest plan (in image tokens) of the short queue [SCHEDULER_SHORT_IMAGE_TOKENS]
+    short_image_tokens: int = default_of("scheduler_short_image_tokens")
+    # Slots only short plans take (with short_image_tokens set) [SCHEDULER_SHORT_RESERVED]
+    short_reserved: int = default_of("scheduler_short_reserved")
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 0:

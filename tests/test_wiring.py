@@ -175,3 +175,30 @@ def test_the_answer_modes_are_one_list_in_settings_the_api_and_the_cli():
     names = tuple(m.value for m in AnswerMode) + tuple(DEPRECATED_ANSWER_MODES)  # the old names, one release
     assert get_args(Settings.model_fields["answer_mode"].annotation) == names == ANSWER_MODES
     assert get_args(AnswerModeName) == names
+
+
+def test_component_defaults_are_declared_once_in_the_settings():
+    """SchedulerConfig, PipelineConfig, the Decomposer and the searcher take their defaults from Settings
+    (mmrag/core/settings.default_of), not from numbers of their own that a test would have to keep in step."""
+    import ast
+    import inspect
+
+    import rag.decompose
+    import rag.pipeline
+    import retrieval.search
+    import serving.scheduler
+
+    def literal_defaults(module, cls: str) -> set[str]:
+        """The fields (a dataclass) or keyword parameters (``__init__``) of ``cls`` whose default is a literal."""
+        tree = ast.parse(inspect.getsource(module))
+        (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+        pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value]
+        for init in (s for s in node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"):
+            pairs += [(a.arg, d) for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults, strict=True) if d]
+        return {field for field, value in pairs if isinstance(value, ast.Constant) and value.value is not None}
+
+    assert literal_defaults(serving.scheduler, "SchedulerConfig") == set()
+    assert literal_defaults(rag.pipeline, "PipelineConfig") == set()
+    assert literal_defaults(retrieval.search, "PageSearcher") == set()
+    # Not settings: the model decomposer's answer cap, the salt and the memory the wiring passes.
+    assert literal_defaults(rag.decompose, "Decomposer") == {"max_len", "cache_salt", "remember"}

@@ -124,6 +124,14 @@ CommaList = Annotated[list[str], NoDecode]
 CommaMap = Annotated[dict[str, float], NoDecode]
 
 
+def default_of(name: str) -> Any:
+    """The default of setting ``name`` (MMRAG_<NAME>) as Settings declares it. A component's own defaults are
+    these (serving/scheduler.SchedulerConfig, rag/pipeline.PipelineConfig), so each is declared once, here, and a
+    component built by hand (a test, the bench) runs as the service would. Resolved when called: Settings is
+    defined by then."""
+    return Settings.model_fields[name].get_default(call_default_factory=True)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
 

@@ -1,8 +1,8 @@
 """The composition root: the ONE place that turns :class:`Settings` into objects.
 
 Every command, the REST app and the tests build their parts here, so a setting is read in exactly one
-place and components carry no defaults of their own that could disagree with it (tests/test_wiring.py
-checks each config built from default Settings against the component's documented default).
+place; components declare no defaults of their own either: theirs are the settings' (mmrag/core/settings.py
+``default_of``), and tests/test_wiring.py checks that each maps its setting.
 Heavy libraries (torch, vLLM, transformers) are imported inside the builders, never at module import, so
 ``mmrag --help`` stays fast.
 
