@@ -130,13 +130,20 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
     return sorted(out, key=lambda e: order.index(e.component))  # stable: declaration order within a component
 
 
+def as_variable(value: Any) -> Any:
+    """A list or map setting as its variable writes it (mmrag/core/settings.py CommaList, CommaMap): `a,b`,
+    `name=value,...`; any other value as it is."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+        return ",".join(f"{k}={v:g}" for k, v in value.items())
+    return value
+
+
 def _shown(value: Any) -> str:
     if value is None:
         return "(unset)"
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # as the variable writes it
-        value = ",".join(value)
-    if isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
-        value = ",".join(f"{k}={v:g}" for k, v in value.items())
+    value = as_variable(value)
     if isinstance(value, str):
         return value if value else '""'
     return json.dumps(value)
@@ -234,8 +241,7 @@ def default_of(field: FieldInfo) -> str:
         return "unset"
     if default in ("", [], {}):
         return "empty"
-    if isinstance(default, list) and all(isinstance(v, str) for v in default):  # as the variable writes it
-        default = ",".join(default)
+    default = as_variable(default)
     return f"`{default if isinstance(default, str) else json.dumps(default)}`"
 
 

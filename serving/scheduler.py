@@ -537,14 +537,13 @@ class Scheduler:
             # under one tenant's flood its plans are all overdue, and arrival order would queue another tenant's
             # plan behind every one of them (max_wait_ms guards a policy's order within a tenant, not this).
             offered.sort(key=lambda o: self.tenants.running(o[0].plan.cache_salt))
-        # An overdue plan waits for the budget: nothing younger overtakes it. Younger by submission (the queue's
-        # order), not by the offered order: the tenant sort may offer a younger plan first, and its wait must
-        # not hold back an older one.
-        order = {id(q): i for i, q in enumerate(self._queue)}
-        held_from: int | None = None  # the oldest overdue plan waiting for the budget, by its place in the queue
+        # An overdue plan waits for the budget: nothing younger overtakes it. Younger by submission (``seq``, the
+        # queue's order), not by the offered order: the tenant sort may offer a younger plan first, and its wait
+        # must not hold back an older one.
+        held_from: int | None = None  # the seq of the oldest overdue plan waiting for the budget
         free = self.config.max_concurrency - self.admission.in_flight
         for w, is_overdue in offered:
-            hold = held_from is not None and order[id(w)] > held_from
+            hold = held_from is not None and w.seq > held_from
             why = self.admission.block(w, overdue=is_overdue, hold=hold)
             if why is None and not self.tenants.may_take(w.plan.cache_salt, free, now):
                 why = Block.KEPT
@@ -552,7 +551,7 @@ class Scheduler:
                 self.stats.fairness_overrides += is_overdue
                 return w
             if is_overdue and why is Block.BUDGET:
-                held_from = min(order[id(w)], held_from if held_from is not None else order[id(w)])
+                held_from = w.seq if held_from is None else min(held_from, w.seq)
             else:
                 self.stats.long_held += why is Block.LONG_SLOT
                 self.stats.gated += why is Block.GATED

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -675,8 +675,13 @@ class Settings(BaseSettings):
     @property
     def ingest_tier_policies(self) -> list[ResolutionPolicy]:
         """The policies ingestion encodes besides standard's (MMRAG_INGEST_TIERS), each once."""
+        return self.extra_tier_policies(self.ingest_tiers)
+
+    def extra_tier_policies(self, names: Iterable[str]) -> list[ResolutionPolicy]:
+        """The policies of the tiers ``names`` besides standard's, each once (UnknownTierError for a name
+        MMRAG_TIERS does not define)."""
         table = self.tier_table
-        policies = dict.fromkeys(table.policy(n) for n in self.ingest_tiers)
+        policies = dict.fromkeys(table.policy(n) for n in names)
         return [p for p in policies if p != self.resolution_policy]
 
     @property

@@ -246,9 +246,7 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
         image = image_embedder(settings)
     encoder = encoder or vision_encoder(settings, model)
     late = late_retriever(settings)
-    table = settings.tier_table
-    policies = [p for p in dict.fromkeys([*settings.ingest_tier_policies, *(table.policy(t) for t in tiers)])
-                if p != settings.resolution_policy]
+    policies = settings.extra_tier_policies([*settings.ingest_tiers, *tiers])
     if policies and settings.vision_url:
         raise ValueError("MMRAG_INGEST_TIERS beyond standard needs the vision tower in this process: the vision "
                          "service (MMRAG_VISION_URL) encodes its one policy; unset one of them")
