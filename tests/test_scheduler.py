@@ -442,7 +442,7 @@ async def test_slots_are_kept_for_a_tenant_busy_a_moment_ago_and_given_back_when
 
 async def test_unset_concurrency_is_the_engines_batch_asked_once_before_the_first_plan():
     eng = RecordingEngine(batch=6)
-    s = Scheduler(eng, SchedulerConfig(), image_tokens=lambda p: 1)  # max_concurrency 0: the engine's batch
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=0), image_tokens=lambda p: 1)  # the engine's batch
     tasks = [asyncio.ensure_future(s.submit(plan(f"p{i}", f"img{i}"))) for i in range(8)]
     await eventually(lambda: len(eng.started) == 6, timeout=10, what="the engine's batch of plans dispatched")
     await settle()
@@ -481,7 +481,7 @@ async def test_an_engine_that_cannot_say_its_batch_fails_the_plan_and_is_asked_a
             return 3
 
     eng = Silent()
-    s = Scheduler(eng, SchedulerConfig(), image_tokens=lambda p: 1)
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=0), image_tokens=lambda p: 1)
     with pytest.raises(RuntimeError, match="replica down"):
         await s.submit(plan("p0", "a"))
     assert eng.started == [] and s.config.max_concurrency == 0
