@@ -29,6 +29,8 @@ from tests.waiting import eventually
 from tests.lanes import (  # noqa: F401 - pytest's hooks, found by name in this module
     pytest_addoption, pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport,
     pytest_sessionfinish)
+# The garbage collector's pauses: the import-time heap frozen after collection, the session's pauses printed.
+from tests.gcpauses import pytest_collection_finish, pytest_terminal_summary  # noqa: F401, E402 - hooks
 
 
 @pytest.fixture(scope="session")

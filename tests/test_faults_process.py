@@ -272,6 +272,20 @@ def sockets_run(tmpdir: Path, how: str) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.parametrize(("before", "after"), [("spawn", "fork"), ("fork", "fork"), (None, None)])
+def test_a_cpu_engine_core_forks_its_worker_where_the_platform_forced_spawn(monkeypatch, before, after):
+    """The start method vLLM's executor reads (lifeline.fork_the_workers): what vLLM's CPU platform forced to
+    spawn becomes fork in the engine core; a fork already chosen, or no choice, is left as it was."""
+    from serving.engine import lifeline
+
+    if before is None:
+        monkeypatch.delenv(lifeline.START_METHOD_VAR, raising=False)
+    else:
+        monkeypatch.setenv(lifeline.START_METHOD_VAR, before)
+    lifeline.fork_the_workers()
+    assert os.environ.get(lifeline.START_METHOD_VAR) == after
+
+
 def test_engine_sockets_live_in_a_folder_of_their_process_removed_at_exit_or_by_the_next_start(sockets_tmpdir):
     tmpdir = sockets_tmpdir  # the children's TMPDIR
     ran = sockets_run(tmpdir, "exit")

