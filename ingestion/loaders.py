@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -31,7 +31,7 @@ from PIL import Image, ImageOps
 from mmrag.adapters.lexical import known_words
 from mmrag.core.keys import ContentHash, content_hash_of, doc_id_for
 from mmrag.core.pages import FigureCrop, RenderedPage, TextSource
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DocumentSettings
 from mmrag.core.text import normalise
 from ingestion import ocr
 from ingestion.figures import FigureBudgetError, crop_figures, detect_figures
@@ -222,20 +222,20 @@ def _format_for(path: Path) -> str | None:
 # --- opening and validation --------------------------------------------------------------------------
 
 
-def check_ocr(settings: Settings) -> None:
+def check_ocr(config: DocumentSettings) -> None:
     """Raise IngestError unless OCR is off or tesseract and its language data are installed.
 
     open_document calls this once per document; the pipeline may also call it once per run to fail
     before walking a large corpus.
     """
-    if not settings.ocr:
+    if not config.ocr:
         return
     if not ocr.ocr_available():
         raise IngestError(
             "tesseract is not installed: apt-get install tesseract-ocr tesseract-ocr-eng, or set MMRAG_OCR=false"
         )
     try:
-        missing = ocr.missing_languages(settings.ocr_lang)
+        missing = ocr.missing_languages(config.ocr_lang)
     except ocr.OcrError as exc:
         raise IngestError(f"tesseract does not work ({exc}): reinstall tesseract-ocr, or set MMRAG_OCR=false") from exc
     if missing:
@@ -246,15 +246,15 @@ def check_ocr(settings: Settings) -> None:
         )
 
 
-def render_page(path: Path, number: int, settings: Settings) -> RenderedPage | None:
+def render_page(path: Path, number: int, config: DocumentSettings) -> RenderedPage | None:
     """Page ``number`` of the file at ``path`` as ingestion renders it, without OCR (its image is what is
     wanted): what the page-image route shows and on-demand tier encodes encode. None when the file has no such
     page; IngestError when it cannot be opened."""
-    with open_document(path, settings.model_copy(update={"ocr": False})) as doc:
+    with open_document(path, replace(config, ocr=False)) as doc:
         return doc.page(number)
 
 
-def open_document(path: Path, settings: Settings) -> Document:
+def open_document(path: Path, config: DocumentSettings) -> Document:
     """Validate ``path`` completely and open it; the returned Document must be closed (use ``with``)."""
     resolved = _existing_file(path)
     expected = _format_for(resolved)
@@ -262,12 +262,12 @@ def open_document(path: Path, settings: Settings) -> Document:
         raise IngestError(unsupported_message(resolved))
     head = _read_head(resolved)
     _check_content_matches(resolved, head, expected)
-    check_ocr(settings)
+    check_ocr(config)
     if expected == "PDF":
-        return Document(resolved, _file_sha256(resolved), _open_pdf(resolved, settings), settings)
+        return Document(resolved, _file_sha256(resolved), _open_pdf(resolved, config), config)
     data = _read_bytes(resolved)
-    source = _open_image(data, expected, settings)
-    return Document(resolved, hashlib.sha256(data).hexdigest(), source, settings)
+    source = _open_image(data, expected, config)
+    return Document(resolved, hashlib.sha256(data).hexdigest(), source, config)
 
 
 def _existing_file(path: Path) -> Path:
@@ -345,7 +345,7 @@ def _check_content_matches(path: Path, head: bytes, expected: str) -> None:
 PDFIUM_LOCK = threading.RLock()
 
 
-def _open_pdf(path: Path, settings: Settings) -> _PdfSource:
+def _open_pdf(path: Path, config: DocumentSettings) -> _PdfSource:
     with PDFIUM_LOCK:
         try:
             pdf = pdfium.PdfDocument(path)
@@ -353,12 +353,12 @@ def _open_pdf(path: Path, settings: Settings) -> _PdfSource:
             raise IngestError(_pdf_load_message(exc)) from exc
         with contextlib.ExitStack() as on_error:
             on_error.callback(pdf.close)
-            _validate_pdf(pdf, settings)
+            _validate_pdf(pdf, config)
             # So that filled-in form fields appear in page images as they do in a viewer; pdfium wants this
             # before any page is loaded.
             pdf.init_forms()
             on_error.pop_all()  # valid: the source owns the handle from here on
-    return _PdfSource(pdf, settings.pdf_dpi, figures=settings.figures, max_pixels=settings.max_image_pixels)
+    return _PdfSource(pdf, config.pdf_dpi, figures=config.figures, max_pixels=config.max_image_pixels)
 
 
 def _pdf_load_message(exc: pdfium.PdfiumError) -> str:
@@ -373,13 +373,13 @@ def _pdf_load_message(exc: pdfium.PdfiumError) -> str:
     )
 
 
-def _validate_pdf(pdf: pdfium.PdfDocument, settings: Settings) -> None:
+def _validate_pdf(pdf: pdfium.PdfDocument, config: DocumentSettings) -> None:
     num_pages = len(pdf)
     if num_pages == 0:
         raise IngestError("the PDF has no pages: re-export it")
-    if num_pages > settings.max_pdf_pages:
+    if num_pages > config.max_pdf_pages:
         raise IngestError(
-            f"the PDF has {num_pages} pages, over the limit of {settings.max_pdf_pages}: "
+            f"the PDF has {num_pages} pages, over the limit of {config.max_pdf_pages}: "
             "split it (e.g. `qpdf in.pdf --split-pages=100 out.pdf`) or raise MMRAG_MAX_PDF_PAGES"
         )
     # Page sizes come from the page tree without loading pages, so a huge page is refused before any
@@ -389,22 +389,22 @@ def _validate_pdf(pdf: pdfium.PdfDocument, settings: Settings) -> None:
             size_pt = pdf.get_page_size(index)
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(index + 1, exc)) from exc
-        _check_page_pixels(size_pt, index + 1, settings)
+        _check_page_pixels(size_pt, index + 1, config)
 
 
-def _check_page_pixels(size_pt: tuple[float, float], number: int, settings: Settings) -> None:
-    width, height = (_pixels_at(v, settings.pdf_dpi) for v in size_pt)
+def _check_page_pixels(size_pt: tuple[float, float], number: int, config: DocumentSettings) -> None:
+    width, height = (_pixels_at(v, config.pdf_dpi) for v in size_pt)
     if width < 1 or height < 1:
         raise IngestError(
             f"page {number} has no area ({size_pt[0]:g}x{size_pt[1]:g} pt): repair or re-export the PDF"
         )
-    if width * height > settings.max_image_pixels:
+    if width * height > config.max_image_pixels:
         raise IngestError(
             f"page {number} would render at {width}x{height} px ({width * height:,} pixels) at "
-            f"{settings.pdf_dpi} dpi, over the limit of {settings.max_image_pixels:,}: lower MMRAG_PDF_DPI, "
+            f"{config.pdf_dpi} dpi, over the limit of {config.max_image_pixels:,}: lower MMRAG_PDF_DPI, "
             "or raise MMRAG_MAX_IMAGE_PIXELS if the PDF is trusted"
         )
-    _check_fitted((width, height), f"page {number} at {settings.pdf_dpi} dpi", settings)
+    _check_fitted((width, height), f"page {number} at {config.pdf_dpi} dpi", config)
 
 
 def _pixels_at(points: float, dpi: int) -> int:
@@ -508,22 +508,22 @@ def _page_damaged_message(number: int, exc: Exception) -> str:
 # --- images ------------------------------------------------------------------------------------------
 
 
-def _open_image(data: bytes, fmt: str, settings: Settings) -> _ImageSource:
+def _open_image(data: bytes, fmt: str, config: DocumentSettings) -> _ImageSource:
     """Check every frame's declared size from its header, then decode it fully, before accepting."""
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as im:
             frames = _frame_count(im, fmt)
-            if frames > settings.max_pdf_pages:  # each frame is a page: the same bound as a PDF's, before decoding
+            if frames > config.max_pdf_pages:  # each frame is a page: the same bound as a PDF's, before decoding
                 raise IngestError(
-                    f"the {fmt} image has {frames} frames, each a page, over the limit of {settings.max_pdf_pages} "
+                    f"the {fmt} image has {frames} frames, each a page, over the limit of {config.max_pdf_pages} "
                     "pages a document may have: split it (e.g. `tiffsplit in.tif part-`) or raise "
                     "MMRAG_MAX_PDF_PAGES")
             for index in range(frames):
                 im.seek(index)
-                _check_image_pixels(im.size, settings)  # header only: nothing decoded yet
+                _check_image_pixels(im.size, config)  # header only: nothing decoded yet
                 im.load()  # a full decode: truncation shows up here, not at open()
     except Image.DecompressionBombError as exc:
-        raise ImageTooLargeError(_pillow_bomb_message(settings)) from exc
+        raise ImageTooLargeError(_pillow_bomb_message(config)) from exc
     except _PIL_DECODE_ERRORS as exc:
         raise IngestError(_image_damaged_message(fmt, exc)) from exc
     return _ImageSource(data, fmt, frames)
@@ -534,36 +534,36 @@ def _frame_count(im: Image.Image, fmt: str) -> int:
     return getattr(im, "n_frames", 1) if fmt == "TIFF" else 1
 
 
-def _check_image_pixels(size: tuple[int, int], settings: Settings) -> None:
+def _check_image_pixels(size: tuple[int, int], config: DocumentSettings) -> None:
     width, height = size
-    if width * height > settings.max_image_pixels:
+    if width * height > config.max_image_pixels:
         raise ImageTooLargeError(
             f"the image is {width}x{height} px ({width * height:,} pixels), over the limit of "
-            f"{settings.max_image_pixels:,}: downscale it, or raise MMRAG_MAX_IMAGE_PIXELS if the image is trusted"
+            f"{config.max_image_pixels:,}: downscale it, or raise MMRAG_MAX_IMAGE_PIXELS if the image is trusted"
         )
-    _check_fitted(size, "the image", settings)
+    _check_fitted(size, "the image", config)
 
 
-def _check_fitted(size: tuple[int, int], what: str, settings: Settings) -> None:
+def _check_fitted(size: tuple[int, int], what: str, config: DocumentSettings) -> None:
     """A raster whose aspect ratio the processor refuses is padded to one it takes (ingestion/raster.py): the
     padded raster must be within MMRAG_MAX_IMAGE_PIXELS too, checked before any pixel is made."""
     (width, height), (fw, fh) = size, fitted_size(*size)
-    if fw * fh > settings.max_image_pixels:
+    if fw * fh > config.max_image_pixels:
         raise ImageTooLargeError(
             f"{what} is {width}x{height} px, an aspect ratio over {MAX_ASPECT}:1, which the vision model takes only "
-            f"padded to {fw}x{fh} px ({fw * fh:,} pixels), over the limit of {settings.max_image_pixels:,}: cut it "
+            f"padded to {fw}x{fh} px ({fw * fh:,} pixels), over the limit of {config.max_image_pixels:,}: cut it "
             "into parts of at most 200:1 each, or raise MMRAG_MAX_IMAGE_PIXELS if the file is trusted"
         )
 
 
-def _pillow_bomb_message(settings: Settings) -> str:
+def _pillow_bomb_message(config: DocumentSettings) -> str:
     # Pillow's own hard stop (2 x Image.MAX_IMAGE_PIXELS, ~179 MP) fires inside open()/seek(), before our
     # check sees the size. We read that global but never set it: it is process-wide, and other code in
     # the process (the feature store, the engine) relies on it too.
     pillow_cap = 2 * (Image.MAX_IMAGE_PIXELS or 0)
     return (
         f"the image declares more than {pillow_cap:,} pixels, over Pillow's hard decompression-bomb limit, "
-        f"which applies whatever MMRAG_MAX_IMAGE_PIXELS ({settings.max_image_pixels:,}) says: downscale it"
+        f"which applies whatever MMRAG_MAX_IMAGE_PIXELS ({config.max_image_pixels:,}) says: downscale it"
     )
 
 
@@ -575,7 +575,7 @@ def _image_damaged_message(fmt: str, exc: Exception, number: int | None = None) 
     )
 
 
-def decode_image(data: bytes, settings: Settings) -> Image.Image:
+def decode_image(data: bytes, config: DocumentSettings) -> Image.Image:
     """Image bytes from an untrusted caller (an upload to the vision service, an image in a question) as the
     normalised picture ingestion would make of the same file: its first frame, upright, RGB over white.
 
@@ -584,10 +584,10 @@ def decode_image(data: bytes, settings: Settings) -> Image.Image:
     bytes themselves; so :func:`image_content_hash` of the result is the hash ingestion gives that file's page.
     Raises :class:`ImageTooLargeError` over a limit and :class:`IngestError` for anything else undecodable.
     """
-    return _open_image(data, _image_format(data, settings), settings).raster(0).image
+    return _open_image(data, _image_format(data, config), config).raster(0).image
 
 
-def image_header_size(data: bytes, settings: Settings) -> tuple[int, int]:
+def image_header_size(data: bytes, config: DocumentSettings) -> tuple[int, int]:
     """The (width, height) that decoding ``data`` with :func:`decode_image` will hold at once, read from the image's
     header alone: no pixel is decoded, so a request's images can be admitted by their pixels before any is.
 
@@ -596,27 +596,27 @@ def image_header_size(data: bytes, settings: Settings) -> tuple[int, int]:
     every frame of a multi-page TIFF one after another (for other formats, the image's size). A damaged body is
     found only by decoding it.
     """
-    fmt = _image_format(data, settings)
+    fmt = _image_format(data, config)
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as im:
             sizes = []
             for index in range(_frame_count(im, fmt)):
                 im.seek(index)
-                _check_image_pixels(im.size, settings)
+                _check_image_pixels(im.size, config)
                 sizes.append(im.size)
     except Image.DecompressionBombError as exc:
-        raise ImageTooLargeError(_pillow_bomb_message(settings)) from exc
+        raise ImageTooLargeError(_pillow_bomb_message(config)) from exc
     except _PIL_DECODE_ERRORS as exc:
         raise IngestError(_image_damaged_message(fmt, exc)) from exc
     return max(sizes, key=lambda size: size[0] * size[1])
 
 
-def _image_format(data: bytes, settings: Settings) -> str:
+def _image_format(data: bytes, config: DocumentSettings) -> str:
     """The image format of untrusted bytes, read from them; over MMRAG_MAX_IMAGE_BYTES, empty, or no image
     format mmrag reads is refused with the fix."""
-    if len(data) > settings.max_image_bytes:
+    if len(data) > config.max_image_bytes:
         raise ImageTooLargeError(
-            f"the image is {len(data):,} bytes, over the limit of {settings.max_image_bytes:,}: downscale or "
+            f"the image is {len(data):,} bytes, over the limit of {config.max_image_bytes:,}: downscale or "
             "recompress it, or raise MMRAG_MAX_IMAGE_BYTES"
         )
     if not data:
@@ -726,15 +726,15 @@ class Document:
     in several threads at once: their pdfium calls take turns (PDFIUM_LOCK).
     """
 
-    def __init__(self, path: Path, file_sha256: str, source: _PageSource, settings: Settings) -> None:
+    def __init__(self, path: Path, file_sha256: str, source: _PageSource, config: DocumentSettings) -> None:
         self.path = str(path)
         self.doc = path.name
         self.doc_id = doc_id_for(self.path)
         self.file_sha256 = file_sha256
         self.num_pages = source.num_pages
         self._source = source
-        self._ocr = settings.ocr
-        self._ocr_lang = settings.ocr_lang
+        self._ocr = config.ocr
+        self._ocr_lang = config.ocr_lang
         self._closed = False
 
     def pages(self) -> Iterator[RenderedPage]:

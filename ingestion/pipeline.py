@@ -31,7 +31,7 @@ from mmrag.core.figures import Caption, PageFigure, figure_text
 from mmrag.core.figures import captions as find_captions
 from mmrag.core.keys import ImageKey, KeyLease
 from mmrag.core.pages import RenderedPage, TextSource
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DocumentSettings, default_of
 from mmrag.core.payload import IMAGE_VECTOR, LEXICAL_VECTOR, PAGE_MEAN_VECTOR, PAGE_VECTOR, TEXT_VECTOR, EncoderScope, PagePayload
 from mmrag.core.text import TEXT_VERSION
 from mmrag.adapters.embed import ImageEmbedder, TextEmbedder
@@ -93,8 +93,9 @@ ProgressFn = Callable[[int, int, int], None]  # (files done, files in all, pages
 class Ingestor:
     def __init__(
         self,
-        settings: Settings,
+        documents: DocumentSettings,
         *,
+        vision_batch_size: int = default_of("vision_batch_size"),
         encoder: VisionEncoder,
         store: FeatureStore,
         index: PageIndex,
@@ -106,13 +107,15 @@ class Ingestor:
         late: LateInteractionRetriever | None = None,
         late_pool_factor: int = 1,
     ) -> None:
-        """``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``).
+        """``documents``: how files are read (Settings.documents); ``vision_batch_size``: pages per encoder batch.
+        ``tier_encoders``: the encoder under each extra tier's policy (``VisionEncoder.with_policy``).
         ``lease``: a new lease per file on its pages' keys (default: a StoreLease on ``store``, INGEST_LEASE_S).
         ``lexical``: the sparse BM25 encoder (default: LexicalEncoder()). ``late``: the late-interaction page-image
         retriever (instead of ``image_embedder``), its page vectors pooled to 1/``late_pool_factor`` of their rows."""
         if image_embedder is not None and late is not None:
             raise ValueError("the page-image channel is CLIP or a late-interaction retriever, not both")
-        self.settings = settings
+        self.documents = documents
+        self.vision_batch_size = vision_batch_size
         self._new_lease = lease or (lambda: StoreLease(store, "ingest", INGEST_LEASE_S))
         self.encoder = encoder
         self.tier_encoders = list(tier_encoders)
@@ -126,12 +129,12 @@ class Ingestor:
         page_channel = (image_embedder.name if image_embedder else f"late:{late.name}/pool{late_pool_factor}" if late
                         else "off")
         self.fingerprint = "|".join([
-            encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={settings.pdf_dpi}",
-            f"ocr={settings.ocr and settings.ocr_lang}", f"text={text_embedder.name}",
+            encoder_fingerprint(EncoderScope(encoder.version, encoder.policy)), f"dpi={documents.pdf_dpi}",
+            f"ocr={documents.ocr and documents.ocr_lang}", f"text={text_embedder.name}",
             f"image={page_channel}", f"lexical={self.lexical.version}", f"text_norm={TEXT_VERSION}",
             # Figure points carry their crop's page-image vectors where that channel is on (an index from before
             # has figure points without them: its documents re-ingest, re-embedding only).
-            f"figures={FIGURES_VERSION + ('+image' if page_channel != 'off' else '') if settings.figures else 'off'}",
+            f"figures={FIGURES_VERSION + ('+image' if page_channel != 'off' else '') if documents.figures else 'off'}",
         ])
 
     def run(self, paths: Iterable[Path], *, recursive: bool = False, progress: ProgressFn | None = None,
@@ -163,7 +166,7 @@ class Ingestor:
         """``path`` indexed into ``report``; ``on_batch(pages done in the file)`` after each batch of pages and
         between two pages' loads (:func:`_between`)."""
         started = time.perf_counter()
-        with open_document(path, self.settings) as doc:
+        with open_document(path, self.documents) as doc:
             if self._is_current(doc):
                 report.pages += doc.num_pages
                 report.cached += doc.num_pages
@@ -176,8 +179,8 @@ class Ingestor:
             points = []
             lease = FileLease(self._new_lease(), renew_s=INGEST_LEASE_S / 4)
             try:
-                for batch in batches(_between(doc.pages(), on_batch, scratch), self.settings.vision_batch_size,
-                                     self.settings.max_image_pixels):
+                for batch in batches(_between(doc.pages(), on_batch, scratch), self.vision_batch_size,
+                                     self.documents.max_image_pixels):
                     points.extend(self._process_batch(doc, batch, scratch, lease))
                     if on_batch:
                         on_batch(scratch.pages)

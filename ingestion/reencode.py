@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +43,7 @@ from mmrag.core.figures import PageFigure
 from mmrag.core.keys import ImageKey, Tiers
 from mmrag.core.pages import RenderedPage
 from mmrag.core.payload import EncoderScope, PagePayload
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DocumentSettings, default_of
 from ingestion.loaders import Document, IngestError, open_document
 from ingestion.pipeline import batches, encoder_fingerprint, missing_keys
 
@@ -152,8 +152,16 @@ def fingerprint_under(fingerprint: str, old: EncoderScope, new: EncoderScope) ->
 class Reencoder:
     """Re-encodes the stale pages of one index for one encoder; needs no embedder (vectors are never written)."""
 
-    def __init__(self, settings: Settings, *, encoder: VisionEncoder, store: FeatureStore, index: PageIndex) -> None:
-        self.settings = settings
+    def __init__(self, documents: DocumentSettings, *, tiers: Tiers, pixels: bool, encoder: VisionEncoder,
+                 store: FeatureStore, index: PageIndex, vision_batch_size: int = default_of("vision_batch_size")
+                 ) -> None:
+        """``documents``: how ingestion read the files (Settings.documents); ``tiers``: every tier's policy (an
+        entry under one of them is still referenced); ``pixels``: replicas take pixels (MMRAG_IMAGE_INPUT), so
+        new entries keep their PNG."""
+        self.documents = documents
+        self.tiers = tiers
+        self.pixels = pixels
+        self.vision_batch_size = vision_batch_size
         self.encoder = encoder
         self.store = store
         self.index = index
@@ -161,7 +169,7 @@ class Reencoder:
         # Tokens are stored through the encoder's scope: a key it did not mint is refused, not filed.
         self._writer = ScopedFeatureStore(store, self.scope)
         # Only the image is needed, and OCR does not change it (nor its content hash): skip tesseract.
-        self._render_settings = settings.model_copy(update={"ocr": False})
+        self._render_settings = replace(documents, ocr=False)
 
     def run(self, *, progress: ProgressFn | None = None) -> ReencodeReport:
         started = time.perf_counter()
@@ -173,9 +181,9 @@ class Reencoder:
             self._reencode_file(path, pages, report, lambda n: notify(done + n, len(stale)))
             done += len(pages)
             notify(done, len(stale))
-        if self.settings.image_input == "pixels":  # after the re-encode: its new entries have their pixels
+        if self.pixels:  # after the re-encode: its new entries have their pixels
             self._add_pixels(report, notify)
-        report.unreferenced_entries = _unreferenced(self.index, self.store, self.settings.tier_table)
+        report.unreferenced_entries = _unreferenced(self.index, self.store, self.tiers)
         report.seconds = time.perf_counter() - started
         log.info("re-encoded %d pages for %s (%d vision forwards, %d reused, %d skipped; %d entries given their "
                  "pixels) in %.2f s", report.reencoded, self.scope, report.encoded, report.reused,
@@ -221,8 +229,8 @@ class Reencoder:
                        on_batch: Callable[[int], None]) -> None:
         def reencode(doc: Document, pending: dict[int, PagePayload]) -> None:
             done = 0
-            for batch in batches(self._renders(doc, pending, report), self.settings.vision_batch_size,
-                                 self.settings.max_image_pixels):
+            for batch in batches(self._renders(doc, pending, report), self.vision_batch_size,
+                                 self.documents.max_image_pixels):
                 # A store failure raises before any page of the batch is switched: they stay pending.
                 self._reencode_batch([(pending[r.page], r) for r in batch], report)
                 for r in batch:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
-from pydantic_settings import NoDecode
+from pydantic_settings import BaseSettings, NoDecode
 from rich.console import Console
 from rich.markup import escape
 
@@ -103,7 +103,7 @@ def _is_text(field: FieldInfo) -> bool:
                                                                                for a in get_args(annotation)))
 
 
-def source_of(settings: Settings, name: str, environ: Mapping[str, str]) -> Source:
+def source_of(settings: BaseSettings, name: str, environ: Mapping[str, str]) -> Source:
     """env: the variable is set (and taken as it is); derived: the code filled it in from other settings (the
     model validator maps a deprecated MMRAG_ANSWER_MODE name, and MMRAG_LAYOUT=per_page sets split); default."""
     field = type(settings).model_fields[name]
@@ -119,13 +119,16 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
     from mmrag.core.settings import COMPONENTS
     from mmrag.wiring import development_model_dir
 
-    values = settings.model_dump(mode="json")
+    from mmrag.core.settings import DevelopmentKnobs
+
     out = []
-    for name, field in type(settings).model_fields.items():
-        value, source = values[name], source_of(settings, name, environ)
-        if name == "model" and (tiny := development_model_dir(settings)) is not None:
-            value, source = str(tiny), "profile"  # what resolve_model serves (built there on first use)
-        out.append(Entry(component_of(field), name, env_name(name), masked(name, value), source))
+    for part in (settings, DevelopmentKnobs()):  # the knobs: read in the development profile only (the wiring)
+        values = part.model_dump(mode="json")
+        for name, field in type(part).model_fields.items():
+            value, source = values[name], source_of(part, name, environ)
+            if name == "model" and (tiny := development_model_dir(settings)) is not None:
+                value, source = str(tiny), "profile"  # what resolve_model serves (built there on first use)
+            out.append(Entry(component_of(field), name, env_name(name), masked(name, value), source))
     order = list(COMPONENTS)
     return sorted(out, key=lambda e: order.index(e.component))  # stable: declaration order within a component
 
@@ -253,8 +256,9 @@ def _cell(text: str) -> str:
 
 _GENERATED = (f"<!-- Generated from mmrag/core/settings.py by `{RENDER_COMMAND}`: edit the settings' descriptions there "
               "and render again (tests/test_config_cmd.py fails while this file is stale). -->")
-_INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, one per setting below (one `Settings` "
-          "object, mmrag/core/settings.py). `mmrag config show` prints each one's effective value and where it came from "
+_INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, one per setting below (`Settings`, "
+          "mmrag/core/settings.py; the testing knobs are `DevelopmentKnobs` beside it, read in the development "
+          "profile only and refused in production). `mmrag config show` prints each one's effective value and where it came from "
           "(the environment, the default, or filled in by mmrag), secrets masked; `--json` for scripts. Booleans take "
           "`true` or `false`; lists are comma-separated; `MMRAG_TIERS` is JSON. The command line also reads "
           "`MMRAG_LOG_LEVEL` (its own log lines: INFO unless set) and `MMRAG_EMULATE_ISA` (README).")
@@ -263,9 +267,10 @@ _INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, o
 def render_reference() -> str:
     """docs/configuration.md: a table per component of every setting's variable, type, default and description,
     from Settings' own fields."""
-    from mmrag.core.settings import COMPONENTS, Settings
+    from mmrag.core.settings import COMPONENTS, DevelopmentKnobs, Settings
 
-    groups = {c: [(n, f) for n, f in Settings.model_fields.items() if component_of(f) == c] for c in COMPONENTS}
+    every = Settings.model_fields | DevelopmentKnobs.model_fields
+    groups = {c: [(n, f) for n, f in every.items() if component_of(f) == c] for c in COMPONENTS}
     groups = {c: fields for c, fields in groups.items() if fields}
     lines = ["# Configuration reference", "", _GENERATED, "", _INTRO, "",
              "Components: " + ", ".join(f"[{c}](#{c})" for c in groups) + "."]

@@ -15,6 +15,7 @@ USER_ERROR_NAMES: tuple[tuple[str, str], ...] = (
     ("mmrag.ask_cmd", "PageNotFoundError"),
     ("mmrag.wiring", "EngineNotConfiguredError"),
     ("mmrag.wiring", "ModelNotConfiguredError"),  # production without MMRAG_MODEL
+    ("mmrag.wiring", "DevelopmentKnobError"),  # production with a benchmark or test knob set
     ("serving.engine.features", "MissingFeaturesError"),
     ("serving.engine.remote", "EngineUnavailableError"),
     ("retrieval.search", "RetrievalError"),

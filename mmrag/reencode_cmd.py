@@ -82,7 +82,7 @@ def run(settings: Settings, *, dry_run: bool, show_progress: bool) -> ReencodeRe
         if encoder is None:
             return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.tier_table,
                                       pixels=settings.image_input == "pixels")
-        reencoder = reencoding.Reencoder(settings, encoder=encoder, store=store, index=index)
+        reencoder = wiring.reencoder(settings, encoder=encoder, store=store, index=index)
         with Progress(
             TextColumn("[bold]reencode"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
             TextColumn("{task.fields[rate]:.1f} pages/s"), TimeElapsedColumn(),

@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +27,7 @@ from mmrag.adapters.store import ScopedFeatureStore
 from mmrag.core.keys import ContentHash, ImageKey, ResolutionPolicy, Tiers
 from mmrag.core.pages import EncodedImage
 from mmrag.core.payload import EncoderScope
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DocumentSettings
 from retrieval.search import Hit
 
 if TYPE_CHECKING:
@@ -75,12 +75,12 @@ class PageTiers:
     thread; a second question asking for the same page finds it stored).
     """
 
-    def __init__(self, settings: Settings, store: FeatureStore,
+    def __init__(self, tiers: Tiers, documents: DocumentSettings, store: FeatureStore,
                  encoder_for: Callable[[ResolutionPolicy], TierEncoder | None]) -> None:
-        self.tiers: Tiers = settings.tier_table
+        self.tiers = tiers
         self.store = store
         self._encoder_for = encoder_for
-        self.settings = settings
+        self.documents = documents  # how ingestion read the pages, to render them again
         self._lock = threading.Lock()
         # Stored entries are content-addressed, so a key's token count never changes.
         self._stored_tokens = functools.lru_cache(maxsize=65_536)(self._read_tokens)
@@ -142,9 +142,9 @@ class PageTiers:
         from ingestion.loaders import IngestError, render_page
 
         crop = hit.shows_crop
-        settings = self.settings.model_copy(update={"figures": crop})  # a page's figures are not cropped for it
+        documents = replace(self.documents, figures=crop)  # a page's figures are not cropped for it
         try:
-            rendered = render_page(Path(hit.path), hit.page, settings)
+            rendered = render_page(Path(hit.path), hit.page, documents)
         except IngestError as exc:
             raise PageUnavailableError(f"its source file cannot be opened: {exc}") from exc
         if rendered is not None and crop:

@@ -119,6 +119,22 @@ def test_settings_become_objects_only_in_the_wiring_module():
     assert not offenders, f"Settings() built below the composition root in {offenders}"
 
 
+COMPONENTS = ("ingestion", "retrieval", "rag", "mmrag/adapters")
+
+
+@pytest.mark.parametrize("pkg", COMPONENTS)
+def test_components_below_the_service_receive_their_own_section_never_the_whole_settings(pkg):
+    """Configuration by component (issue 43): the loaders, the ingestor, the re-encoder and the tiers take
+    Settings.documents and the values they use; nothing below the service imports Settings, so nothing there can
+    read, or patch a copy of, a setting that is not its own."""
+    offenders = []
+    for path in sorted((REPO / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "mmrag.core.settings":
+                offenders += [f"{path.relative_to(REPO)} imports Settings" for a in node.names if a.name == "Settings"]
+    assert not offenders, offenders
+
+
 def test_the_wiring_builds_from_the_settings_it_was_given_and_patches_no_copy():
     """Each deployment's builder passes what differs (an in-process tower or engine, a job's tiers) as arguments;
     a patched copy of the settings would hide from `mmrag config show` what a part really runs with. The one

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mmrag.core.settings import COMPONENTS, Settings
+from mmrag.core.settings import COMPONENTS, DevelopmentKnobs, Settings
 from mmrag import cli, config_cmd
 from mmrag.config_cmd import MASK, component_of, render_reference
 
@@ -49,10 +49,13 @@ def show_json() -> dict[str, dict]:
 # --- the settings document themselves -----------------------------------------------------------------------------
 
 
+EVERY = Settings.model_fields | DevelopmentKnobs.model_fields  # the settings and the benchmark knobs
+
+
 def test_every_setting_has_a_description_and_a_known_component():
-    undocumented = [n for n, f in Settings.model_fields.items() if not (f.description or "").strip()]
+    undocumented = [n for n, f in EVERY.items() if not (f.description or "").strip()]
     assert not undocumented, f"Settings fields without a description: {undocumented}"
-    unknown = {n: component_of(f) for n, f in Settings.model_fields.items() if component_of(f) not in COMPONENTS}
+    unknown = {n: component_of(f) for n, f in EVERY.items() if component_of(f) not in COMPONENTS}
     assert not unknown, f"Settings fields without a component of {list(COMPONENTS)}: {unknown}"
 
 
@@ -67,7 +70,7 @@ def test_reference_write_writes_the_rendered_page(tmp_path):
     assert result.exit_code == 0, result.output
     text = (tmp_path / "configuration.md").read_text()
     assert text == render_reference()
-    for name in Settings.model_fields:
+    for name in EVERY:
         assert f"`MMRAG_{name.upper()}`" in text
 
 
@@ -90,6 +93,14 @@ def test_a_set_variable_is_reported_from_env_and_an_unset_one_as_its_default(env
     assert next(line for line in out.splitlines() if "MMRAG_HOST " in line).split() == [
         "MMRAG_HOST", "default", "127.0.0.1"]
     assert "api:" in out.splitlines()
+
+
+def test_a_benchmark_knob_is_shown_under_testing_from_its_variable(environ):
+    environ.setenv("MMRAG_DECOMPOSE_FIXED_TOKENS", "7")
+    rows = show_json()
+    assert rows["decompose_fixed_tokens"] == {"component": "testing", "name": "decompose_fixed_tokens",
+                                              "env": "MMRAG_DECOMPOSE_FIXED_TOKENS", "value": 7, "source": "env"}
+    assert rows["answer_fixed_length"]["source"] == "default"
 
 
 def test_the_development_profile_fills_an_empty_model_and_a_set_model_is_env(environ, tmp_path):

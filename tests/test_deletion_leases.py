@@ -95,12 +95,15 @@ async def own_store_app(engine_settings, inprocess_engine, data: Path, **setting
 
 @pytest.fixture(scope="module")
 async def leases(engine_settings, ingested, inprocess_engine, tmp_path_factory):
-    # Answers of exactly 48 tokens: long enough that a deletion lands while they are being generated. OCR: a
-    # page's words are what a question finds it by.
-    async with own_store_app(engine_settings, inprocess_engine, tmp_path_factory.mktemp("leases-data"), ocr=True,
-                             api_key=API_KEY, answer_max_tokens=48, answer_fixed_length=True) as (url, app, s, store):
-        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
-            yield {"http": http, "app": app, "settings": s, "store": store, "tmp": tmp_path_factory}
+    # Answers of exactly 48 tokens (a benchmark knob, read by the wiring in the development profile): long enough
+    # that a deletion lands while they are being generated. OCR: a page's words are what a question finds it by.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MMRAG_ANSWER_FIXED_LENGTH", "true")  # for this module's app, built and serving in the block
+        async with own_store_app(engine_settings, inprocess_engine, tmp_path_factory.mktemp("leases-data"),
+                                 ocr=True, api_key=API_KEY, answer_max_tokens=48) as (url, app, s, store):
+            assert app.state.services.pipeline.config.fixed_length
+            async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
+                yield {"http": http, "app": app, "settings": s, "store": store, "tmp": tmp_path_factory}
 
 
 def gc_beside_the_server(settings, tmp: Path) -> store_cmd.GcReport:

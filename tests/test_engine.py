@@ -44,7 +44,7 @@ def plan(*keys: ImageKey, text: str = "What does this page show?", layout: Layou
 
 
 def render_page(page: dict, settings):
-    with open_document(Path(page["path"]), settings) as doc:
+    with open_document(Path(page["path"]), settings.documents) as doc:
         for rendered in doc.pages():
             if rendered.page == page["page"]:
                 return rendered

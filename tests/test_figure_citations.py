@@ -134,7 +134,7 @@ async def figures_app(engine_settings, ingested, inprocess_engine, tmp_path_fact
         first, second = index.find_page(REPORT, 1), index.find_page(REPORT, 2)
         slide = next(p for p in index.pages() if p.doc.endswith(".png"))
         scale = settings.pdf_dpi / 72
-        w, h = (v / scale for v in render_page(Path(first.path), 1, settings).image.size)
+        w, h = (v / scale for v in render_page(Path(first.path), 1, settings.documents).image.size)
         boxes = {3: (0.1 * w, 0.2 * h, 0.6 * w, 0.5 * h), 5: (0.5 * w, 0.8 * h, w, h)}
         figures = [figure(n, f"Figure {n}: chart {n}", box) for n, box in boxes.items()]
         figures.append(figure(None, "", (0.1 * w, 0.6 * h, 0.3 * w, 0.7 * h), "image"))
@@ -164,7 +164,7 @@ async def test_without_parameters_the_page_image_is_the_plain_render(figures_app
     got = await figures_app["http"].get(f"/v1/pages/{figures_app['page']}/image")
     assert got.status_code == 200 and got.headers["content-type"] == "image/png"
     buf = io.BytesIO()
-    render_page(Path(figures_app["path"]), 1, figures_app["settings"]).image.save(buf, format="PNG")
+    render_page(Path(figures_app["path"]), 1, figures_app["settings"].documents).image.save(buf, format="PNG")
     assert got.content == buf.getvalue()
 
 

@@ -309,7 +309,6 @@ def test_store_gc_keeps_a_figure_entry_while_any_page_shows_it_and_frees_it_afte
 
 
 def test_reencode_gives_figure_crops_the_new_encoders_keys_and_index_check_counts_them(ingested, tmp_path):
-    from ingestion.reencode import Reencoder
     from mmrag.index_cmd import check
 
     settings = copied(ingested, tmp_path, encoder_salt="figures-b")
@@ -319,7 +318,7 @@ def test_reencode_gives_figure_crops_the_new_encoders_keys_and_index_check_count
     encoder = wiring.vision_encoder(settings, model)
     index, store = wiring.read_index(settings), wiring.feature_store(settings)
     try:
-        report = Reencoder(settings, encoder=encoder, store=store, index=index).run()
+        report = wiring.reencoder(settings, encoder=encoder, store=store, index=index).run()
     finally:
         index.client.close()
     assert report.reencoded == 2 and not report.skipped
@@ -336,7 +335,7 @@ def test_reencode_gives_figure_crops_the_new_encoders_keys_and_index_check_count
 def test_reencode_leaves_a_page_whose_figure_crops_differently_as_it_was_and_says_why(ingested, tmp_path):
     """A page whose indexed figure no crop of its render matches any more (another detector made it) is not
     switched to keys that would name other pixels: it keeps its old keys, skipped with the reason."""
-    from ingestion.reencode import FIGURES_CHANGED, Reencoder
+    from ingestion.reencode import FIGURES_CHANGED
 
     settings = copied(ingested, tmp_path, encoder_salt="figures-c")
     before = pages_of(settings)
@@ -346,8 +345,8 @@ def test_reencode_leaves_a_page_whose_figure_crops_differently_as_it_was_and_say
     index = wiring.read_index(settings)
     try:
         index.set_page_fields(deck.page_id, {"figures": [older.to_json()]})
-        report = Reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
-                           store=wiring.feature_store(settings), index=index).run()
+        report = wiring.reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
+                                  store=wiring.feature_store(settings), index=index).run()
     finally:
         index.client.close()
     assert report.reencoded == 1 and [(s.path, s.page, s.reason) for s in report.skipped] == \
@@ -447,13 +446,11 @@ async def test_a_question_about_a_figure_finds_its_page_with_the_figure_named(in
 
 
 def test_deleting_a_document_removes_its_figure_points_and_reencode_updates_them(ingested, tmp_path):
-    from ingestion.reencode import Reencoder
-
     settings = copied(ingested, tmp_path, encoder_salt="figures-c")
     encoder = wiring.vision_encoder(settings, wiring.resolve_model(settings))
     index, store = wiring.read_index(settings), wiring.feature_store(settings)
     try:
-        Reencoder(settings, encoder=encoder, store=store, index=index).run()
+        wiring.reencoder(settings, encoder=encoder, store=store, index=index).run()
         pages = {p.page_id: p for p in index.pages()}
         for point in index.figure_points():  # the page's payload, copied onto its figure point, switched with it
             assert point.payload["image_key"] == str(pages[point.payload["parent"]].image_key)

@@ -254,7 +254,7 @@ def test_a_drawing_included_as_a_form_is_one_key_at_any_place_and_size(tmp_path)
                         figures=True)
     crops = []
     for name in ("report.pdf", "slides.pdf"):
-        with open_document(tmp_path / name, settings) as doc:
+        with open_document(tmp_path / name, settings.documents) as doc:
             (page,) = list(doc.pages())
             (crop,) = page.figures
         crops.append(crop)

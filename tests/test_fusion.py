@@ -53,6 +53,6 @@ def test_settings_read_fusion_weights_and_name_the_fix_for_a_bad_one(tmp_path):
     with pytest.raises(ValidationError, match="MMRAG_PAGE_RETRIEVER=.* is not a folder"):
         Settings(page_retriever=str(tmp_path / "absent"))
     with pytest.raises(ValidationError, match="MMRAG_PAGE_RETRIEVER=clip needs CLIP weights"):
-        Settings(page_retriever="clip")
+        Settings(page_retriever="clip", profile="production")  # random weights: the development profile's only
     with pytest.raises(ValidationError, match="raise MMRAG_CANDIDATE_K"):
         Settings(top_k=30, candidate_k=20)

@@ -44,7 +44,8 @@ def text_embedder() -> TextEmbedder:
 def make_ingestor(data_dir: Path, tiny_model: Path, encoder, text_embedder, **overrides) -> Ingestor:
     settings = Settings(model=str(tiny_model), data_dir=data_dir, ocr=False, **overrides)
     return Ingestor(
-        settings,
+        settings.documents,
+        vision_batch_size=settings.vision_batch_size,
         encoder=encoder,
         store=feature_store(settings),
         index=page_index(settings, text_embedder.dim),
@@ -185,9 +186,9 @@ def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_c
                                                                text_embedder):
     from mmrag.adapters.embed import ImageEmbedder
 
-    settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, clip_random_init=True)
+    settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, page_retriever="clip")
     image = ImageEmbedder(settings.clip_model, None)
-    ing = Ingestor(settings, encoder=encoder, store=feature_store(settings),
+    ing = Ingestor(settings.documents, encoder=encoder, store=feature_store(settings),
                    index=page_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
     one = sorted(sample_corpus.glob("*.png"))[:2]
     ing.run([*one, sample_corpus / "q3_quarterly_report.pdf"])

@@ -27,7 +27,7 @@ from matplotlib.backends.backend_pdf import PdfPages  # noqa: E402
 
 from mmrag.core.keys import doc_id_for  # noqa: E402
 from mmrag.core.pages import TextSource  # noqa: E402
-from mmrag.core.settings import Settings  # noqa: E402
+from mmrag.core.settings import DocumentSettings, Settings  # noqa: E402
 from ingestion import ocr  # noqa: E402
 from ingestion.loaders import (  # noqa: E402
     FileFailure,
@@ -49,10 +49,10 @@ CAPTION = "Quarterly revenue grew twelve percent"
 # --- builders ----------------------------------------------------------------------------------------
 
 
-def settings(**overrides) -> Settings:
+def settings(**overrides) -> DocumentSettings:
     """Explicit values for everything the loaders read, so MMRAG_* variables in the shell cannot leak in."""
     values = {"pdf_dpi": 96, "max_pdf_pages": 500, "max_image_pixels": 50_000_000, "ocr": False, "ocr_lang": "eng"}
-    return Settings(**{**values, **overrides})
+    return Settings(**{**values, **overrides}).documents
 
 
 def text_pdf(path: Path, lines: list[str]) -> Path:

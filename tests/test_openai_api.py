@@ -202,8 +202,8 @@ async def test_an_image_resent_in_a_later_turn_is_not_encoded_again_and_its_kv_i
                {"role": "user", "content": "What is the input of its third module?"}]
     two = await client.chat.completions.create(model="mmrag", messages=history)
     encoder = services.question_images._encoder
-    key = encoder.key_for(image_content_hash(decode_image(png, services.settings)))
-    bound = image_prefix_bound(services, key, encoder.num_tokens_for(decode_image(png, services.settings)))
+    key = encoder.key_for(image_content_hash(decode_image(png, services.settings.documents)))
+    bound = image_prefix_bound(services, key, encoder.num_tokens_for(decode_image(png, services.settings.documents)))
     assert bound >= 64
     assert two.usage.model_extra["vision_encodes"] == 0
     assert two.usage.prompt_tokens_details.cached_tokens >= two.usage.model_extra["cached_image_tokens"] >= bound

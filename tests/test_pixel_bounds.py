@@ -10,6 +10,7 @@ a time. Peak RSS is the process's VmHWM (/proc/<pid>/status), reset before each 
 
 from __future__ import annotations
 
+from dataclasses import replace
 import asyncio
 import base64
 import io
@@ -134,13 +135,13 @@ async def test_an_admitted_7000px_image_is_served_under_the_ceiling_and_one_more
 def test_image_header_size_reads_the_size_without_decoding_a_pixel(big_png, tmp_path):
     settings = Settings(data_dir=tmp_path)
     # The first 200 bytes hold the header and no pixel data: the size is read, a decode fails.
-    assert image_header_size(big_png[:200], settings) == (SIDE, SIDE)
+    assert image_header_size(big_png[:200], settings.documents) == (SIDE, SIDE)
     with pytest.raises(IngestError, match="truncated"):
-        decode_image(big_png[:200], settings)
+        decode_image(big_png[:200], settings.documents)
     with pytest.raises(ImageTooLargeError, match="MMRAG_MAX_IMAGE_PIXELS"):
-        image_header_size(big_png, settings.model_copy(update={"max_image_pixels": SIDE * SIDE - 1}))
+        image_header_size(big_png, replace(settings.documents, max_image_pixels=SIDE * SIDE - 1))
     with pytest.raises(IngestError, match="PNG, JPEG"):
-        image_header_size(b"%PDF-1.7 not an image", settings)
+        image_header_size(b"%PDF-1.7 not an image", settings.documents)
 
 
 def test_the_budget_admits_by_declared_pixels_and_takes_them_back_image_by_image():

@@ -61,7 +61,7 @@ def encoders(tiny_model) -> tuple[VisionEncoder, VisionEncoder]:
 def test_the_pooled_encoder_gives_a_quarter_of_the_tokens_on_a_grid_vllm_counts(encoders, sample_corpus):
     standard, pooled = encoders
     assert pooled.tower is standard.tower and pooled.version == standard.version  # one tower, one version
-    with open_document(sorted(sample_corpus.glob("*.pdf"))[0], Settings(ocr=False)) as doc:
+    with open_document(sorted(sample_corpus.glob("*.pdf"))[0], Settings(ocr=False).documents) as doc:
         page = next(doc.pages())
     plain, small = standard.encode([page.image])[0], pooled.encode([page.image])[0]
     t, h, w = small.grid_thw[0].tolist()
@@ -84,7 +84,7 @@ def pooled_page(engine_settings, ingested, tiny_model) -> Iterator[tuple[ImageKe
     page = sorted((p.payload for p in points if p.payload["doc"].endswith(".png")), key=lambda p: p["image_key"])[0]
     standard = VisionEncoder(tiny_model, engine_settings.resolution_policy)
     pooled = standard.with_policy(POOLED)
-    with open_document(Path(page["path"]), engine_settings) as doc:
+    with open_document(Path(page["path"]), engine_settings.documents) as doc:
         image = next(r for r in doc.pages() if r.page == page["page"]).image
     key = pooled.key_for(ImageKey.parse(page["image_key"]).content_hash)
     store = feature_store(engine_settings)

@@ -44,9 +44,9 @@ def test_fitting_keeps_the_picture_at_the_top_left_on_white_and_leaves_others_as
 
 def test_a_decoded_image_is_fitted_and_one_whose_padding_would_pass_the_pixel_bound_is_refused_first():
     settings = Settings(max_image_pixels=100_000)
-    assert decode_image(png(Image.new("RGB", (4000, 1), "black")), settings).size == (4000, 20)
+    assert decode_image(png(Image.new("RGB", (4000, 1), "black")), settings.documents).size == (4000, 20)
     wide = png(Image.new("L", (6000, 1)))  # 6,000 pixels, padded 6000 x 30 = 180,000
     with pytest.raises(ImageTooLargeError, match="aspect ratio over 200:1.*cut it into parts"):
-        image_header_size(wide, settings)
+        image_header_size(wide, settings.documents)
     with pytest.raises(ImageTooLargeError, match="padded to 6000x30 px"):
-        decode_image(wide, settings)
+        decode_image(wide, settings.documents)

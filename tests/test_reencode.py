@@ -26,7 +26,7 @@ from mmrag.adapters.store import DiskFeatureStore, FeatureStore, FeatureStoreErr
 from mmrag.adapters.vision import VisionCheckpoint
 from mmrag.core.keys import ImageKey
 from mmrag.core.payload import WITHOUT_PIXELS_FIX, EncoderScope, PagePayload
-from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE, Reencoder
+from ingestion.reencode import FILE_CHANGED, FILE_UNREADABLE
 from mmrag import wiring
 from mmrag.cli import app
 from tests.waiting import eventually_sync
@@ -233,8 +233,8 @@ def test_a_page_whose_new_tokens_cannot_be_stored_keeps_its_old_key_and_is_repor
     store = FailingPut(DiskFeatureStore(settings.features_dir), fail_at=3)
     index = wiring.read_index(settings)
     try:
-        reencoder = Reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
-                              store=store, index=index)
+        reencoder = wiring.reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
+                                     store=store, index=index)
         report = reencoder.run()
     finally:
         index.client.close()

@@ -72,7 +72,7 @@ def ingest(settings: Settings, paths: list[Path]) -> None:
 def clip_settings(tmp_path_factory, tiny_model, sample_corpus) -> Settings:
     """A small corpus ingested with random-weight CLIP: PDF pages with text, PNG slides without (OCR off)."""
     settings = Settings(model=str(tiny_model), data_dir=tmp_path_factory.mktemp("clip-data"), ocr=False,
-                        clip_random_init=True)
+                        page_retriever="clip")  # no weights: the development profile's random CLIP
     ingest(settings, [sample_corpus / f for f in SMALL_CORPUS])
     return settings
 
@@ -291,7 +291,7 @@ def test_sync_retrieve_outside_a_loop_runs_the_async_path(searcher):
 
 def test_cli_eval_prints_one_json_object_with_every_channel(clip_settings, small_manifest, tmp_path):
     (tmp_path / "manifest.json").write_text(small_manifest.to_json())
-    env = {"MMRAG_DATA_DIR": str(clip_settings.data_dir), "MMRAG_CLIP_RANDOM_INIT": "true"}
+    env = {"MMRAG_DATA_DIR": str(clip_settings.data_dir), "MMRAG_PAGE_RETRIEVER": "clip"}
     result = CliRunner().invoke(retrieval_app, ["eval", "--corpus", str(tmp_path), "--json"], env=env)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)

@@ -31,6 +31,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 QUESTION = "What does the architecture diagram show?"
 
 
+def page_tiers(settings, store, encoder_for) -> PageTiers:
+    """PageTiers as the composition root builds it: the settings' tiers and document section."""
+    return PageTiers(settings.tier_table, settings.documents, store, encoder_for)
+
+
 def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
     settings = Settings()
     tiers = settings.tier_table
@@ -133,7 +138,7 @@ def encoder(tiny_model, engine_settings) -> VisionEncoder:
 
 async def test_a_page_missing_in_the_asked_tier_is_encoded_on_demand_once(engine_settings, hits, encoder, tmp_path):
     store = DiskFeatureStore(tmp_path / "features")  # empty: no page is stored in any tier yet
-    tiers = PageTiers(engine_settings, store, encoder.with_policy)
+    tiers = page_tiers(engine_settings, store, encoder.with_policy)
     high = engine_settings.tier_table.policy("high")
     first = await tiers([hits], "high")
     again = await tiers([hits[:1]], "high")
@@ -155,7 +160,7 @@ async def test_tokens_encoded_on_demand_are_keyed_by_the_encoder_that_made_them(
     other = VisionEncoder(tiny_model, engine_settings.resolution_policy, salt="another-encoder")
     assert other.version != hits[0].image_key.encoder_version
     high = other.with_policy(engine_settings.tier_table.policy("high"))
-    got = await PageTiers(engine_settings, store, other.with_policy)([hits], "high")
+    got = await page_tiers(engine_settings, store, other.with_policy)([hits], "high")
     assert got.vision_encodes == len(hits)
     assert [h.image_key for h in got.hits[0]] == [high.key_for(h.image_key.content_hash) for h in hits]
     assert set(store.keys()) == {high.key_for(h.image_key.content_hash) for h in hits}
@@ -180,12 +185,12 @@ async def test_a_figure_shown_as_its_crop_is_cropped_again_and_encoded_on_demand
     (shown,), = shown_as_figures([[dataclasses.replace(Hit.of(page, 1.0, question), figure=figure)]], [question])
     assert shown.image_key == figure.image_key  # the crop, not the page
     store = DiskFeatureStore(tmp_path / "features")
-    got = await PageTiers(engine_settings, store, encoder.with_policy)([[shown]], "high")
+    got = await page_tiers(engine_settings, store, encoder.with_policy)([[shown]], "high")
     high = encoder.with_policy(engine_settings.tier_table.policy("high"))
     assert got.fell_back == [] and got.vision_encodes == 1
     (tiered,), = got.hits
     assert tiered.image_key == high.key_for(figure.image_key.content_hash) and tiered.figure == figure
-    crop = next(c for c in render_page(Path(page.path), page.page, engine_settings).figures
+    crop = next(c for c in render_page(Path(page.path), page.page, engine_settings.documents).figures
                 if c.content_hash == figure.image_key.content_hash)
     assert store.get(tiered.image_key).num_tokens == tiered.image_tokens == high.num_tokens_for(crop.image)
     assert tiered.image_key.policy != figure.image_key.policy
@@ -198,7 +203,7 @@ async def test_a_page_whose_source_is_gone_falls_back_to_the_nearest_stored_tier
     low = engine_settings.tier_table.policy("low")
     rendered = encoder.with_policy(low)
     moved = dataclasses.replace(hit, path=str(tmp_path / "gone.pdf"))
-    tiers = PageTiers(engine_settings, store, encoder.with_policy)
+    tiers = page_tiers(engine_settings, store, encoder.with_policy)
     only_indexed = await tiers([[moved]], "low")  # nothing stored in any tier: the indexed key, as it was
     assert only_indexed.hits == [[moved]] and only_indexed.vision_encodes == 0
     assert only_indexed.fell_back == [f"[{hit.doc}, page {hit.page}]: standard (its source file cannot be opened: "
@@ -217,7 +222,7 @@ def _missing_message(hit: Hit) -> str:
     from ingestion.loaders import IngestError, open_document
 
     try:
-        open_document(Path(hit.path), Settings())
+        open_document(Path(hit.path), Settings().documents)
     except IngestError as exc:
         return str(exc)
     raise AssertionError("the moved file exists")
@@ -226,7 +231,7 @@ def _missing_message(hit: Hit) -> str:
 def _image_of(settings: Settings, hit: Hit):
     from ingestion.loaders import open_document
 
-    with open_document(Path(hit.path), settings) as doc:
+    with open_document(Path(hit.path), settings.documents) as doc:
         return next(p for p in doc.pages() if p.page == hit.page).image
 
 

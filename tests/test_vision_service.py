@@ -3,6 +3,7 @@ forwards across callers, and its refusals. The main tests talk to the real proce
 
 from __future__ import annotations
 
+from dataclasses import replace
 import asyncio
 import io
 import json
@@ -241,7 +242,7 @@ def test_decode_image_bounds_pixels_and_hashes_as_ingestion_does(tmp_path, tiny_
     settings = local_settings(tiny_model, tmp_path)
     (image,) = new_images([(100, 100)])
     with pytest.raises(ImageTooLargeError, match="MMRAG_MAX_IMAGE_PIXELS"):
-        decode_image(png_bytes(image), settings.model_copy(update={"max_image_pixels": 99 * 99}))
+        decode_image(png_bytes(image), replace(settings.documents, max_image_pixels=99 * 99))
     # An RGBA upload is composited over white exactly as an ingested RGBA file is.
     rgba = image.convert("RGBA")
     rgba.putalpha(128)
@@ -250,9 +251,9 @@ def test_decode_image_bounds_pixels_and_hashes_as_ingestion_does(tmp_path, tiny_
     (tmp_path / "slide.png").write_bytes(out.getvalue())
     from ingestion.loaders import open_document
 
-    with open_document(tmp_path / "slide.png", settings) as doc:
+    with open_document(tmp_path / "slide.png", settings.documents) as doc:
         (page,) = doc.pages()
-    decoded = decode_image(out.getvalue(), settings)
+    decoded = decode_image(out.getvalue(), settings.documents)
     assert image_content_hash(decoded) == page.content_hash
 
 

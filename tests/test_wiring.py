@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DevelopmentKnobs, Settings
 from mmrag import wiring
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def test_the_decomposer_and_searcher_defaults_are_the_settings_defaults(defaults
     assert decomposer["max_n"].default == defaults.max_sub_questions
     assert decomposer["max_question_chars"].default == defaults.max_question_chars
     assert decomposer["max_tokens"].default == defaults.decompose_max_tokens
-    assert decomposer["fixed_tokens"].default == defaults.decompose_fixed_tokens
+    assert decomposer["fixed_tokens"].default == DevelopmentKnobs().decompose_fixed_tokens
     assert inspect.signature(check_question).parameters["limit"].default == defaults.max_question_chars
     assert inspect.signature(PageSearcher).parameters["top_k"].default == defaults.top_k
 
@@ -202,3 +202,21 @@ def test_component_defaults_are_declared_once_in_the_settings():
     assert literal_defaults(retrieval.search, "PageSearcher") == set()
     # Not settings: the model decomposer's answer cap, the salt and the memory the wiring passes.
     assert literal_defaults(rag.decompose, "Decomposer") == {"max_len", "cache_salt", "remember"}
+
+
+def test_the_documents_section_is_the_settings_own_values_and_defaults():
+    """Settings.documents, what the loaders, the ingestor, the re-encoder and the tiers receive: each field is the
+    setting of the same name, with its value and, built alone (a test, a tool), its default."""
+    import dataclasses
+
+    from mmrag.core.settings import DocumentSettings, default_of
+
+    names = [f.name for f in dataclasses.fields(DocumentSettings)]
+    assert set(names) <= set(Settings.model_fields)
+    assert DocumentSettings() == DocumentSettings(**{n: default_of(n) for n in names})
+    given = Settings(pdf_dpi=150, ocr=False, ocr_lang="deu", figures=False, max_image_pixels=1234,
+                     max_image_bytes=5678, max_pdf_pages=9).documents
+    assert given == DocumentSettings(pdf_dpi=150, ocr=False, ocr_lang="deu", figures=False, max_image_pixels=1234,
+                                     max_image_bytes=5678, max_pdf_pages=9)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.ocr = True  # type: ignore[misc]  # a reader's own variant is dataclasses.replace(...)

@@ -15,7 +15,6 @@ import logging
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 import safetensors.torch
@@ -25,9 +24,6 @@ from PIL import Image
 from mmrag.adapters.store import FeatureStoreError
 from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy, content_hash_of
 from mmrag.core.pages import EncodedImage
-
-if TYPE_CHECKING:
-    from mmrag.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +100,7 @@ class RemoteVisionEncoder:
     ``version`` and ``policy`` are the service's (GET /v1/info, at construction), so keys made here are the
     keys the service stores under. ``forwards`` counts the images the service ran its tower for on this
     client's behalf (not store hits nor forwards shared with another caller). ``api_key``: the service's
-    MMRAG_VISION_API_KEY (empty: none sent); :meth:`of_settings` takes both from the settings.
+    MMRAG_VISION_API_KEY (empty: none sent).
     """
 
     def __init__(self, url: str, *, api_key: str = "", timeout_s: float = 120.0) -> None:
@@ -120,11 +116,6 @@ class RemoteVisionEncoder:
         self.version, self.policy = self.info.version, self.info.policy
         self.forwards = 0
         self._token_counts: dict[tuple[int, int], int] = {}
-
-    @classmethod
-    def of_settings(cls, settings: Settings) -> RemoteVisionEncoder:
-        """The client of MMRAG_VISION_URL, sending MMRAG_VISION_API_KEY."""
-        return cls(settings.vision_url, api_key=settings.vision_api_key)
 
     def key_for(self, content_hash: ContentHash) -> ImageKey:
         return ImageKey(content_hash, self.version, self.policy)

@@ -553,8 +553,9 @@ class E2EInputs:
                 # answer cache in the comparison (the repeats run turns it on, apart).
                 "MMRAG_ANSWER_CACHE": "false",
                 # Every side's answers decode exactly the asked length (make_llm does the same for llama-index):
-                # a random-weight model stops wherever it draws an end of sequence.
-                "MMRAG_ANSWER_FIXED_LENGTH": "true",
+                # a random-weight model stops wherever it draws an end of sequence. A benchmark knob: read in
+                # the development profile only (MMRAG_MODEL is set, so the profile changes nothing else).
+                "MMRAG_ANSWER_FIXED_LENGTH": "true", "MMRAG_PROFILE": "development",
                 "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -390,6 +390,7 @@ def _env(inputs: FairnessInputs, replica_url: str, tenants_file: Path) -> dict[s
             # scheduler's fair queue (the tenant with the fewest plans in flight first), not in vLLM's FIFO one.
             "MMRAG_MAX_NUM_SEQS": str(config.max_num_seqs), "MMRAG_MAX_CONCURRENCY": str(config.max_num_seqs),
             "MMRAG_ANSWER_MAX_TOKENS": str(inputs.spec.answer_tokens), "MMRAG_ANSWER_FIXED_LENGTH": "true",
+            "MMRAG_PROFILE": "development",  # where benchmark knobs are read (MMRAG_MODEL set: nothing else changes)
             "MMRAG_ANSWER_CACHE": "false",  # every question costs what it costs
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -129,7 +130,8 @@ def default_of(name: str) -> Any:
     these (serving/scheduler.SchedulerConfig, rag/pipeline.PipelineConfig), so each is declared once, here, and a
     component built by hand (a test, the bench) runs as the service would. Resolved when called: Settings is
     defined by then."""
-    return Settings.model_fields[name].get_default(call_default_factory=True)
+    fields = Settings.model_fields | DevelopmentKnobs.model_fields
+    return fields[name].get_default(call_default_factory=True)
 
 
 class Settings(BaseSettings):
@@ -263,14 +265,16 @@ class Settings(BaseSettings):
         description="A local open_clip weights file for the CLIP page-image channel. Unset: the CLIP channel is "
                     "off.")
     clip_random_init: bool = setting(
-        "testing", False,
-        description="Tests only: a random-weight CLIP, to exercise the image channel without weights.")
+        "retrieval", False,
+        description="Deprecated (one release): the random-weight CLIP is MMRAG_PAGE_RETRIEVER=clip without "
+                    "MMRAG_CLIP_WEIGHTS in the development profile; true sets that retriever. Unset it.")
     page_retriever: str = setting(
         "retrieval", "",
         description="The page-image retrieval channel (issue 25): a local late-interaction checkpoint folder "
                     "(ColQwen2, ColQwen2.5 or ColPali, loaded by colpali-engine; Qdrant scores its page "
-                    "multi-vectors by MaxSim), `clip` for open_clip (MMRAG_CLIP_WEIGHTS), or `off`. Empty: CLIP when "
-                    "its weights are set, else off.")
+                    "multi-vectors by MaxSim), `clip` for open_clip (MMRAG_CLIP_WEIGHTS; without them, in the "
+                    "development profile only, a random-weight CLIP, as MMRAG_MODEL's tiny model), or `off`. "
+                    "Empty: CLIP when its weights are set, else off.")
     page_pool_factor: int = setting(
         "retrieval", 1, ge=1,
         description="Late interaction only: page vectors are token-pooled to about 1/N of their rows before they "
@@ -541,11 +545,6 @@ class Settings(BaseSettings):
                     "compound.")
     decompose_max_tokens: int = setting(
         "answer", 160, ge=1, description="The model decomposer's longest reply, in tokens.")
-    decompose_fixed_tokens: int = setting(
-        "testing", 0, ge=0,
-        description="Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the "
-                    "rules split the question (rag/decompose.ModelDecomposer): a real model's decomposition cost on "
-                    "a random-weight one. 0: off.")
     answer_mode: Literal["auto", "split", "joint", "one_prompt", "per_image", "per_sub_question"] = setting(
         "answer", "auto",
         description="How retrieved pages become the answer (rag/plans.py): split (each shown page leads a prompt of "
@@ -562,11 +561,6 @@ class Settings(BaseSettings):
         "answer", 4, ge=0,
         description="An answer's page budget: at most this many pages, each sub-question's best first. 0: every "
                     "retrieved page.")
-    answer_fixed_length: bool = setting(
-        "testing", False,
-        description="Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max "
-                    "tokens, so a random-weight model's answers (it stops wherever it draws an end of sequence) "
-                    "have the asked length.")
     answer_cache: bool = setting(
         "answer", True,
         description="The answer cache (issue 40, docs/answer-cache.md): a greedy answer is kept under a key of the "
@@ -623,6 +617,12 @@ class Settings(BaseSettings):
                            else "")
             if self.layout == "per_page" and self.answer_mode == "auto":
                 self.answer_mode = "split"
+        if self.clip_random_init:
+            logger.warning("MMRAG_CLIP_RANDOM_INIT is deprecated and will be removed in the next release: the "
+                           "random-weight CLIP is MMRAG_PAGE_RETRIEVER=clip without MMRAG_CLIP_WEIGHTS in the "
+                           "development profile%s; unset it", " (set for you)" if not self.page_retriever else "")
+            if not self.page_retriever.strip():
+                self.page_retriever = "clip"
         self.resolution_policy  # validates the bounds with a message that names the fix
         if STANDARD_TIER in self.tiers:
             raise ValueError("MMRAG_TIERS names `standard`: that tier is MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS; set "
@@ -638,13 +638,14 @@ class Settings(BaseSettings):
             if not self.late_retriever.is_dir():
                 raise ValueError(f"MMRAG_PAGE_RETRIEVER={self.page_retriever} is not a folder: point it at a local "
                                  "ColQwen2/ColPali checkpoint folder, set it to `clip`, or leave it empty")
-            if self.clip_weights is not None or self.clip_random_init:
+            if self.clip_weights is not None:
                 raise ValueError("MMRAG_PAGE_RETRIEVER names a late-interaction checkpoint and MMRAG_CLIP_WEIGHTS is "
                                  "set: the page-image channel is one of them; unset MMRAG_CLIP_WEIGHTS, or set "
                                  "MMRAG_PAGE_RETRIEVER=clip")
         elif self.page_retriever.strip() == "clip" and not self.image_channel:
             raise ValueError("MMRAG_PAGE_RETRIEVER=clip needs CLIP weights: set MMRAG_CLIP_WEIGHTS to a local "
-                             "open_clip weights file")
+                             "open_clip weights file (a random-weight CLIP is the development profile's, "
+                             "MMRAG_PROFILE=development)")
         if not self.ingest_image_tokens and self.image_input != "pixels":
             raise ValueError("MMRAG_INGEST_IMAGE_TOKENS=false stores pages without image tokens, which only the "
                              "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
@@ -669,6 +670,11 @@ class Settings(BaseSettings):
         return ResolutionPolicy(self.min_pixels, self.max_pixels)
 
     @property
+    def documents(self) -> DocumentSettings:
+        """Reading documents and images: the loaders' own section (ingestion/loaders.py)."""
+        return DocumentSettings(**{name: getattr(self, name) for name in DocumentSettings.__dataclass_fields__})
+
+    @property
     def tier_table(self) -> Tiers:
         return Tiers({STANDARD_TIER: self.resolution_policy, **self.tiers})
 
@@ -686,8 +692,11 @@ class Settings(BaseSettings):
 
     @property
     def image_channel(self) -> bool:
-        """The CLIP page-image channel is on."""
-        return self.late_retriever is None and (self.clip_weights is not None or self.clip_random_init)
+        """The CLIP page-image channel is on: with its weights, or (development profile) random ones."""
+        if self.late_retriever is not None:
+            return False
+        return self.clip_weights is not None or (self.page_retriever.strip() == "clip"
+                                                 and self.profile == "development")
 
     @property
     def page_image_channel(self) -> bool:
@@ -717,3 +726,40 @@ class Settings(BaseSettings):
     @property
     def tiny_model_dir(self) -> Path:
         return self.data_dir / "models" / "tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentSettings:
+    """What reading a document or an untrusted image takes (ingestion/loaders.py, the vision service's uploads, a
+    question's images): render resolution, OCR, figure detection and the bounds a file is held to. The loaders
+    receive this section, never the whole Settings (``Settings.documents``); a caller that reads one page another
+    way (a crop without OCR) changes its own copy with ``dataclasses.replace``. Defaults are Settings'."""
+
+    pdf_dpi: int = field(default_factory=lambda: default_of("pdf_dpi"))
+    ocr: bool = field(default_factory=lambda: default_of("ocr"))
+    ocr_lang: str = field(default_factory=lambda: default_of("ocr_lang"))
+    figures: bool = field(default_factory=lambda: default_of("figures"))
+    max_image_pixels: int = field(default_factory=lambda: default_of("max_image_pixels"))
+    max_image_bytes: int = field(default_factory=lambda: default_of("max_image_bytes"))
+    max_pdf_pages: int = field(default_factory=lambda: default_of("max_pdf_pages"))
+
+
+class DevelopmentKnobs(BaseSettings):
+    """Knobs for benchmarks and tests only, kept out of the production Settings: a random-weight model made to
+    cost what a real one does. The composition root reads them from their MMRAG_* variables in the development
+    profile (mmrag.wiring.development_knobs; the production profile refuses a start with one set); the bench sets
+    them on the `mmrag serve` it starts, and a test on the parts it builds (PipelineConfig.fixed_length,
+    Decomposer's fixed_tokens). `mmrag config show` lists them under testing."""
+
+    model_config = SettingsConfigDict(env_prefix="MMRAG_", env_file=None, extra="ignore")
+
+    decompose_fixed_tokens: int = setting(
+        "testing", 0, ge=0,
+        description="Benchmarks only: the model decomposer decodes exactly this many tokens, unguided, and the "
+                    "rules split the question (rag/decompose.ModelDecomposer): a real model's decomposition cost on "
+                    "a random-weight one. 0: off.")
+    answer_fixed_length: bool = setting(
+        "testing", False,
+        description="Benchmarks only: every answer plan (one prompt, sub-answer, synthesis) decodes exactly its max "
+                    "tokens, so a random-weight model's answers (it stops wherever it draws an end of sequence) "
+                    "have the asked length.")

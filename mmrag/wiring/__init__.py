@@ -24,10 +24,10 @@ from mmrag.wiring.answering import (
     tenant_scope,
 )
 from mmrag.wiring.parts import (
-    ANSWER_LEASE_S, TINY_MODEL_NAME, EngineNotConfiguredError, ModelNotConfiguredError, Tower,
-    development_model_dir, encoder_scope, feature_store, fusion, image_embedder, ingestor, late_retriever,
-    local_vision_encoder, model_family, page_index, read_index, resolve_model, searcher, text_embedder,
-    tier_encoder, vision_encoder, vision_placement, vision_tower,
+    ANSWER_LEASE_S, TINY_MODEL_NAME, DevelopmentKnobError, EngineNotConfiguredError, ModelNotConfiguredError, Tower,
+    development_knobs, development_model_dir, encoder_scope, feature_store, fusion, image_embedder, ingestor,
+    late_retriever, local_vision_encoder, model_family, page_index, read_index, reencoder, resolve_model, searcher,
+    text_embedder, tier_encoder, vision_encoder, vision_placement, vision_tower,
 )
 from mmrag.wiring.ray_serve import (
     ray_app, ray_config, ray_engine, ray_engine_application, ray_vision_application, replica_engine,
@@ -36,12 +36,13 @@ from mmrag.wiring.service import build_services, create_app, tenant_view
 from mmrag.wiring.vision import vision_app
 
 __all__ = [
-    "ANSWER_LEASE_S", "TINY_MODEL_NAME", "EngineNotConfiguredError", "ModelNotConfiguredError", "Tower",
-    "answer_cache", "answer_lease", "answer_prompt_version", "build_services", "create_app", "decomposer",
-    "development_model_dir", "encoder_scope", "engine", "engine_config", "feature_store", "for_tenant", "fusion",
-    "image_embedder", "ingestor", "inprocess_engine", "late_retriever", "local_vision_encoder", "model_family",
-    "page_index", "pipeline", "pipeline_config", "ray_app", "ray_config", "ray_engine", "ray_engine_application",
-    "ray_vision_application", "read_index", "replica_engine", "require_engine_urls", "resolve_model",
-    "scheduler_config", "scoped_pipeline", "searcher", "tenant_scope", "tenant_view", "text_embedder",
-    "tier_encoder", "vision_app", "vision_encoder", "vision_placement", "vision_tower",
+    "ANSWER_LEASE_S", "DevelopmentKnobError", "EngineNotConfiguredError", "ModelNotConfiguredError",
+    "TINY_MODEL_NAME", "Tower", "answer_cache", "answer_lease", "answer_prompt_version", "build_services",
+    "create_app", "decomposer", "development_knobs", "development_model_dir", "encoder_scope", "engine",
+    "engine_config", "feature_store", "for_tenant", "fusion", "image_embedder", "ingestor", "inprocess_engine",
+    "late_retriever", "local_vision_encoder", "model_family", "page_index", "pipeline", "pipeline_config",
+    "ray_app", "ray_config", "ray_engine", "ray_engine_application", "ray_vision_application", "read_index",
+    "reencoder", "replica_engine", "require_engine_urls", "resolve_model", "scheduler_config", "scoped_pipeline",
+    "searcher", "tenant_scope", "tenant_view", "text_embedder", "tier_encoder", "vision_app", "vision_encoder",
+    "vision_placement", "vision_tower",
 ]

@@ -10,10 +10,10 @@ from mmrag.adapters.checkpoint import ModelSource
 from mmrag.core.engine import Engine, ImageInput, ImageTokenCounts
 from mmrag.core.keys import KeyLease, NoLease
 from mmrag.core.payload import EncoderScope
-from mmrag.core.settings import DEFAULT_TENANT, Settings
+from mmrag.core.settings import DEFAULT_TENANT, DevelopmentKnobs, Settings
 from mmrag.wiring.parts import (
-    ANSWER_LEASE_S, EngineNotConfiguredError, Tower, encoder_scope, feature_store, resolve_model, searcher,
-    tier_encoder, vision_tower,
+    ANSWER_LEASE_S, EngineNotConfiguredError, Tower, development_knobs, encoder_scope, feature_store,
+    resolve_model, searcher, tier_encoder, vision_tower,
 )
 
 if TYPE_CHECKING:
@@ -106,35 +106,38 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
     )
 
 
-def pipeline_config(settings: Settings) -> PipelineConfig:
+def pipeline_config(settings: Settings, knobs: DevelopmentKnobs | None = None) -> PipelineConfig:
     from rag.pipeline import PipelineConfig
     from rag.plans import AnswerMode
 
+    knobs = knobs or development_knobs(settings)
     return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens,
                           max_images_per_prompt=settings.max_images_per_prompt,
                           answer_mode=AnswerMode(settings.answer_mode),
                           sub_answer_max_tokens=settings.sub_answer_max_tokens,
-                          max_model_len=settings.max_model_len, fixed_length=settings.answer_fixed_length,
+                          max_model_len=settings.max_model_len, fixed_length=knobs.answer_fixed_length,
                           one_prompt_pages=settings.one_prompt_pages, figure_crops=settings.figure_crops)
 
 
-def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None) -> Decomposer:
+def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None,
+               knobs: DevelopmentKnobs | None = None) -> Decomposer:
     """MMRAG_DECOMPOSER: ``auto`` asks the model unless its weights are random. Its requests carry the
     scope's cache salt. With the answer cache on, it remembers the model's last decompositions (as many as the
     cache keeps answers a tenant), so a repeated question sends no engine request at all."""
     from rag.decompose import Decomposer
 
+    knobs = knobs or development_knobs(settings)
     ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
     return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
                       max_question_chars=settings.max_question_chars, max_tokens=settings.decompose_max_tokens,
-                      fixed_tokens=settings.decompose_fixed_tokens,
+                      fixed_tokens=knobs.decompose_fixed_tokens,
                       cache_salt=(scope or tenant_scope(settings)).cache_salt,
                       remember=settings.answer_cache_max_per_tenant if settings.answer_cache else 0)
 
 
 def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = None, client=None,
              encoder: EncoderScope | None = None, store: FeatureStore | None = None, tower: Tower | None = None,
-             answers: AnswerCache | None = None) -> tuple[Pipeline, Scheduler]:
+             answers: AnswerCache | None = None, knobs: DevelopmentKnobs | None = None) -> tuple[Pipeline, Scheduler]:
     """The pipeline of ``scope`` (default: the default tenant's), its plans going through one prefix-aware
     scheduler. It retrieves only pages of ``encoder`` (default: the configured model's), so no stale tokens
     are fed.
@@ -142,8 +145,8 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     The caller owns the engine and closes ``pipeline.searcher.client``. ``store``: the one the engine reads, where
     pages asked for in a tier they lack are stored once encoded (default: the configured one). ``tower``: the
     process's vision tower (vision_tower), which those tier encodes run on (default: one of the pipeline's own).
-    ``answers``: the answer cache (answer_cache; default: none). Other tenants' pipelines share the scheduler,
-    tiers and answer cache (``scoped_pipeline``).
+    ``answers``: the answer cache (answer_cache; default: none). ``knobs``: the benchmark knobs (default:
+    development_knobs). Other tenants' pipelines share the scheduler, tiers and answer cache (``scoped_pipeline``).
     """
     from rag.tiers import PageTiers
     from serving.scheduler import Scheduler
@@ -154,10 +157,11 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
     store = store or feature_store(settings)
-    tiers = PageTiers(settings, store, tier_encoder(settings, tower or vision_tower(settings, model)))
+    tiers = PageTiers(settings.tier_table, settings.documents, store,
+                      tier_encoder(settings, tower or vision_tower(settings, model)))
     pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
                            search=searcher(settings.scoped(scope), client=client, encoder=encoder),
-                           lease=answer_lease(store), answers=answers)
+                           lease=answer_lease(store), answers=answers, knobs=knobs)
     return pipe, scheduler
 
 
@@ -174,7 +178,7 @@ def answer_cache(settings: Settings, metrics: Metrics | None = None) -> AnswerCa
                        on_lookup=metrics.record_answer_cache if metrics is not None else None)
 
 
-def answer_prompt_version(settings: Settings) -> str:
+def answer_prompt_version(settings: Settings, knobs: DevelopmentKnobs | None = None) -> str:
     """What shapes an answer besides its question, pages and model, hashed for the answer cache's keys: every
     system prompt, the prompt templates (rag/plans.py's source: any change of wording there is a new version) and
     the settings that change prompts or decoding."""
@@ -184,6 +188,7 @@ def answer_prompt_version(settings: Settings) -> str:
     from rag.answer_cache import prompt_version
     from serving.engine.prompt import SYSTEM_PROMPTS
 
+    knobs = knobs or development_knobs(settings)
     templates = hashlib.sha256(inspect.getsource(plans).encode()).hexdigest()
     return prompt_version(*(f"{name}={text}" for name, text in sorted(SYSTEM_PROMPTS.items())),
                           f"templates={templates}", f"decomposer={settings.decomposer}",
@@ -191,8 +196,8 @@ def answer_prompt_version(settings: Settings) -> str:
                           f"sub_answer_max_tokens={settings.sub_answer_max_tokens}",
                           f"one_prompt_pages={settings.one_prompt_pages}", f"top_k={settings.top_k}",
                           f"figure_crops={settings.figure_crops}",
-                          f"answer_fixed_length={settings.answer_fixed_length}",
-                          f"decompose_fixed_tokens={settings.decompose_fixed_tokens}",
+                          f"answer_fixed_length={knobs.answer_fixed_length}",
+                          f"decompose_fixed_tokens={knobs.decompose_fixed_tokens}",
                           f"image_input={settings.image_input}")
 
 
@@ -206,16 +211,17 @@ def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:
 
 def scoped_pipeline(settings: Settings, scope: TenantScope, engine: Engine, *, submit, counts: ImageTokenCounts,
                     tiers, search: PageSearcher, lease: Callable[[], KeyLease] = NoLease,
-                    answers: AnswerCache | None = None) -> Pipeline:
+                    answers: AnswerCache | None = None, knobs: DevelopmentKnobs | None = None) -> Pipeline:
     """One tenant's pipeline over process-wide parts (engine, the scheduler's ``submit``, token counts, tiers):
     ``search`` reads the scope's collection, and the scope's salt goes on every plan and decomposition request.
     A new pipeline per tenant, so a field added to Pipeline is never shared between tenants by accident."""
     from rag.pipeline import Pipeline
 
-    return Pipeline(decomposer(settings, engine, scope), search, engine, config=pipeline_config(settings),
-                    submit=submit, token_counts=counts, tiers=tiers, cache_salt=scope.cache_salt, lease=lease,
-                    answers=answers, tenant=scope.tenant,
-                    prompt_version=answer_prompt_version(settings) if answers is not None else "")
+    knobs = knobs or development_knobs(settings)
+    return Pipeline(decomposer(settings, engine, scope, knobs), search, engine,
+                    config=pipeline_config(settings, knobs), submit=submit, token_counts=counts, tiers=tiers,
+                    cache_salt=scope.cache_salt, lease=lease, answers=answers, tenant=scope.tenant,
+                    prompt_version=answer_prompt_version(settings, knobs) if answers is not None else "")
 
 
 def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScope:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from mmrag.adapters.checkpoint import ModelSource, configured_model
 from mmrag.core.engine import ImageInput
 from mmrag.core.payload import EncoderScope
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DevelopmentKnobs, Settings
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,6 +40,21 @@ class EngineNotConfiguredError(RuntimeError):
 
 class ModelNotConfiguredError(RuntimeError):
     """No MMRAG_MODEL in the production profile: refused rather than serving a random-weight model's noise."""
+
+
+class DevelopmentKnobError(RuntimeError):
+    """A benchmark or test knob set in the production profile: refused rather than shaping real answers."""
+
+
+def development_knobs(settings: Settings) -> DevelopmentKnobs:
+    """The benchmark and test knobs (mmrag/core/settings.DevelopmentKnobs) from their variables: read in the
+    development profile; in production their defaults, and a start with one set is refused, naming it."""
+    knobs = DevelopmentKnobs()
+    if settings.profile == "production" and (given := sorted(knobs.model_fields_set)):
+        raise DevelopmentKnobError(
+            f"{', '.join('MMRAG_' + n.upper() for n in given)}: benchmark and test knobs, refused in the "
+            "production profile; unset them, or set MMRAG_PROFILE=development for a benchmark")
+    return knobs
 
 
 # --- model, store, encoders ------------------------------------------------------------------------------
@@ -92,7 +107,7 @@ def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | Re
     if settings.vision_url:
         from mmrag.adapters.vision_client import RemoteVisionEncoder
 
-        return RemoteVisionEncoder.of_settings(settings)
+        return RemoteVisionEncoder(settings.vision_url, api_key=settings.vision_api_key)
     return local_vision_encoder(settings, model)
 
 
@@ -251,7 +266,8 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
         raise ValueError("MMRAG_INGEST_TIERS beyond standard needs the vision tower in this process: the vision "
                          "service (MMRAG_VISION_URL) encodes its one policy; unset one of them")
     return Ingestor(
-        settings,
+        settings.documents,
+        vision_batch_size=settings.vision_batch_size,
         encoder=encoder,
         store=store or feature_store(settings),
         index=index or page_index(settings, text.dim, late_dim=late.dim if late else 0),
@@ -261,6 +277,15 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
         late=late,
         late_pool_factor=settings.page_pool_factor,
     )
+
+
+def reencoder(settings: Settings, *, encoder: VisionEncoder, store: FeatureStore, index: PageIndex):
+    """`mmrag reencode`'s worker: the stored pages re-encoded by ``encoder`` under the settings' reading of
+    documents, tiers, batch size and image input."""
+    from ingestion.reencode import Reencoder
+
+    return Reencoder(settings.documents, tiers=settings.tier_table, pixels=settings.image_input == "pixels",
+                     vision_batch_size=settings.vision_batch_size, encoder=encoder, store=store, index=index)
 
 
 def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = None,

@@ -96,14 +96,15 @@ class QuestionImages:
         return await asyncio.to_thread(self._prepare, list(blobs))
 
     def _prepare(self, blobs: list[bytes]) -> tuple[list[QuestionImage], int]:
-        sizes = [image_header_size(blob, self.settings) for blob in blobs]  # every image checked before any work
+        documents = self.settings.documents
+        sizes = [image_header_size(blob, documents) for blob in blobs]  # every image checked before any work
         started = time.monotonic()
         tokens: dict[ImageKey, int] = {}  # each distinct image once, in the order sent
         forwards = 0
         with admit(self.pixels, sizes, request_limit=self.settings.max_request_pixels,
                    retry_after_s=lambda: max(1, math.ceil(self._prepare_s))) as hold:
             for blob, (width, height) in zip(blobs, sizes, strict=True):
-                key, count, spent = self._encode(decode_image(blob, self.settings))
+                key, count, spent = self._encode(decode_image(blob, documents))
                 tokens.setdefault(key, count)
                 forwards += spent
                 hold.release(width * height)  # its pixels are garbage now: the next image may take them

@@ -182,7 +182,7 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
         batcher, which decodes it again just before its forward; its pixels go back to the budget once answered."""
         keys = await asyncio.to_thread(_keys_of, service.encoder, datas, names, settings,
                                        trim=hold.pixels >= TRIM_AFTER_PIXELS)
-        items = [(key, functools.partial(decode_image, data, settings)) for key, data in zip(keys, datas)]
+        items = [(key, functools.partial(decode_image, data, settings.documents)) for key, data in zip(keys, datas)]
         try:
             results = await batcher.encode(items, on_answered=lambda i: hold.release(sizes[i][0] * sizes[i][1]))
         except QueueFullError as exc:
@@ -237,7 +237,7 @@ async def _read(index: int, upload: UploadFile, settings: Settings) -> bytes:
 
 def _header_sizes(datas: list[bytes], names: list[str | None], settings: Settings) -> list[tuple[int, int]]:
     """In a worker thread: each image's declared size, its format and limits checked, nothing decoded."""
-    return [_checked(index, name, lambda: image_header_size(data, settings))
+    return [_checked(index, name, lambda: image_header_size(data, settings.documents))
             for index, (data, name) in enumerate(zip(datas, names, strict=True))]
 
 
@@ -248,7 +248,7 @@ def _keys_of(encoder: VisionEncoder, datas: list[bytes], names: list[str | None]
     heap goes back to the OS after: this thread's malloc arena would otherwise keep it while the forward, in
     another thread and arena, decodes the images again (one 7000x7000 image: a peak of +660 MiB with, +660 or
     +1,028 MiB without, as the two threads happen to share an arena or not)."""
-    keys = [encoder.key_for(image_content_hash(_checked(index, name, lambda: decode_image(data, settings))))
+    keys = [encoder.key_for(image_content_hash(_checked(index, name, lambda: decode_image(data, settings.documents))))
             for index, (data, name) in enumerate(zip(datas, names, strict=True))]
     if trim:
         return_freed_memory()

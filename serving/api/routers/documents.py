@@ -358,7 +358,7 @@ def _render_outlined_png(path: Path, number: int, settings, box: Box, *, on_page
 
 def _render(path: Path, number: int, settings) -> Image.Image:
     try:
-        rendered = render_page(path, number, settings)  # pdfium calls take turns (ingestion/loaders.py)
+        rendered = render_page(path, number, settings.documents)  # pdfium calls take turns (ingestion/loaders.py)
     except IngestError as exc:  # named by file name: the folder is the server's business
         raise ApiError(410, "source_gone", f"cannot render {path.name}: {exc}", "re-ingest the document") from exc
     if rendered is None:
