@@ -262,7 +262,7 @@ def serve(
     host = host or settings.host
     if warning := open_to_all(settings, host):
         logging.getLogger(__name__).warning("%s", warning)
-    app = ray_app(settings) if ray else create_app(settings)
+    app = ray_app(settings) if ray else create_app(settings, freeze=True)
     uvicorn.run(app, host=host, port=port or settings.port, log_level="info",
                 http=header_timeout_protocol(settings.http_header_timeout_s))
 

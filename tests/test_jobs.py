@@ -38,6 +38,8 @@ def test_kill_9_of_mmrag_serve_mid_job_leaves_no_engine_process_and_the_job_resu
     log = tmp_path / "serve.log"
     features = data / "features"
     with mmrag_serve(env, log) as (proc, client):
+        # Ready: start-up is done, and its heap is out of the collector's walks (serving/api/startup.freeze_heap).
+        assert "objects frozen out of the garbage collector's walks" in log.read_text()
         tree = engine_processes(proc, reap)
         rss = sum(p.memory_info().rss for p in tree)
         job = client.post("/v1/ingest", json={"paths": ["."]}).json()

@@ -139,12 +139,14 @@ def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversati
                                tenants={})
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None) -> FastAPI:
+def create_app(settings: Settings, *, engine: Engine | None = None, store: FeatureStore | None = None,
+               freeze: bool = False) -> FastAPI:
     """The REST app. ``engine``: an already started engine to share (tests), with the ``store`` it reads;
-    otherwise the app starts one over the configured store."""
+    otherwise the app starts one over the configured store. ``freeze``: the process is the server's own (`mmrag
+    serve`), whose heap is frozen once started (serving/api/startup.freeze_heap); not an app in a test's process."""
     from serving.api.main import create_app as assemble
 
     async def build(metrics: Metrics) -> Services:
         return await build_services(settings, metrics=metrics, engine_=engine, store_=store)
 
-    return assemble(settings, build)
+    return assemble(settings, build, freeze=freeze)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -15,12 +16,16 @@ from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_te
 from serving.api.routers import ask, documents, health, ingest, openai, ui
 from serving.api.services import Services
 from serving.api.slow_clients import BodyReadTimeout
-from serving.api.startup import warm_at_startup
+from serving.api.startup import freeze_heap, warm_at_startup
 from serving.metrics import Metrics, VllmFromGlobalRegistry
 
+log = logging.getLogger(__name__)
 
-def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable[Services]]) -> FastAPI:
-    """``build_services`` runs in the lifespan, on the serving loop (vLLM's async engine binds to it)."""
+
+def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable[Services]], *,
+               freeze: bool = False) -> FastAPI:
+    """``build_services`` runs in the lifespan, on the serving loop (vLLM's async engine binds to it). ``freeze``:
+    the process is this server's own (`mmrag serve`): once started, its heap is frozen (startup.freeze_heap)."""
     # One registry per app (so an app can be built twice in one process), which also re-exports the
     # in-process vLLM engine's own `vllm:*` metrics from the global registry.
     registry = CollectorRegistry()
@@ -33,6 +38,8 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
         services.start_metrics_drain()
         if settings.warm_top != 0:
             await warm_at_startup(services)
+        if freeze:
+            log.info("start-up done: %d objects frozen out of the garbage collector's walks", freeze_heap())
         yield
         await app.state.services.close()
 
