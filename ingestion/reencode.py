@@ -169,7 +169,7 @@ class Reencoder:
         # Tokens are stored through the encoder's scope: a key it did not mint is refused, not filed.
         self._writer = ScopedFeatureStore(store, self.scope)
         # Only the image is needed, and OCR does not change it (nor its content hash): skip tesseract.
-        self._render_settings = replace(documents, ocr=False)
+        self._render_documents = replace(documents, ocr=False)
 
     def run(self, *, progress: ProgressFn | None = None) -> ReencodeReport:
         started = time.perf_counter()
@@ -249,7 +249,7 @@ class Reencoder:
         again)."""
         pending = {p.page: p for p in pages}  # left out of `report` so far
         try:
-            with open_document(Path(path), self._render_settings) as doc:
+            with open_document(Path(path), self._render_documents) as doc:
                 for page in pages:
                     reason = unchangeable(page, doc)
                     if reason:

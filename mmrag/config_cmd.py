@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
-from pydantic_settings import BaseSettings, NoDecode
+from pydantic_settings import NoDecode
 from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
+    from pydantic_settings import BaseSettings
 
     from mmrag.core.settings import Settings
 
@@ -116,10 +117,8 @@ def source_of(settings: BaseSettings, name: str, environ: Mapping[str, str]) -> 
 
 def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
     """Every setting, grouped by component in COMPONENTS' order, then in the order Settings declares them."""
-    from mmrag.core.settings import COMPONENTS
+    from mmrag.core.settings import COMPONENTS, DevelopmentKnobs
     from mmrag.wiring import development_model_dir
-
-    from mmrag.core.settings import DevelopmentKnobs
 
     out = []
     for part in (settings, DevelopmentKnobs()):  # the knobs: read in the development profile only (the wiring)

@@ -57,6 +57,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _SESSION in [getattr(c, "__self__", None) for c in gc.callbacks]:
+    if _SESSION._tally in gc.callbacks:  # collection finished (not a run that stopped before)
         terminalreporter.write_line(f"test process: {_SESSION} (after freezing {gc.get_freeze_count():,} objects "
                                     "at collection)")

@@ -42,7 +42,6 @@ async def warm_at_startup(services: Services) -> None:
     services.metrics.set_warm_set(warmed, tokens)  # warm() logs each tenant's summary
 
 
-
 def freeze_heap() -> int:
     """Move every object alive now to the collector's permanent generation; return how many are there.
 
