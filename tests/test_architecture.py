@@ -119,14 +119,15 @@ def test_settings_become_objects_only_in_the_wiring_module():
     assert not offenders, f"Settings() built below the composition root in {offenders}"
 
 
-COMPONENTS = ("ingestion", "retrieval", "rag", "mmrag/adapters")
+COMPONENTS = ("ingestion", "retrieval", "rag", "mmrag/adapters", "serving")
 
 
 @pytest.mark.parametrize("pkg", COMPONENTS)
 def test_components_below_the_service_receive_their_own_section_never_the_whole_settings(pkg):
     """Configuration by component (issue 43): the loaders, the ingestor, the re-encoder and the tiers take
-    Settings.documents and the values they use; nothing below the service imports Settings, so nothing there can
-    read, or patch a copy of, a setting that is not its own."""
+    Settings.documents and the values they use; the REST service takes Settings.api, the vision service
+    Settings.vision_service; nothing below the composition root imports Settings, so nothing there can read, or
+    patch a copy of, a setting that is not its own."""
     offenders = []
     for path in sorted((REPO / pkg).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

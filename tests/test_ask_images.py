@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import io
 import random
 
@@ -156,7 +157,8 @@ def question_images(services, images: QuestionImages):
 
 async def test_an_image_over_the_pixel_or_byte_limit_is_a_413_naming_it(http, api_server):
     services = api_server["app"].state.services
-    small = services.settings.model_copy(update={"max_image_pixels": 100 * 100, "max_image_bytes": 2_000})
+    small = dataclasses.replace(services.settings, documents=dataclasses.replace(
+        services.settings.documents, max_image_pixels=100 * 100, max_image_bytes=2_000))
     with question_images(services, QuestionImages(small, services.store, lambda: pytest.fail("no encoder needed"))):
         noise = Image.frombytes("RGB", (60, 30), random.randbytes(60 * 30 * 3))  # ~5 kB: it does not compress
         for data, limit in [(_png(Image.new("RGB", (120, 100), "white")), "MMRAG_MAX_IMAGE_PIXELS"),

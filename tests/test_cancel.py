@@ -53,7 +53,7 @@ async def test_clients_that_leave_cancel_their_plans_and_vllm_aborts_them(long_a
                                                 json={"question": f"What does figure {i} of the report show?"}))
                 for i in range(CLIENTS)]
         # Leave once answers are being generated and more wait (decompositions done, plans in the engine).
-        await eventually(lambda: scheduler.in_flight == services.settings.max_concurrency and scheduler.waiting > 0
+        await eventually(lambda: scheduler.in_flight == scheduler.stats.max_concurrency and scheduler.waiting > 0
                          and generated_tokens() > before, timeout=WAIT_S,
                          what="plans running, generating, and queued")
         running_at_leave = generated_tokens() - before

@@ -152,7 +152,7 @@ async def test_a_body_that_is_not_json_is_a_422_in_the_error_shape(http):
 async def test_a_bug_is_a_500_in_the_error_shape_and_keeps_the_connection(tmp_path):
     # No route of the service is known to fail so: a bare app with the service's error handling, on uvicorn.
     app = FastAPI()
-    errors.install(app, errors.ServerPaths.of(Settings(data_dir=tmp_path)))
+    errors.install(app, errors.ServerPaths.of(Settings(data_dir=tmp_path).folders))
 
     @app.get("/bug")
     async def bug() -> None:
@@ -328,7 +328,7 @@ async def test_a_feature_store_error_names_the_data_dir_setting_not_its_folder(t
     assert str(settings.features_dir) in str(failed.value)  # the store names its folder, for the server's log
 
     app = FastAPI()
-    errors.install(app, errors.ServerPaths.of(settings))
+    errors.install(app, errors.ServerPaths.of(settings.folders))
 
     @app.get("/store")
     async def fail() -> None:

@@ -114,9 +114,9 @@ def test_a_key_is_compared_with_every_digest_in_constant_time(monkeypatch):
     assert keys.tenant_of("k-b") == "b" and len(calls) == 3  # no early exit on the match
     calls.clear()
     assert keys.tenant_of("k-x") is None and len(calls) == 3
-    assert TenantKeys.from_settings(Settings(api_key="k")).tenant_of("k") == "default"
-    assert TenantKeys.from_settings(Settings(api_key="k")).tenant_of("kk") is None
-    assert TenantKeys.from_settings(Settings()).tenant_of("") == "default"  # no key configured: open
+    assert TenantKeys.from_settings(Settings(api_key="k").api).tenant_of("k") == "default"
+    assert TenantKeys.from_settings(Settings(api_key="k").api).tenant_of("kk") is None
+    assert TenantKeys.from_settings(Settings().api).tenant_of("") == "default"  # no key configured: open
 
 
 def test_a_bad_tenants_file_names_the_fix(tmp_path):
@@ -371,7 +371,7 @@ def test_the_cli_makes_keys_and_ingests_into_a_tenants_collection(engine_setting
     made = runner.invoke(cli.app, ["tenant", "add", "acme"])
     assert made.exit_code == 0, made.output
     key = made.stdout.strip().splitlines()[-1]
-    assert key.startswith("mmrag-") and TenantKeys.from_settings(Settings()).tenant_of(key) == "acme"
+    assert key.startswith("mmrag-") and TenantKeys.from_settings(Settings().api).tenant_of(key) == "acme"
     assert key not in tenants_file.read_text()
     listed = runner.invoke(cli.app, ["tenant", "list", "--json"])
     assert json.loads(listed.stdout) == {"acme": {"keys": 1, "collection": "mmrag_pages--acme"}}

@@ -281,7 +281,7 @@ async def test_question_images_tier_encodes_and_ingest_jobs_run_one_tower(api_se
 
     services = api_server["app"].state.services
     question = await asyncio.to_thread(services.question_images._make_encoder)
-    tier = await asyncio.to_thread(services.pipeline.tiers._encoder_for, services.settings.tier_table.policy("low"))
+    tier = await asyncio.to_thread(services.pipeline.tiers._encoder_for, services.settings.tiers.policy("low"))
     ingest = (await asyncio.to_thread(services.jobs.jobs._make_ingestor, "default", ())).encoder
     assert question.tower is tier.tower is ingest.tower
     assert question is not ingest and question.forwards == 0  # a view: the count of its own

@@ -220,3 +220,36 @@ def test_the_documents_section_is_the_settings_own_values_and_defaults():
                                      max_image_bytes=5678, max_pdf_pages=9)
     with pytest.raises(dataclasses.FrozenInstanceError):
         given.ocr = True  # type: ignore[misc]  # a reader's own variant is dataclasses.replace(...)
+
+
+def test_the_rest_and_vision_services_sections_are_the_settings_own_values_and_defaults(tmp_path):
+    """Settings.api (serving/api) and Settings.vision_service (serving/vision) carry each setting they name with
+    its value, and, built alone, Settings' defaults; keys stay out of their reprs (a log line never shows one)."""
+    import dataclasses
+
+    from mmrag.core.keys import ResolutionPolicy
+    from mmrag.core.settings import ApiSettings, ServedFolders, VisionServiceSettings, default_of
+
+    own = [f.name for f in dataclasses.fields(ApiSettings) if f.name not in ("documents", "tiers", "folders")]
+    assert set(own) <= set(Settings.model_fields) | {"page_image_channel"}
+    defaults = Settings.model_construct()  # every field at its declared default, no environment read
+    assert ApiSettings() == dataclasses.replace(
+        defaults.api, page_image_channel=False, folders=ServedFolders(),
+        tiers=ApiSettings().tiers)  # tiers: standard's policy only, as Settings declares it
+    assert ApiSettings().tiers.policy("standard") == ResolutionPolicy(default_of("min_pixels"),
+                                                                      default_of("max_pixels"))
+    api = Settings(data_dir=tmp_path, max_upload_bytes=123, max_question_images=2, warm_top=0, api_key="sekrit",
+                   http_body_timeout_s=7.5, figure_crops=False, pdf_dpi=150,
+                   tiers={"low": ResolutionPolicy(3136, 50176)}).api
+    assert (api.max_upload_bytes, api.max_question_images, api.warm_top, api.api_key) == (123, 2, 0, "sekrit")
+    assert (api.http_body_timeout_s, api.figure_crops, api.documents.pdf_dpi) == (7.5, False, 150)
+    assert api.tiers.policy("low") == ResolutionPolicy(3136, 50176) and api.folders.data_dir == tmp_path
+    assert "sekrit" not in repr(api)
+
+    vision = Settings(data_dir=tmp_path, vision_api_key="v-key", vision_queue_cap=9, max_request_pixels=10**6,
+                      max_pixels_in_flight=2 * 10**6, max_image_bytes=4096).vision_service
+    assert vision == VisionServiceSettings(
+        documents=dataclasses.replace(Settings(max_image_bytes=4096).documents), folders=ServedFolders(tmp_path),
+        api_key="v-key", queue_cap=9, max_request_pixels=10**6, max_pixels_in_flight=2 * 10**6)
+    assert "v-key" not in repr(vision)
+    assert VisionServiceSettings().queue_cap == default_of("vision_queue_cap")

@@ -675,6 +675,24 @@ class Settings(BaseSettings):
         return DocumentSettings(**{name: getattr(self, name) for name in DocumentSettings.__dataclass_fields__})
 
     @property
+    def folders(self) -> ServedFolders:
+        return ServedFolders(self.data_dir, self.ingest_root, self.model)
+
+    @property
+    def api(self) -> ApiSettings:
+        """The REST service's section (serving/api)."""
+        own = {name: getattr(self, name) for name in ApiSettings.__dataclass_fields__
+               if name not in ("documents", "tiers", "folders")}
+        return ApiSettings(documents=self.documents, tiers=self.tier_table, folders=self.folders, **own)
+
+    @property
+    def vision_service(self) -> VisionServiceSettings:
+        """The vision service's section (serving/vision)."""
+        return VisionServiceSettings(documents=self.documents, folders=self.folders, api_key=self.vision_api_key,
+                                     queue_cap=self.vision_queue_cap, max_request_pixels=self.max_request_pixels,
+                                     max_pixels_in_flight=self.max_pixels_in_flight)
+
+    @property
     def tier_table(self) -> Tiers:
         return Tiers({STANDARD_TIER: self.resolution_policy, **self.tiers})
 
@@ -742,6 +760,59 @@ class DocumentSettings:
     max_image_pixels: int = field(default_factory=lambda: default_of("max_image_pixels"))
     max_image_bytes: int = field(default_factory=lambda: default_of("max_image_bytes"))
     max_pdf_pages: int = field(default_factory=lambda: default_of("max_pdf_pages"))
+
+
+def _default(name: str) -> Any:
+    return field(default_factory=lambda: default_of(name))
+
+
+@dataclass(frozen=True, slots=True)
+class ServedFolders:
+    """The server's own folders, written in client-facing text as the setting that names them
+    (serving/api/errors.ServerPaths): a REST or vision service's error never shows a path of the host."""
+
+    data_dir: Path = _default("data_dir")
+    ingest_root: Path | None = _default("ingest_root")
+    model: str = _default("model")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """The REST service's section (serving/api): what a request may bring and cost, who may call, and what the
+    app does at start-up. The app, its routes, its limits and its tenants' keys receive this, never the whole
+    Settings (``Settings.api``); the answer path's own sections (the pipeline's, the scheduler's, the engine's)
+    reach it already built. Defaults are Settings'."""
+
+    documents: DocumentSettings = field(default_factory=DocumentSettings)
+    tiers: Tiers = field(default_factory=lambda: Tiers({STANDARD_TIER: ResolutionPolicy(
+        default_of("min_pixels"), default_of("max_pixels"))}))
+    folders: ServedFolders = field(default_factory=ServedFolders)
+    api_key: str = field(default_factory=lambda: default_of("api_key"), repr=False)
+    tenants_file: Path | None = _default("tenants_file")
+    max_request_bytes: int = _default("max_request_bytes")
+    http_body_timeout_s: float = _default("http_body_timeout_s")
+    max_upload_bytes: int = _default("max_upload_bytes")
+    max_question_images: int = _default("max_question_images")
+    max_images_per_prompt: int = _default("max_images_per_prompt")
+    max_request_pixels: int = _default("max_request_pixels")
+    max_pixels_in_flight: int = _default("max_pixels_in_flight")
+    warm_top: int = _default("warm_top")
+    figure_crops: bool = _default("figure_crops")
+    page_image_channel: bool = False  # a page-image channel is on (Settings.page_image_channel): warm-up's choice
+
+
+@dataclass(frozen=True, slots=True)
+class VisionServiceSettings:
+    """The vision service's section (serving/vision, `mmrag vision serve`): how uploads are read and bounded, its
+    key, its queue. Built by ``Settings.vision_service``; the encoder and its batcher are built from the vision
+    settings by the wiring (mmrag/wiring/vision.py). Defaults are Settings'."""
+
+    documents: DocumentSettings = field(default_factory=DocumentSettings)
+    folders: ServedFolders = field(default_factory=ServedFolders)
+    api_key: str = field(default_factory=lambda: default_of("vision_api_key"), repr=False)
+    queue_cap: int = _default("vision_queue_cap")
+    max_request_pixels: int = _default("max_request_pixels")
+    max_pixels_in_flight: int = _default("max_pixels_in_flight")
 
 
 class DevelopmentKnobs(BaseSettings):

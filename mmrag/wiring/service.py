@@ -59,7 +59,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
     tower = vision_tower(settings, model)
-    keys = TenantKeys.from_settings(settings)
+    keys = TenantKeys.from_settings(settings.api)
     scopes = {t: tenant_scope(settings, t) for t in {DEFAULT_TENANT, *keys.tenants}}
 
     def scope_of(tenant: str) -> TenantScope:  # a job resumed for a tenant since removed still has its scope
@@ -103,22 +103,23 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
                                   per_tenant=settings.conversations_per_tenant, ttl_s=settings.conversation_ttl_s,
                                   lease=functools.partial(StoreLease, store, "conversation",
                                                           settings.conversation_ttl_s))
-    root = Services(settings=settings, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
+    root = Services(settings=settings.api, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
                     owns_engine=engine_ is None, keys=keys, scope=scopes[DEFAULT_TENANT],
                     admission=Admission(settings.max_questions_in_flight, queue=settings.admission_queue,
                                         max_wait_s=settings.admission_max_wait_s, record=metrics.record_answer,
                                         record_wait=metrics.record_admission_wait, tenants=keys.tenants,
                                         shares={t: Share(q.weight, q.questions_in_flight) for t, q in keys.quotas}),
-                    question_images=QuestionImages(settings, store, lambda: tower().view()),
+                    question_images=QuestionImages(settings.api, store, lambda: tower().view()),
                     conversations=conversations.for_tenant(DEFAULT_TENANT),
                     rates=RequestRates({t: q.requests_per_s for t, q in keys.quotas if q.requests_per_s}))
-    root.tenants.update({t: tenant_view(root, scopes[t], jobs, conversations) for t in keys.tenants})
+    root.tenants.update({t: tenant_view(settings, root, scopes[t], jobs, conversations) for t in keys.tenants})
     metrics.set_tenants(keys.tenants)
     return root
 
 
-def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversations: Conversations) -> Services:
+def tenant_view(settings: Settings, root: Services, scope: TenantScope, jobs: IngestJobs,
+                conversations: Conversations) -> Services:
     """The tenant's services: its own pipeline (its collection searched, its salt on every plan), pages, jobs
     and conversations, all from its scope; engine, scheduler, store, tiers and embedders stay the process's one."""
     import dataclasses
@@ -128,9 +129,9 @@ def tenant_view(root: Services, scope: TenantScope, jobs: IngestJobs, conversati
     if scope.tenant == DEFAULT_TENANT:
         return root
     base = root.pipeline
-    search = searcher(root.settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
+    search = searcher(settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
                       text=base.searcher.text_embedder, image=base.searcher.image_embedder)
-    pipe = scoped_pipeline(root.settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
+    pipe = scoped_pipeline(settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
                            tiers=base.tiers, search=search, lease=base.lease, answers=base.answers)
     return dataclasses.replace(root, scope=scope, pipeline=pipe,
                                pages=AsyncPageReader(base.searcher.client, scope.collection),
@@ -149,4 +150,4 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Featu
     async def build(metrics: Metrics) -> Services:
         return await build_services(settings, metrics=metrics, engine_=engine, store_=store)
 
-    return assemble(settings, build, freeze=freeze)
+    return assemble(settings.api, build, freeze=freeze)

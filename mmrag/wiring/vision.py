@@ -30,4 +30,4 @@ def vision_app(settings: Settings) -> FastAPI:
     batcher = VisionBatcher(encoder, store, max_batch=settings.vision_max_batch,
                             max_wait_ms=settings.vision_max_wait_ms, queue_cap=settings.vision_queue_cap,
                             observe=metrics)
-    return create_vision_app(settings, VisionService(encoder, store, batcher, metrics, info))
+    return create_vision_app(settings.vision_service, VisionService(encoder, store, batcher, metrics, info))

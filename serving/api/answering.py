@@ -67,7 +67,7 @@ def check(question: Question, services: Services) -> None:
                        f"{most} (the lower of MMRAG_MAX_QUESTION_IMAGES={settings.max_question_images} and "
                        f"MMRAG_MAX_IMAGES_PER_PROMPT={settings.max_images_per_prompt}, the images one prompt holds)",
                        "send fewer images, or ask about them in separate questions")
-    check_tier(question.tier, settings)
+    check_tier(question.tier, settings.tiers)
 
 
 async def answer(services: Services, question: Question, emit: Emit | None) -> Answer:

@@ -22,7 +22,7 @@ from mmrag.adapters.qdrant import IndexConfigError
 from mmrag.adapters.store import FeatureStoreError, StaleFeaturesError
 from mmrag.adapters.vision_client import VisionServiceError
 from mmrag.core.payload import PayloadError
-from mmrag.core.settings import Settings
+from mmrag.core.settings import ServedFolders
 from rag.decompose import BadQuestionError
 from retrieval.search import (ImageChannelOffError, NoDocumentsError, RetrievalError, StaleIndexError,
                               UnknownDocumentError)
@@ -109,12 +109,12 @@ class ServerPaths:
         self._spellings = sorted(((s, n) for s, n in spellings.items() if s != "/"), key=lambda sn: -len(sn[0]))
 
     @classmethod
-    def of(cls, settings: Settings) -> ServerPaths:
-        named = {"$MMRAG_DATA_DIR": settings.data_dir.expanduser().absolute()}
-        if settings.ingest_root is not None:
-            named["$MMRAG_INGEST_ROOT"] = settings.ingest_root.expanduser().absolute()
-        model = Path(settings.model).expanduser()
-        if settings.model and model.is_dir():
+    def of(cls, folders: ServedFolders) -> ServerPaths:
+        named = {"$MMRAG_DATA_DIR": folders.data_dir.expanduser().absolute()}
+        if folders.ingest_root is not None:
+            named["$MMRAG_INGEST_ROOT"] = folders.ingest_root.expanduser().absolute()
+        model = Path(folders.model).expanduser()
+        if folders.model and model.is_dir():
             named["$MMRAG_MODEL"] = model.absolute()
         return cls(named)
 

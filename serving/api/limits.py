@@ -14,7 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from mmrag.core.keys import UnknownTierError
-from mmrag.core.settings import Settings
+from mmrag.core.keys import Tiers
+from mmrag.core.settings import ApiSettings
 from serving.api.errors import ApiError, error_body
 
 
@@ -26,13 +27,13 @@ CHAT_ROUTE = "/v1/chat/completions"
 UPLOAD_ROUTES = ("/v1/documents",)
 
 
-def check_tier(tier: str | None, settings: Settings) -> None:
+def check_tier(tier: str | None, tiers: Tiers) -> None:
     """An unknown resolution tier (a question's, an upload's, an ingest's) is refused before any work, naming
     the configured ones."""
     if tier is None:
         return
     try:
-        settings.tier_table.policy(tier)
+        tiers.policy(tier)
     except UnknownTierError as exc:
         raise ApiError(400, "unknown_tier", str(exc), "ask for one of the configured tiers, or leave `tier` out "
                        "for the standard one") from exc
@@ -43,10 +44,10 @@ def base64_length(nbytes: int) -> int:
     return 4 * -(-nbytes // 3)
 
 
-def question_image_bytes(settings: Settings) -> int:
+def question_image_bytes(settings: ApiSettings) -> int:
     """What a question's images may add to a body: its most images at their largest, in base64 (4/3 of the
     bytes; a multipart upload's part headers fit in the difference)."""
-    return settings.max_question_images * base64_length(settings.max_image_bytes)
+    return settings.max_question_images * base64_length(settings.documents.max_image_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class Allowance:
     fix: str
 
 
-def body_allowances(settings: Settings) -> dict[str, Allowance]:
+def body_allowances(settings: ApiSettings) -> dict[str, Allowance]:
     images = Allowance(question_image_bytes(settings), b'"images"',  # the JSON key; multipart `name="images"`
                        "the most a question with images takes: MMRAG_MAX_QUESTION_IMAGES images of "
                        "MMRAG_MAX_IMAGE_BYTES each (in base64: 4/3 of that) plus MMRAG_MAX_REQUEST_BYTES",

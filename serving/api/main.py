@@ -1,5 +1,6 @@
 """The app factory: assembles routers, middleware and metrics around services built by the caller
-(``mmrag.wiring.create_app`` passes its builder). Settings are built by the caller, never at import."""
+(``mmrag.wiring.create_app`` passes its builder and the REST service's section of the settings, ``Settings.api``;
+never built at import)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
-from mmrag.core.settings import Settings
+from mmrag.core.settings import ApiSettings
 from serving.api import errors
 from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
 from serving.api.routers import ask, documents, health, ingest, openai, ui
@@ -22,7 +23,7 @@ from serving.metrics import Metrics, VllmFromGlobalRegistry
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable[Services]], *,
+def create_app(settings: ApiSettings, build_services: Callable[[Metrics], Awaitable[Services]], *,
                freeze: bool = False) -> FastAPI:
     """``build_services`` runs in the lifespan, on the serving loop (vLLM's async engine binds to it). ``freeze``:
     the process is this server's own (`mmrag serve`): once started, its heap is frozen (startup.freeze_heap)."""
@@ -47,7 +48,7 @@ def create_app(settings: Settings, build_services: Callable[[Metrics], Awaitable
                   description="Questions over figure-heavy documents, answered by a VLM with page citations.")
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, allowances=body_allowances(settings))
     app.add_middleware(BodyReadTimeout, seconds=settings.http_body_timeout_s)
-    errors.install(app, errors.ServerPaths.of(settings))
+    errors.install(app, errors.ServerPaths.of(settings.folders))
     metrics.instrument_app(app)
     for module in (health, ask, documents, ingest, openai, ui):
         app.include_router(module.router)

@@ -17,7 +17,7 @@ from mmrag.adapters.store import FeatureStore
 from mmrag.core.engine import Completion, Engine, EngineWrapper, OnText, PromptPlan
 from mmrag.core.keys import ContentHash, ImageKey
 from mmrag.core.pages import EncodedImage
-from mmrag.core.settings import Settings
+from mmrag.core.settings import ApiSettings
 from ingestion.loaders import decode_image, image_content_hash, image_header_size
 from mmrag.core.scope import TenantScope
 from rag.pipeline import Pipeline
@@ -79,7 +79,7 @@ class QuestionImages:
     and its images are decoded one at a time, each just before its encode, its pixels given back once encoded.
     """
 
-    def __init__(self, settings: Settings, store: FeatureStore, make_encoder: Callable[[], ImageEncoder]) -> None:
+    def __init__(self, settings: ApiSettings, store: FeatureStore, make_encoder: Callable[[], ImageEncoder]) -> None:
         self.settings = settings
         self.store = store
         self._make_encoder = make_encoder
@@ -136,7 +136,7 @@ class Services:
     ``conversations``). The app holds the default tenant's; the key a request brings picks its tenant's view
     from ``tenants`` (serving/api/deps.py), so a route only ever sees one tenant's documents."""
 
-    settings: Settings
+    settings: ApiSettings  # the REST service's section (Settings.api)
     model: ModelSource
     engine: MeteredEngine
     pipeline: Pipeline

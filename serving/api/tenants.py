@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmrag.adapters.files import write_atomically
-from mmrag.core.settings import DEFAULT_TENANT, Settings, check_tenant
+from mmrag.core.settings import DEFAULT_TENANT, ApiSettings, check_tenant
 
 _PREFIX = "sha256:"
 
@@ -105,7 +105,7 @@ class TenantKeys:
     quotas: tuple[tuple[str, TenantQuota], ...] = ()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> TenantKeys:
+    def from_settings(cls, settings: ApiSettings) -> TenantKeys:
         if settings.tenants_file is None:
             if not settings.api_key:
                 return cls((), open=True)

@@ -34,7 +34,7 @@ from mmrag.adapters.store import FeatureStore
 from mmrag.adapters.vision import VisionEncoder
 from mmrag.adapters.vision_client import TOKENS_MEDIA_TYPE, EncodedEntry, VisionServiceInfo, pack_tokens
 from mmrag.core.keys import ImageKey
-from mmrag.core.settings import Settings
+from mmrag.core.settings import DocumentSettings, VisionServiceSettings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_content_hash, image_header_size
 from serving.api import errors
 from serving.api.errors import ApiError
@@ -124,7 +124,10 @@ _GUARDED = error_responses({
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
-def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
+def create_vision_app(settings: VisionServiceSettings, service: VisionService) -> FastAPI:
+    """The vision service's app over ``service``; ``settings``: its section (Settings.vision_service)."""
+    documents = settings.documents
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         service.batcher.start()
@@ -133,9 +136,9 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
 
     app = FastAPI(title="mmrag vision", version="0.1.0", lifespan=lifespan,
                   description="The vision tower + projector: image bytes in, image tokens (by ImageKey) out.")
-    errors.install(app, errors.ServerPaths.of(settings))
-    if settings.vision_api_key:
-        app.add_middleware(RequireKey, key=settings.vision_api_key)
+    errors.install(app, errors.ServerPaths.of(settings.folders))
+    if settings.api_key:
+        app.add_middleware(RequireKey, key=settings.api_key)
     batcher, metrics = service.batcher, service.metrics
     pixels = service.pixels or PixelBudget(settings.max_pixels_in_flight)
     metrics.queued.set_function(lambda: batcher.queued)
@@ -151,12 +154,12 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
         tokens: Annotated[bool, Query(description="Answer the tokens as safetensors (as Accept: "
                                                   "application/octet-stream does).")] = False,
     ) -> Response:
-        if len(images) > settings.vision_queue_cap:
+        if len(images) > settings.queue_cap:
             raise ApiError(413, "too_many_images", f"{len(images)} images in one request, over the queue's "
-                           f"{settings.vision_queue_cap}", "send fewer per request, or raise MMRAG_VISION_QUEUE_CAP")
-        datas = [await _read(i, upload, settings) for i, upload in enumerate(images)]
+                           f"{settings.queue_cap}", "send fewer per request, or raise MMRAG_VISION_QUEUE_CAP")
+        datas = [await _read(i, upload, documents) for i, upload in enumerate(images)]
         names = [u.filename for u in images]
-        sizes = await asyncio.to_thread(_header_sizes, datas, names, settings)
+        sizes = await asyncio.to_thread(_header_sizes, datas, names, documents)
         try:
             hold = admit(pixels, sizes, request_limit=settings.max_request_pixels,
                          retry_after_s=lambda: batcher.retry_after_s(len(datas)))
@@ -180,9 +183,9 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
                       ) -> list[EncodedEntry]:
         """Each image's key (decoded one at a time, off the loop, its pixels let go), then its tokens from the
         batcher, which decodes it again just before its forward; its pixels go back to the budget once answered."""
-        keys = await asyncio.to_thread(_keys_of, service.encoder, datas, names, settings,
+        keys = await asyncio.to_thread(_keys_of, service.encoder, datas, names, documents,
                                        trim=hold.pixels >= TRIM_AFTER_PIXELS)
-        items = [(key, functools.partial(decode_image, data, settings.documents)) for key, data in zip(keys, datas)]
+        items = [(key, functools.partial(decode_image, data, documents)) for key, data in zip(keys, datas)]
         try:
             results = await batcher.encode(items, on_answered=lambda i: hold.release(sizes[i][0] * sizes[i][1]))
         except QueueFullError as exc:
@@ -195,9 +198,9 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
     @app.get("/v1/tokens", summary="Image tokens an image of this size takes", response_model=TokenCount,
              responses=_GUARDED)
     async def count(width: Annotated[int, Query(ge=1)], height: Annotated[int, Query(ge=1)]) -> TokenCount:
-        if width * height > settings.max_image_pixels:
+        if width * height > documents.max_image_pixels:
             raise ApiError(413, "image_too_large", f"{width}x{height} px is over MMRAG_MAX_IMAGE_PIXELS "
-                           f"({settings.max_image_pixels:,})", "no image of this size can be encoded here")
+                           f"({documents.max_image_pixels:,})", "no image of this size can be encoded here")
         return TokenCount(tokens=service.encoder.num_tokens_for(_Size((width, height))))
 
     @app.get("/v1/info", summary="The encoder whose keys this service makes", response_model=InfoResponse,
@@ -226,29 +229,29 @@ def create_vision_app(settings: Settings, service: VisionService) -> FastAPI:
     return app
 
 
-async def _read(index: int, upload: UploadFile, settings: Settings) -> bytes:
+async def _read(index: int, upload: UploadFile, documents: DocumentSettings) -> bytes:
     """The part's bytes; one declared over the limit is refused before it is read."""
-    if upload.size is not None and upload.size > settings.max_image_bytes:
+    if upload.size is not None and upload.size > documents.max_image_bytes:
         raise ApiError(413, "image_too_large", f"image {index} ({upload.filename}) is {upload.size:,} bytes, over "
-                       f"MMRAG_MAX_IMAGE_BYTES ({settings.max_image_bytes:,})",
+                       f"MMRAG_MAX_IMAGE_BYTES ({documents.max_image_bytes:,})",
                        "downscale or recompress it, or raise MMRAG_MAX_IMAGE_BYTES")
     return await upload.read()
 
 
-def _header_sizes(datas: list[bytes], names: list[str | None], settings: Settings) -> list[tuple[int, int]]:
+def _header_sizes(datas: list[bytes], names: list[str | None], documents: DocumentSettings) -> list[tuple[int, int]]:
     """In a worker thread: each image's declared size, its format and limits checked, nothing decoded."""
-    return [_checked(index, name, lambda: image_header_size(data, settings.documents))
+    return [_checked(index, name, lambda: image_header_size(data, documents))
             for index, (data, name) in enumerate(zip(datas, names, strict=True))]
 
 
-def _keys_of(encoder: VisionEncoder, datas: list[bytes], names: list[str | None], settings: Settings, *,
+def _keys_of(encoder: VisionEncoder, datas: list[bytes], names: list[str | None], documents: DocumentSettings, *,
              trim: bool) -> list[ImageKey]:
     """In a worker thread, one image at a time: decoding a page takes milliseconds of CPU the event loop must not
     spend, and only one image's pixels are alive at once (each is dropped once hashed). With ``trim`` the freed
     heap goes back to the OS after: this thread's malloc arena would otherwise keep it while the forward, in
     another thread and arena, decodes the images again (one 7000x7000 image: a peak of +660 MiB with, +660 or
     +1,028 MiB without, as the two threads happen to share an arena or not)."""
-    keys = [encoder.key_for(image_content_hash(_checked(index, name, lambda: decode_image(data, settings.documents))))
+    keys = [encoder.key_for(image_content_hash(_checked(index, name, lambda: decode_image(data, documents))))
             for index, (data, name) in enumerate(zip(datas, names, strict=True))]
     if trim:
         return_freed_memory()

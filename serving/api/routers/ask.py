@@ -72,7 +72,7 @@ _ANSWER = dict(response_model=AskResponse, response_model_exclude_unset=True, re
 # exclude_unset: `sub_answers` stays absent (not null) on an answer that found no pages, as before.
 @router.post(ASK_PATH, summary="Answer a question with page citations and cache accounting", **_ANSWER)
 async def ask(body: AskRequest, request: Request, services: TenantDep) -> dict | StreamingResponse:
-    limit = services.settings.max_image_bytes
+    limit = services.settings.documents.max_image_bytes
     blobs = tuple(from_base64(image.data, f"body.images.{i}.data", limit) for i, image in enumerate(body.images))
     question = Question(body.question, body.docs, blobs, body.conversation_id, body.tier, body.answer_mode,
                         body.max_tokens)

@@ -19,6 +19,7 @@ from mmrag.adapters.files import atomic_file
 from mmrag.core.figures import Box, FigureRegion
 from mmrag.core.keys import doc_id_for
 from mmrag.core.payload import PagePayload
+from mmrag.core.settings import DocumentSettings
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
@@ -83,7 +84,7 @@ async def upload(request: Request, services: TenantDep,
                  tiers: list[str] = Form(default=[], max_length=8, description="Resolution tiers (MMRAG_TIERS) "
                                          "to encode its pages in too, beside MMRAG_INGEST_TIERS.")) -> dict:
     for tier in tiers:
-        check_tier(tier, services.settings)
+        check_tier(tier, services.settings.tiers)
     quota = services.keys.quota(services.tenant)
     await check_documents_quota(services, quota)
     uploads, limit = services.jobs.uploads, services.settings.max_upload_bytes
@@ -281,10 +282,10 @@ async def page_image(
     path, renders = Path(found.path), services.renders
     key = renders.key(services.tenant, path, found.page, box, figure is None)
     if box is None:  # the page as is: the bytes it always was
-        png = await renders.png(services.tenant, key, lambda: _render_png(path, found.page, services.settings))
+        png = await renders.png(services.tenant, key, lambda: _render_png(path, found.page, services.settings.documents))
     else:  # a figure's box is the page's own (clamped to it when drawn); the client's must lie on the page
         png = await renders.png(services.tenant, key, lambda: _render_outlined_png(
-            path, found.page, services.settings, box, on_page=figure is None))
+            path, found.page, services.settings.documents, box, on_page=figure is None))
     return Response(png, media_type="image/png")
 
 
@@ -329,20 +330,20 @@ def _figure_box(page: PagePayload, number: int, kind: str | None = None) -> Box:
                    "outline any box with bbox=x0,y0,x1,y1 (PDF points, top-left origin, y down)", param="figure")
 
 
-def _points_scale(path: Path, settings) -> float:
+def _points_scale(path: Path, documents: DocumentSettings) -> float:
     """Pixels per point of the page as rendered: MMRAG_PDF_DPI/72 for a PDF; an image document is its pixels."""
-    return settings.pdf_dpi / 72 if SUPPORTED_FORMATS.get(path.suffix.lower()) == "PDF" else 1.0
+    return documents.pdf_dpi / 72 if SUPPORTED_FORMATS.get(path.suffix.lower()) == "PDF" else 1.0
 
 
-def _render_png(path: Path, number: int, settings) -> bytes:
-    return _png(_render(path, number, settings))
+def _render_png(path: Path, number: int, documents: DocumentSettings) -> bytes:
+    return _png(_render(path, number, documents))
 
 
-def _render_outlined_png(path: Path, number: int, settings, box: Box, *, on_page: bool) -> bytes:
+def _render_outlined_png(path: Path, number: int, documents: DocumentSettings, box: Box, *, on_page: bool) -> bytes:
     """The page with ``box`` (points) outlined; with ``on_page``, 400 when the box is not inside the page (half a
     pixel of slack: a figure's box, rounded in its citation, may reach that far past the page's edge)."""
-    image = _render(path, number, settings)
-    scale = _points_scale(path, settings)
+    image = _render(path, number, documents)
+    scale = _points_scale(path, documents)
     width_pt, height_pt = image.width / scale, image.height / scale
     x0, y0, x1, y1 = box
     slack = 0.5 / scale
@@ -356,9 +357,9 @@ def _render_outlined_png(path: Path, number: int, settings, box: Box, *, on_page
     return _png(image)
 
 
-def _render(path: Path, number: int, settings) -> Image.Image:
+def _render(path: Path, number: int, documents: DocumentSettings) -> Image.Image:
     try:
-        rendered = render_page(path, number, settings.documents)  # pdfium calls take turns (ingestion/loaders.py)
+        rendered = render_page(path, number, documents)  # pdfium calls take turns (ingestion/loaders.py)
     except IngestError as exc:  # named by file name: the folder is the server's business
         raise ApiError(410, "source_gone", f"cannot render {path.name}: {exc}", "re-ingest the document") from exc
     if rendered is None:

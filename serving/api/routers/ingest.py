@@ -42,7 +42,7 @@ STATUS_ERRORS = error_responses({404: "No ingest job has this id (`unknown_job`)
              response_model=IngestJob, responses=START_ERRORS)
 async def start(body: IngestRequest, request: Request, services: TenantDep) -> dict:
     for tier in body.tiers:
-        check_tier(tier, services.settings)
+        check_tier(tier, services.settings.tiers)
     try:
         job = services.jobs.submit(body.paths, recursive=body.recursive, tiers=body.tiers)
     except PathOutsideRootError as exc:

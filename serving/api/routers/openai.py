@@ -205,4 +205,4 @@ def _images(messages: list[ChatMessage], services: Services) -> tuple[bytes, ...
         if not url.startswith("data:"):
             raise ApiError(400, "invalid_image", f"{where}: not a data URL (remote images are not fetched)",
                            "send the image inline as `data:image/png;base64,<base64>`")
-    return tuple(from_base64(url, where, services.settings.max_image_bytes) for url, where in urls.items())
+    return tuple(from_base64(url, where, services.settings.documents.max_image_bytes) for url, where in urls.items())
