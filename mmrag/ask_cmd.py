@@ -43,10 +43,11 @@ def parse_page_refs(spec: str) -> list[tuple[str, int]]:
     return refs
 
 
-def open_page_index(settings: Settings) -> PageIndex:
+def open_page_index(settings: Settings, collection: str | None = None) -> PageIndex:
     # Read-only use: no embedder is loaded and no sizes are needed; writers check them (ensure_collection).
-    index = wiring.read_index(settings)
-    if not index.client.collection_exists(settings.qdrant_collection):
+    # ``collection``: a tenant's (None: the default tenant's).
+    index = wiring.read_index(settings, collection=collection)
+    if not index.client.collection_exists(index.collection):
         raise PageNotFoundError("no documents ingested yet: run `mmrag ingest PATH...` first")
     return index
 
@@ -94,7 +95,7 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
         settings = settings.model_copy(update={"answer_mode": answer_mode})
     pages = None
     if refs is not None:
-        index = open_page_index(settings)
+        index = open_page_index(settings, scope.collection)
         try:
             pages = lookup_pages(index, refs)
         finally:
@@ -127,7 +128,7 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float, tenant:
     settings, scope = wiring.for_tenant(tenant)
     model = wiring.resolve_model(settings)
     engine = wiring.engine(settings, model, allow_inprocess=False)
-    index = open_page_index(settings)
+    index = open_page_index(settings, scope.collection)
     try:
         if pages_spec:
             payloads = lookup_pages(index, parse_page_refs(pages_spec))

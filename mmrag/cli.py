@@ -298,7 +298,8 @@ def index_check(
     """
     from mmrag import index_cmd, wiring
 
-    result = index_cmd.check(wiring.for_tenant(tenant)[0])
+    settings, scope = wiring.for_tenant(tenant)
+    result = index_cmd.check(settings, collection=scope.collection)
     if as_json:
         typer.echo(json.dumps(result.to_json()))
     else:

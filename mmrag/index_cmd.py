@@ -69,16 +69,17 @@ class IndexCheck:
         }
 
 
-def check(settings: Settings) -> IndexCheck:
-    """Pages per (encoder version, resolution policy) in the index, against the configured model's encoder.
+def check(settings: Settings, *, collection: str | None = None) -> IndexCheck:
+    """Pages per (encoder version, resolution policy) in the index (``collection``: a tenant's; None: the
+    default tenant's), against the configured model's encoder.
     Reads the tower's weights to hash them (no forward; one pass gives today's version and the one before it
     covered preprocessing) and every page payload (no vectors)."""
     model = wiring.resolve_model(settings)
     serving = wiring.encoder_scope(settings, model)
     before_preprocessing = wiring.encoder_scope(settings, model, before_preprocessing=True)
-    index = wiring.read_index(settings)
+    index = wiring.read_index(settings, collection=collection)
     try:
-        pages = index.pages() if index.client.collection_exists(settings.qdrant_collection) else []
+        pages = index.pages() if index.client.collection_exists(index.collection) else []
     finally:
         index.client.close()
     counts = pages_per_encoder(pages)

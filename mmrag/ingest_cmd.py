@@ -20,14 +20,14 @@ if TYPE_CHECKING:
 def run(paths: list[Path], *, recursive: bool, console: Console, show_progress: bool,
         tiers: Sequence[str] = (), tenant: str = DEFAULT_TENANT) -> IngestReport:
     """``tiers`` (``--tier``): resolution tiers to encode the pages in besides MMRAG_INGEST_TIERS."""
-    settings, _ = wiring.for_tenant(tenant)
+    settings, scope = wiring.for_tenant(tenant)
     if tiers:
         from mmrag.ask_cmd import check_tier
 
         tiers = tuple(check_tier(settings, t) for t in tiers)
     model = wiring.resolve_model(settings)
     console.print(f"model: {model.describe()}")
-    ingestor = wiring.ingestor(settings, model=model, tiers=tuple(tiers))
+    ingestor = wiring.ingestor(settings, collection=scope.collection, model=model, tiers=tuple(tiers))
     if ingestor.image_embedder is not None:
         console.print(f"image channel: on ({ingestor.image_embedder.name})")
     else:
@@ -63,21 +63,22 @@ def print_report(report: IngestReport, console: Console) -> None:
 
 
 def reset_index(console: Console, tenant: str = DEFAULT_TENANT) -> None:
-    settings, _ = wiring.for_tenant(tenant)
+    settings, scope = wiring.for_tenant(tenant)
     late = wiring.late_retriever(settings)
-    index = wiring.page_index(settings, wiring.text_embedder(settings).dim, late_dim=late.dim if late else 0)
+    index = wiring.page_index(settings, wiring.text_embedder(settings).dim, collection=scope.collection,
+                              late_dim=late.dim if late else 0)
     try:
         index.reset()
     finally:
         index.client.close()
-    console.print(f"collection {settings.qdrant_collection} re-created (empty)")
+    console.print(f"collection {index.collection} re-created (empty)")
 
 
 def stats(tenant: str = DEFAULT_TENANT) -> dict:
-    settings, _ = wiring.for_tenant(tenant)
-    index = wiring.read_index(settings)
+    settings, scope = wiring.for_tenant(tenant)
+    index = wiring.read_index(settings, collection=scope.collection)
     try:
-        pages = index.count() if index.client.collection_exists(settings.qdrant_collection) else 0
+        pages = index.count() if index.client.collection_exists(index.collection) else 0
     finally:
         index.client.close()
     store = wiring.feature_store(settings)

@@ -55,8 +55,9 @@ def reencode(
     """
     from mmrag import wiring
 
-    settings, _ = wiring.for_tenant(tenant)
-    report = run(settings, dry_run=dry_run, show_progress=not as_json or sys.stderr.isatty())
+    settings, scope = wiring.for_tenant(tenant)
+    report = run(settings, collection=scope.collection, dry_run=dry_run,
+                 show_progress=not as_json or sys.stderr.isatty())
     if as_json:
         typer.echo(json.dumps(report.to_json()))
     else:
@@ -64,7 +65,9 @@ def reencode(
     raise typer.Exit(1 if report.skipped else 0)
 
 
-def run(settings: Settings, *, dry_run: bool, show_progress: bool) -> ReencodeReport:
+def run(settings: Settings, *, dry_run: bool, show_progress: bool, collection: str | None = None
+        ) -> ReencodeReport:
+    """``collection``: a tenant's (None: the default tenant's)."""
     from ingestion import reencode as reencoding
     from mmrag import wiring
 
@@ -73,9 +76,9 @@ def run(settings: Settings, *, dry_run: bool, show_progress: bool) -> ReencodeRe
     store = wiring.feature_store(settings)
     # The tower is loaded either way (the encoder version hashes its weights); a dry run does no forward.
     encoder = None if dry_run else wiring.vision_encoder(settings, model)
-    index = wiring.read_index(settings)  # no embedder: vectors are never written
+    index = wiring.read_index(settings, collection=collection)  # no embedder: vectors are never written
     try:
-        if not index.client.collection_exists(settings.qdrant_collection):
+        if not index.client.collection_exists(index.collection):
             scope = wiring.encoder_scope(settings, model)
             return reencoding.ReencodeReport(str(scope), dry_run=dry_run)
         index.backfill_encoder_fields()  # an index written before the encoder fields existed gets them

@@ -253,3 +253,25 @@ def test_the_rest_and_vision_services_sections_are_the_settings_own_values_and_d
         api_key="v-key", queue_cap=9, max_request_pixels=10**6, max_pixels_in_flight=2 * 10**6)
     assert "v-key" not in repr(vision)
     assert VisionServiceSettings().queue_cap == default_of("vision_queue_cap")
+
+
+def test_a_tenants_collection_reaches_the_builders_as_an_argument_not_as_a_patched_copy_of_the_settings(tmp_path):
+    """`--tenant` and the server's tenant views: the settings stay as configured (what `mmrag config show` says)
+    and the tenant's collection is passed to the index and searcher builders."""
+    from mmrag import wiring
+
+    settings = Settings(data_dir=tmp_path, qdrant_url="", qdrant_collection="pages")
+    same, scope = wiring.for_tenant("acme", settings)
+    assert same is settings and settings.qdrant_collection == "pages" and not hasattr(Settings, "scoped")
+    assert scope.collection == "pages--acme" and wiring.for_tenant("default", settings)[1].collection == "pages"
+    index = wiring.page_index(settings, 8, collection=scope.collection)
+    try:
+        assert index.collection == "pages--acme" and index.client.collection_exists("pages--acme")
+        assert not index.client.collection_exists("pages")
+    finally:
+        index.client.close()
+    reader = wiring.read_index(settings)
+    try:
+        assert reader.collection == "pages" and reader.client.collection_exists("pages--acme")
+    finally:
+        reader.client.close()

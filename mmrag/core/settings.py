@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticUndefined
@@ -27,10 +27,6 @@ logger = logging.getLogger(__name__)
 # Old answer mode names (MMRAG_ANSWER_MODE, and a request's answer_mode: rag/plans.AnswerMode), kept one release:
 # what each is now.
 DEPRECATED_ANSWER_MODES = {"one_prompt": "joint", "per_image": "split", "per_sub_question": "joint"}
-
-
-if TYPE_CHECKING:
-    from mmrag.core.scope import TenantScope
 
 DEFAULT_TENANT = "default"
 _TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -659,11 +655,6 @@ class Settings(BaseSettings):
         index needs no migration), ``<that>--<tenant>`` for any other."""
         check_tenant(tenant)
         return self.qdrant_collection if tenant == DEFAULT_TENANT else f"{self.qdrant_collection}--{tenant}"
-
-    def scoped(self, scope: TenantScope) -> Settings:
-        """These settings with the scope's collection as MMRAG_QDRANT_COLLECTION, for the builders that read
-        it (index, searcher, ingestor); the scope itself goes to what needs the rest of it."""
-        return self.model_copy(update={"qdrant_collection": scope.collection})
 
     @property
     def resolution_policy(self) -> ResolutionPolicy:

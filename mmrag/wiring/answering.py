@@ -160,7 +160,7 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     tiers = PageTiers(settings.tier_table, settings.documents, store,
                       tier_encoder(settings, tower or vision_tower(settings, model)))
     pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
-                           search=searcher(settings.scoped(scope), client=client, encoder=encoder),
+                           search=searcher(settings, collection=scope.collection, client=client, encoder=encoder),
                            lease=answer_lease(store), answers=answers, knobs=knobs)
     return pipe, scheduler
 
@@ -232,7 +232,7 @@ def tenant_scope(settings: Settings, tenant: str = DEFAULT_TENANT) -> TenantScop
 
 
 def for_tenant(tenant: str, settings: Settings | None = None) -> tuple[Settings, TenantScope]:
-    """A CLI command's ``--tenant``: the settings reading the tenant's collection, and its scope (salt, roots)."""
+    """A CLI command's ``--tenant``: the settings, and the tenant's scope, whose collection the command passes to
+    the index and searcher builders (``collection=scope.collection``) and whose salt and roots it acts under."""
     settings = settings if settings is not None else Settings()
-    scope = tenant_scope(settings, tenant)
-    return settings.scoped(scope), scope
+    return settings, tenant_scope(settings, tenant)

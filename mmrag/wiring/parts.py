@@ -227,32 +227,37 @@ def fusion(settings: Settings):
 # --- the index -------------------------------------------------------------------------------------------
 
 
-def page_index(settings: Settings, text_dim: int, *, client=None, late_dim: int = 0) -> PageIndex:
-    """The index for writing (its collection created or checked against the embedders' sizes). ``late_dim``: the
+def page_index(settings: Settings, text_dim: int, *, collection: str | None = None, client=None,
+               late_dim: int = 0) -> PageIndex:
+    """The index for writing (its collection created or checked against the embedders' sizes). ``collection``: a
+    tenant's (TenantScope.collection; None: MMRAG_QDRANT_COLLECTION, the default tenant's). ``late_dim``: the
     late-interaction retriever's vector size, when MMRAG_PAGE_RETRIEVER names one."""
     from mmrag.adapters.embed import clip_embed_dim
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
-    index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
-                      text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
+    index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path),
+                      collection or settings.qdrant_collection, text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
     index.ensure_collection()
     return index
 
 
-def read_index(settings: Settings) -> PageIndex:
-    """The index for reading only: no embedder is loaded and no vector sizes are needed."""
+def read_index(settings: Settings, *, collection: str | None = None) -> PageIndex:
+    """The index for reading only: no embedder is loaded and no vector sizes are needed. ``collection``: as
+    page_index's."""
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
-    return PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), settings.qdrant_collection,
+    return PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), collection or settings.qdrant_collection,
                      text_dim=0, image_dim=0)
 
 
-def ingestor(settings: Settings, *, model: ModelSource | None = None, store: FeatureStore | None = None,
+def ingestor(settings: Settings, *, collection: str | None = None, model: ModelSource | None = None,
+             store: FeatureStore | None = None,
              index: PageIndex | None = None, text: TextEmbedder | None = None,
              image: ImageEmbedder | None = None, encoder: VisionEncoder | RemoteVisionEncoder | None = None,
              tiers: tuple[str, ...] = ()) -> Ingestor:
     """The ingest pipeline; parts already built (the server's store, index, embedders, tower) are reused.
-    ``tiers``: a job's own tiers to encode, beside MMRAG_INGEST_TIERS (names of MMRAG_TIERS)."""
+    ``tiers``: a job's own tiers to encode, beside MMRAG_INGEST_TIERS (names of MMRAG_TIERS). ``collection``: the
+    index's when none is given (page_index's)."""
     from ingestion.pipeline import Ingestor
 
     model = model or resolve_model(settings)
@@ -270,7 +275,7 @@ def ingestor(settings: Settings, *, model: ModelSource | None = None, store: Fea
         vision_batch_size=settings.vision_batch_size,
         encoder=encoder,
         store=store or feature_store(settings),
-        index=index or page_index(settings, text.dim, late_dim=late.dim if late else 0),
+        index=index or page_index(settings, text.dim, collection=collection, late_dim=late.dim if late else 0),
         text_embedder=text,
         image_embedder=image,
         tier_encoders=[encoder.with_policy(p) for p in policies],
@@ -288,15 +293,16 @@ def reencoder(settings: Settings, *, encoder: VisionEncoder, store: FeatureStore
                      vision_batch_size=settings.vision_batch_size, encoder=encoder, store=store, index=index)
 
 
-def searcher(settings: Settings, *, client=None, encoder: EncoderScope | None = None,
+def searcher(settings: Settings, *, collection: str | None = None, client=None, encoder: EncoderScope | None = None,
              text: TextEmbedder | None = None, image: ImageEmbedder | None = None) -> PageSearcher:
-    """``encoder``: retrieve only pages whose tokens it made (whoever feeds hits to the VLM must pass it).
+    """``collection``: as page_index's. ``encoder``: retrieve only pages whose tokens it made (whoever feeds hits
+    to the VLM must pass it).
     Embedders already built (another tenant's searcher) are reused."""
     from mmrag.adapters.qdrant import open_async_qdrant
     from retrieval.search import PageSearcher
 
     return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
-                        settings.qdrant_collection, text or text_embedder(settings),
+                        collection or settings.qdrant_collection, text or text_embedder(settings),
                         image if image is not None else image_embedder(settings), late=late_retriever(settings),
                         fusion=fusion(settings), top_k=settings.top_k, candidate_k=settings.candidate_k,
                         page_prefetch=settings.page_prefetch, encoder=encoder)

@@ -84,14 +84,13 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         # Local mode allows one Qdrant client per folder: server-side ingest writes through the server's own
         # async client, from the job's worker thread, on this loop.
         late = pipe.searcher.late
-        return page_index(settings.scoped(scope_of(tenant)), pipe.searcher.text_embedder.dim,
+        return page_index(settings, pipe.searcher.text_embedder.dim, collection=scope_of(tenant).collection,
                           client=LoopBridge(client, loop), late_dim=late.dim if late else 0)
 
     def make_ingestor(tenant: str, tiers: tuple[str, ...]) -> Ingestor:
         # ``tiers``: the job's own, beside MMRAG_INGEST_TIERS (checked by the route).
-        return ingestor(settings.scoped(scope_of(tenant)), model=model, store=store, index=make_index(tenant),
-                        encoder=tower(), text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder,
-                        tiers=tiers)
+        return ingestor(settings, model=model, store=store, index=make_index(tenant), encoder=tower(),
+                        text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder, tiers=tiers)
 
     jobs = IngestJobs(scope_of, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
                       make_index=make_index, store=store,
@@ -129,8 +128,9 @@ def tenant_view(settings: Settings, root: Services, scope: TenantScope, jobs: In
     if scope.tenant == DEFAULT_TENANT:
         return root
     base = root.pipeline
-    search = searcher(settings.scoped(scope), client=base.searcher.client, encoder=base.searcher.encoder,
-                      text=base.searcher.text_embedder, image=base.searcher.image_embedder)
+    search = searcher(settings, collection=scope.collection, client=base.searcher.client,
+                      encoder=base.searcher.encoder, text=base.searcher.text_embedder,
+                      image=base.searcher.image_embedder)
     pipe = scoped_pipeline(settings, scope, root.engine, submit=base.submit, counts=base.token_counts,
                            tiers=base.tiers, search=search, lease=base.lease, answers=base.answers)
     return dataclasses.replace(root, scope=scope, pipeline=pipe,
