@@ -68,8 +68,8 @@ def bench(
     configs: Annotated[str | None, typer.Option(help="Comma-separated subset of the configurations.")] = None,
     engine_batch: Annotated[int | None, typer.Option(
         "--engine-batch", help="The engine's batch (vLLM's max_num_seqs), and the scheduler lets in as many plans "
-        "at once, as `mmrag serve` does with MMRAG_MAX_CONCURRENCY unset. Default: the recorded configuration "
-        "(a batch of 16, 4 plans in flight), so results compare with the committed ones.")] = None,
+        "at once (`mmrag serve` with MMRAG_MAX_CONCURRENCY unset lets in twice the batch). Default: the recorded "
+        "configuration (a batch of 16, 4 plans in flight), so results compare with the committed ones.")] = None,
     e2e: Annotated[bool, typer.Option("--e2e", help="Instead: the same questions (compound, comparison and "
                                       "one-part, interleaved), streamed, through `mmrag serve` (POST /v1/ask), two "
                                       "llama-index pipelines (one-shot and sub-questions) and the floor (mmrag's "

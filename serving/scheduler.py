@@ -59,6 +59,12 @@ from serving.routing import Path, prefix_path
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# MMRAG_MAX_CONCURRENCY=0 lets in this many of the engine's batches: one decoding and one waiting inside the engine.
+# With exactly one batch in flight a sequence that ends leaves its slot empty until mmrag has seen the end, sent the
+# next plan, and the engine has taken it in (tokenised, its image tokens loaded); a second batch already waiting in
+# the engine fills it at the next step. The rest still waits here, in the scheduler's order. Measured: docs/benchmarks.md.
+BATCHES_OFFERED = 2
 Key = Hashable
 
 
@@ -120,8 +126,8 @@ class SchedulerConfig:
     """Each default is the setting's (mmrag/core/settings.py, declared once there; MMRAG_<name> in brackets)."""
 
     policy: Policy = Policy(default_of("scheduler_policy"))  # [SCHEDULER_POLICY]
-    # Plans in flight. 0: as many as the engine batches (Engine.batch_capacity: its max_num_seqs, the replicas'
-    # sum), asked once before the first plan (Scheduler.fit).
+    # Plans in flight. 0: BATCHES_OFFERED times what the engine batches (Engine.batch_capacity: its max_num_seqs,
+    # the replicas' sum), asked once before the first plan (Scheduler.fit).
     max_concurrency: int = default_of("max_concurrency")
     max_image_tokens_in_flight: int = default_of("max_image_tokens_in_flight")
     max_wait_ms: float = default_of("max_wait_ms")
@@ -431,9 +437,10 @@ class Scheduler:
         return self.residency
 
     async def fit(self) -> int:
-        """The plans let into the engine at once: ``config.max_concurrency``, or where that is 0, the engine's
-        batch (Engine.batch_capacity: a replica started with 64 sequences takes 64 plans, two take 128), asked
-        once. The first submit calls it; a server calls it at start-up so that no question waits for the ask."""
+        """The plans let into the engine at once: ``config.max_concurrency``, or where that is 0, BATCHES_OFFERED
+        times the engine's batch (Engine.batch_capacity: a replica started with 64 sequences is offered 128 plans,
+        two such replicas 256), asked once. The first submit calls it; a server calls it at start-up so that no
+        question waits for the ask."""
         if self.config.max_concurrency:
             return self.config.max_concurrency
         if self._fitting is None:
@@ -445,11 +452,11 @@ class Scheduler:
                 self._fitting = None
             raise
         if not self.config.max_concurrency:
-            self.config = replace(self.config, max_concurrency=max(1, n))
+            self.config = replace(self.config, max_concurrency=BATCHES_OFFERED * max(1, n))
             self.admission.config = self.config
             self.tenants.max_concurrency = self.stats.max_concurrency = self.config.max_concurrency
-            log.info("scheduler: %d plans in flight at once, the engine's batch (MMRAG_MAX_CONCURRENCY=0)",
-                     self.config.max_concurrency)
+            log.info("scheduler: %d plans in flight at once, %d times the engine's batch of %d "
+                     "(MMRAG_MAX_CONCURRENCY=0)", self.config.max_concurrency, BATCHES_OFFERED, max(1, n))
         return self.config.max_concurrency
 
     async def submit(self, plan: PromptPlan, *, on_text: OnText | None = None) -> Completion:

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from mmrag.core.engine import Completion, PromptPlan, Usage
-from serving.scheduler import Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
+from serving.scheduler import BATCHES_OFFERED, Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
 from tests.waiting import eventually
 
 
@@ -440,15 +440,16 @@ async def test_slots_are_kept_for_a_tenant_busy_a_moment_ago_and_given_back_when
     assert [t.result().text for t in flood] == [f"b{i}" for i in range(20)]
 
 
-async def test_unset_concurrency_is_the_engines_batch_asked_once_before_the_first_plan():
-    eng = RecordingEngine(batch=6)
-    s = Scheduler(eng, SchedulerConfig(max_concurrency=0), image_tokens=lambda p: 1)  # the engine's batch
+async def test_unset_concurrency_is_twice_the_engines_batch_asked_once_before_the_first_plan():
+    eng = RecordingEngine(batch=3)
+    s = Scheduler(eng, SchedulerConfig(max_concurrency=0), image_tokens=lambda p: 1)  # from the engine's batch
     tasks = [asyncio.ensure_future(s.submit(plan(f"p{i}", f"img{i}"))) for i in range(8)]
-    await eventually(lambda: len(eng.started) == 6, timeout=10, what="the engine's batch of plans dispatched")
+    await eventually(lambda: len(eng.started) == 6, timeout=10, what="two of the engine's batches dispatched")
     await settle()
     assert eng.batch_asks == 1  # eight submits arriving while the engine was asked: one ask
+    assert BATCHES_OFFERED == 2  # one batch decoding, one waiting inside the engine
     assert s.config.max_concurrency == s.stats.max_concurrency == s.tenants.max_concurrency == 6
-    assert eng.started == [f"p{i}" for i in range(6)]  # the engine's batch, not a fixed 4, at once
+    assert eng.started == [f"p{i}" for i in range(6)]  # two batches, not a fixed 4, at once
     for name in list(eng.started):
         await eng.finish(name)
     await settle()
@@ -487,7 +488,7 @@ async def test_an_engine_that_cannot_say_its_batch_fails_the_plan_and_is_asked_a
     assert eng.started == [] and s.config.max_concurrency == 0
     task = asyncio.ensure_future(s.submit(plan("p1", "b")))
     await eventually(lambda: eng.started, timeout=10, what="p1 dispatched")
-    assert eng.started == ["p1"] and s.config.max_concurrency == 3
+    assert eng.started == ["p1"] and s.config.max_concurrency == 2 * 3
     await eng.finish("p1")
     await task
 

@@ -354,10 +354,12 @@ class Settings(BaseSettings):
     # other, and the engine's batching, the split's point, was lost (issue 40: TTFT p50 4.5 s where the floor's was
     # 0.56 s).
     max_concurrency: int = setting(
-        "scheduler", default=64, ge=0,
-        description="Prompt plans in flight in the engine at once. 0: as many as the engine batches, asked of it at "
-                    "start-up: its max_num_seqs in process, each replica's own summed over MMRAG_ENGINE_URLS (a "
-                    "replica outside vLLM's dev mode counts MMRAG_MAX_NUM_SEQS), the replicas' sum on Ray.")
+        "scheduler", default=0, ge=0,
+        description="Prompt plans in flight in the engine at once. 0: derived from what the engine batches, asked "
+                    "of it at start-up (its max_num_seqs in process, each replica's own summed over "
+                    "MMRAG_ENGINE_URLS, a replica outside vLLM's dev mode counting MMRAG_MAX_NUM_SEQS, the replicas' "
+                    "sum on Ray): twice that, one batch decoding and one waiting inside the engine, so a freed "
+                    "sequence is filled at the engine's next step.")
     max_image_tokens_in_flight: int = setting(
         "scheduler", 32_768,
         description="Image tokens of the plans in flight at once: the guard against KV cache exhaustion (a plan "
