@@ -141,10 +141,43 @@ def test_a_version_apt_does_not_know_names_apt_get_update_and_the_package(tmp_pa
     assert not (tmp_path / "docs" / "demo.pdf").exists()
 
 
-def test_the_real_sources_name_packages_not_hosts():
-    for src in load_sources():
+def test_a_pdf_the_package_ships_gzipped_is_written_unzipped_and_checked_unzipped(tmp_path, monkeypatch):
+    # graphviz-doc ships dotguide.pdf.gz (the held-out set's first document)
+    import gzip
+
+    member = MEMBER + ".gz"
+    deb = _ar({"debian-binary": b"2.0\n", "data.tar.xz": _tar_xz({member: gzip.compress(PDF)})})
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / DEB_NAME).write_bytes(deb)
+    stand_in = tmp_path / "bin" / "apt-get"  # a stand-in for apt-get (tests must not fetch)
+    stand_in.parent.mkdir()
+    stand_in.write_text(f'#!/bin/sh\nexec {shutil.which("cp")} "{tmp_path / "archive" / DEB_NAME}" "./{DEB_NAME}"\n')
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(stand_in.parent))
+    (source,) = _sources(tmp_path, _sha256(deb))
+    out = tmp_path / "docs"
+    assert fetch(out, sources=[{**source, "member": member}], progress=lambda _: None) == [out / "demo.pdf"]
+    assert (out / "demo.pdf").read_bytes() == PDF
+
+
+@pytest.mark.parametrize("which", ["realdocs", "heldout"])
+def test_the_real_sources_name_packages_not_hosts(which):
+    from mmrag.bench.heldout import SOURCES as HELDOUT
+    from mmrag.bench.realdocs.fetch import SOURCES as REALDOCS
+
+    sources = load_sources(HELDOUT if which == "heldout" else REALDOCS)
+    for src in sources:
         assert set(src) == {"doc", "package", "version", "deb_sha256", "member", "pdf_sha256", "pages", "kind"}, src
         assert re.fullmatch(r"[0-9a-f]{64}", src["deb_sha256"]) and re.fullmatch(r"[0-9a-f]{64}", src["pdf_sha256"])
+    assert len(sources) >= 5
+
+
+def test_the_held_out_set_shares_no_document_with_the_set_everything_is_tuned_on():
+    from mmrag.bench.heldout import SOURCES as HELDOUT
+
+    held, tuned = load_sources(HELDOUT), load_sources()
+    assert not {s["doc"] for s in held} & {s["doc"] for s in tuned}
+    assert not {s["pdf_sha256"] for s in held} & {s["pdf_sha256"] for s in tuned}
 
 
 # Patterns, with escaped dots and a character class, so that this file does not name the hosts it looks for.
@@ -170,3 +203,18 @@ def test_no_tracked_file_names_a_package_registry_host():
             line = data.count(b"\n", 0, hit.start()) + 1
             found.append(f"{name}:{line}: {hit.group().decode()}")
     assert not found, found
+
+
+def test_the_held_out_labels_are_well_formed_and_as_the_protocol_asks():
+    """mmrag/bench/heldout/README.md: at least 60 questions over its five documents, half about figures, a dozen
+    needing several pages; every page within its document."""
+    from mmrag.bench.heldout import LABELS, SOURCES
+    from retrieval.evaluate import load_labels
+
+    labelled = load_labels(LABELS)
+    pages = {s["doc"]: s["pages"] for s in load_sources(SOURCES)}
+    assert len(labelled) >= 60 and len({q.id for q in labelled}) == len(labelled)
+    assert sum(q.kind == "figure" for q in labelled) >= len(labelled) / 2
+    assert sum(q.needs_all for q in labelled) >= 12 and all(len(q.answers) >= 2 for q in labelled if q.needs_all)
+    assert {doc for q in labelled for doc, _ in q.answers} == set(pages)
+    assert all(1 <= page <= pages[doc] for q in labelled for doc, page in q.answers)

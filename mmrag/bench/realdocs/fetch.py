@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m mmrag.bench.realdocs.fetch --out DIR
+    python -m mmrag.bench.realdocs.fetch --out DIR                # the tuning set, bench/realdocs
+    python -m mmrag.bench.realdocs.fetch --set heldout --out DIR  # the held-out set, mmrag/bench/heldout
 
 Every PDF comes from a Debian 12 (bookworm) documentation package listed in
 ``mmrag/bench/realdocs/sources.json``.  For each entry the script asks the package
@@ -11,8 +12,9 @@ folder (no root needed), as a user's machine would: apt reaches whichever
 archive mirror the machine's apt sources name, so no host is written here.  It
 then checks the ``.deb``'s SHA-256, reads the ``ar`` archive itself (no dpkg
 needed), extracts the PDF member from ``data.tar.xz`` (or ``.gz``/``.bz2``;
-``.zst`` falls back to the ``zstd`` or ``dpkg-deb`` command), writes
-``DIR/<doc>`` and checks the PDF's SHA-256.  A PDF already in DIR with the
+``.zst`` falls back to the ``zstd`` or ``dpkg-deb`` command), gunzips a member
+the package ships compressed (``dotguide.pdf.gz``), writes ``DIR/<doc>`` and
+checks the PDF's SHA-256.  A PDF already in DIR with the
 right checksum is kept and its package is not downloaded.
 
 Standard library and apt-get only.
@@ -21,6 +23,7 @@ Standard library and apt-get only.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import io
 import json
@@ -185,6 +188,8 @@ def fetch(
                 )
             debs[spec] = data
         pdf = extract_member(debs[spec], src["member"])
+        if src["member"].endswith(".gz"):  # a PDF the package ships gzipped
+            pdf = gzip.decompress(pdf)
         got = _sha256_bytes(pdf)
         if got != src["pdf_sha256"]:
             raise FetchError(
@@ -203,12 +208,20 @@ def fetch(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m mmrag.bench.realdocs.fetch",
-        description="Fetch the realdocs benchmark PDFs from Debian packages with apt-get download.",
+        description="Fetch the retrieval benchmark's PDFs from Debian packages with apt-get download: the "
+                    "realdocs set (every choice is tuned on it) or the held-out set (reported only).",
     )
     ap.add_argument("--out", required=True, type=Path, help="folder for the PDFs")
+    ap.add_argument("--set", choices=("realdocs", "heldout"), default="realdocs",
+                    help="which set: realdocs (mmrag/bench/realdocs) or heldout (mmrag/bench/heldout)")
     args = ap.parse_args(argv)
     try:
-        paths = fetch(args.out)
+        if args.set == "heldout":
+            from mmrag.bench.heldout import SOURCES as HELDOUT
+
+            paths = fetch(args.out, sources=load_sources(HELDOUT))
+        else:
+            paths = fetch(args.out)
     except FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
