@@ -242,6 +242,13 @@ def _text_lines(textpage: pdfium.PdfTextPage, view: _View) -> list[_Line]:
     return lines
 
 
+def words_inside(page: pdfium.PdfPage, textpage: pdfium.PdfTextPage, box: Box) -> str:
+    """The text drawn inside ``box`` (points, top-left origin, as a FigureRegion's): a plot's tick and axis labels,
+    its legend, a diagram's node names, as the page's text objects hold them (raw; mmrag.core.figures.figure_words
+    keeps what a figure point needs)."""
+    return textpage.get_text_bounded(*_View.of(page).bounds(box))
+
+
 def _same_line(a: Box, b: Box) -> bool:
     overlap = min(a[3], b[3]) - max(a[1], b[1])
     return overlap > 0.5 * min(a[3] - a[1], b[3] - b[1]) and -2.0 <= b[0] - a[2] <= _LINE_JOIN_PT
@@ -477,10 +484,11 @@ def _finish(region: _Region) -> FigureRegion:
 # Every crop is turned as its page is shown (/Rotate; for a form, with its placement's quarter turns), like the
 # regions' boxes (_View): a landscape page stored portrait gives the crops of the page stored landscape.
 FIGURE_SCALE = 2.0  # 144 dpi: a figure's crop keeps the detail a page render at MMRAG_PDF_DPI would lose
-FIGURES_VERSION = "fig-v4"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
+FIGURES_VERSION = "fig-v5"  # in a page's fingerprint: a changed detector or crop re-ingests (v2: forms alone,
 # v3: drawings of the page's own objects alone, v4: without anti-aliasing, moved by their exact offset; boxes and
 # crops on the page as shown, its crop box turned by /Rotate), and so does a changed naming of what it found
-# (mmrag/core/figures.py: captions, region_name, figure_text)
+# (mmrag/core/figures.py: captions, region_name, figure_text; v5: a figure point's text adds the words drawn in it,
+# a raster's OCR, and the sentences naming it on every page of its document)
 FIGURE_RENDER = {"no_smoothpath": True, "no_smoothtext": True}  # pypdfium2's render flags for what is drawn alone
 SIZE_GRID_PT = 1 / 1024  # ... on a page of its extent's size rounded to this (far above pdfium's float noise)
 RASTER_MATCH_IOU = 0.9  # a raster region is one image object when their boxes agree this well

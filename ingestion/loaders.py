@@ -30,11 +30,12 @@ from PIL import Image, ImageOps
 
 from mmrag.adapters.lexical import known_words
 from mmrag.core.keys import ContentHash, content_hash_of, doc_id_for
+from mmrag.core.figures import figure_words
 from mmrag.core.pages import FigureCrop, RenderedPage, TextSource
 from mmrag.core.settings import DocumentSettings
 from mmrag.core.text import normalise
 from ingestion import ocr
-from ingestion.figures import FigureBudgetError, crop_figures, detect_figures
+from ingestion.figures import FigureBudgetError, crop_figures, detect_figures, words_inside
 from ingestion.raster import MAX_ASPECT, fit_aspect, fitted_size
 
 logger = logging.getLogger(__name__)
@@ -358,7 +359,8 @@ def _open_pdf(path: Path, config: DocumentSettings) -> _PdfSource:
             # before any page is loaded.
             pdf.init_forms()
             on_error.pop_all()  # valid: the source owns the handle from here on
-    return _PdfSource(pdf, config.pdf_dpi, figures=config.figures, max_pixels=config.max_image_pixels)
+    return _PdfSource(pdf, config.pdf_dpi, figures=config.figures, max_pixels=config.max_image_pixels,
+                      ocr_lang=config.ocr_lang if config.ocr else None)
 
 
 def _pdf_load_message(exc: pdfium.PdfiumError) -> str:
@@ -415,13 +417,16 @@ def _pixels_at(points: float, dpi: int) -> int:
 class _PdfSource:
     """Renders pages of one open pdfium document; owns the handle until close()."""
 
-    def __init__(self, pdf: pdfium.PdfDocument, dpi: int, *, figures: bool = False, max_pixels: int = 0) -> None:
+    def __init__(self, pdf: pdfium.PdfDocument, dpi: int, *, figures: bool = False, max_pixels: int = 0,
+                 ocr_lang: str | None = None) -> None:
         """``figures``: detect each page's figures and crop them (MMRAG_FIGURES); ``max_pixels``: the largest
-        embedded picture decoded as it is (MMRAG_MAX_IMAGE_PIXELS)."""
+        embedded picture decoded as it is (MMRAG_MAX_IMAGE_PIXELS); ``ocr_lang``: OCR a raster figure that holds
+        no text objects in these languages (MMRAG_OCR_LANG; None: MMRAG_OCR is off)."""
         self._pdf = pdf
         self._dpi = dpi
         self._figures_on = figures
         self._max_pixels = max_pixels
+        self._ocr_lang = ocr_lang
         self.num_pages = len(pdf)
 
     def raster(self, index: int) -> _Raster:
@@ -485,13 +490,29 @@ class _PdfSource:
         """The page's figures, each cropped as an image of its own (ingestion/figures.py), and why none were
         looked for when the page is over the figure step's bounds (else "")."""
         try:
-            return crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels,
-                                index=number - 1), ""
+            crops = crop_figures(page, detect_figures(page, textpage=textpage), max_pixels=self._max_pixels,
+                                 index=number - 1)
+            return [self._with_words(page, textpage, crop, number) for crop in crops], ""
         except FigureBudgetError as exc:
             logger.warning("page %d: figures skipped (%s); its image and text are kept", number, exc)
             return [], str(exc)
         except pdfium.PdfiumError as exc:
             raise IngestError(_page_damaged_message(number, exc)) from exc
+
+    def _with_words(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage, crop: FigureCrop,
+                    number: int) -> FigureCrop:
+        """The crop with the words drawn inside it: the page's text objects in its region, normalised as the page's
+        text is; a raster figure that holds none (a screenshot, a scanned chart) is read by OCR where MMRAG_OCR is
+        on. A figure OCR cannot read keeps no words, with a warning: its page is ingested all the same."""
+        raw = words_inside(page, textpage, crop.region.bbox_pt)
+        if not raw.strip() and crop.region.source == "raster" and self._ocr_lang:
+            try:
+                raw = ocr.ocr_image(crop.image, self._ocr_lang)
+            except ocr.OcrError as exc:
+                logger.warning("page %d: the figure at %s was not read by OCR (%s); it is found by its caption and "
+                               "pixels", number, crop.region.bbox_pt, exc)
+        words = figure_words(normalise_text(raw, known=known_words(raw)), crop.region.caption) if raw.strip() else ""
+        return replace(crop, words=words)
 
     def close(self) -> None:
         with PDFIUM_LOCK:

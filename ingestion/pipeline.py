@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmrag.core.figures import Caption, PageFigure, figure_text
+from mmrag.core.figures import Caption, FigureRegion, PageFigure, figure_mentions, figure_text
 from mmrag.core.figures import captions as find_captions
 from mmrag.core.keys import ImageKey, KeyLease
 from mmrag.core.pages import RenderedPage, TextSource
@@ -176,14 +176,20 @@ class Ingestor:
                 return
             # Count into a scratch report first: a file that fails half-way must not count its pages.
             scratch = IngestReport()
-            points = []
+            points: list = []
+            figures: list[_Figure] = []
+            texts: dict[int, str] = {}  # each page's text: a figure is named on any page of its document
             lease = FileLease(self._new_lease(), renew_s=INGEST_LEASE_S / 4)
             try:
                 for batch in batches(_between(doc.pages(), on_batch, scratch), self.vision_batch_size,
                                      self.documents.max_image_pixels):
-                    points.extend(self._process_batch(doc, batch, scratch, lease))
+                    page_points, batch_figures = self._process_batch(doc, batch, scratch, lease)
+                    points.extend(page_points)
+                    figures.extend(batch_figures)
+                    texts.update((p.page, p.text) for p in batch)
                     if on_batch:
                         on_batch(scratch.pages)
+                points.extend(self._figure_points(figures, texts, scratch))
                 lease.check()
                 t0 = time.perf_counter()
                 self.index.replace_document(doc.doc_id, points)
@@ -208,7 +214,8 @@ class Ingestor:
         return [key, *(e.key_for(key.content_hash) for e in self.tier_encoders)]
 
     def _process_batch(self, doc: Document, pages: list[RenderedPage], report: IngestReport, lease: FileLease
-                       ) -> list:
+                       ) -> tuple[list, list[_Figure]]:
+        """The batch's page points, and its figures for _figure_points (at the document's end)."""
         keys = [self.encoder.key_for(p.content_hash) for p in pages]
         crops = [c for p in pages for c in p.figures]
         crop_keys = [self.encoder.key_for(c.content_hash) for c in crops]
@@ -238,28 +245,41 @@ class Ingestor:
             for stage, secs in p.timings.items():
                 report.stage_seconds[stage] += secs
         payloads = [self._payload(doc, p, key, caps, figs) for p, key, caps, figs in zip(pages, keys, captions, figures)]
-        return [make_point(vecs, payload) for vecs, payload in zip(vectors, payloads)] + self._figure_points(
-            pages, payloads, report)
+        return ([make_point(vecs, payload) for vecs, payload in zip(vectors, payloads)],
+                self._figures(pages, payloads, report))
 
-    def _figure_points(self, pages: list[RenderedPage], payloads: list[PagePayload], report: IngestReport) -> list:
-        """A point per figure that can be found: its page's payload with which figure it is (mmrag/core/payload.py
-        figure_payload), the dense vector of its text (its caption, the sentences naming it) where it has text,
-        and where the page-image channel is configured, its crop's image vectors as a page's (CLIP, or the late
-        retriever's pooled multi-vector and mean): then an uncaptioned chart on a slide is found by its pixels."""
-        image_channel = self.image_embedder is not None or self.late is not None
-        found = [(payload, i, figure_text(figure.region, page.text), page.figures[i].image)
+    def _figures(self, pages: list[RenderedPage], payloads: list[PagePayload], report: IngestReport
+                 ) -> list[_Figure]:
+        """Each figure of the batch with its crop's image vectors where the page-image channel is configured (CLIP,
+        or the late retriever's pooled multi-vector and mean: then an uncaptioned chart on a slide is found by its
+        pixels), made now while the crops are in memory; its text waits for the document's end."""
+        found = [_Figure(payload, i, page.page, figure.region, page.figures[i].words)
                  for page, payload in zip(pages, payloads) for i, figure in enumerate(payload.figures)]
-        found = [row for row in found if row[2] or image_channel]
-        if not found:
-            return []
-        t0 = time.perf_counter()
-        vectors: list[dict[str, Any]] = [{} for _ in found]
-        with_text = [j for j, row in enumerate(found) if row[2]]
-        for j, vec in zip(with_text, self.text_embedder.embed([found[j][2] for j in with_text])):
-            vectors[j][TEXT_VECTOR] = vec.tolist()
-        self._image_vectors([row[3] for row in found], vectors)
-        report.stage_seconds["embed"] += time.perf_counter() - t0
-        return [make_point(vecs, payload, figure=i) for (payload, i, _, _), vecs in zip(found, vectors)]
+        if found and (self.image_embedder is not None or self.late is not None):
+            t0 = time.perf_counter()
+            self._image_vectors([page.figures[i].image for page, payload in zip(pages, payloads)
+                                 for i, _ in enumerate(payload.figures)], [f.vectors for f in found])
+            report.stage_seconds["embed"] += time.perf_counter() - t0
+        return found
+
+    def _figure_points(self, figures: list[_Figure], texts: dict[int, str], report: IngestReport) -> list:
+        """A point per figure that can be found: its page's payload with which figure it is (mmrag/core/payload.py
+        figure_payload), the dense vector of its text where it has any (its caption, the words drawn in it, the
+        sentences naming it on any page of the document: mmrag.core.figures.figure_text), its image vectors where
+        they were made (_figures)."""
+        mentions = figure_mentions(sorted(texts.items()))
+        rows = []
+        for f in figures:
+            elsewhere = [s for page, s in mentions.get(f.region.ref, []) if page != f.page] if f.region.ref else []
+            rows.append((f, figure_text(f.region, texts.get(f.page, ""), words=f.words, elsewhere=elsewhere)))
+        rows = [(f, text) for f, text in rows if text or f.vectors]
+        with_text = [(f, text) for f, text in rows if text]
+        if with_text:
+            t0 = time.perf_counter()
+            for (f, _), vec in zip(with_text, self.text_embedder.embed([text for _, text in with_text])):
+                f.vectors[TEXT_VECTOR] = vec.tolist()
+            report.stage_seconds["embed"] += time.perf_counter() - t0
+        return [make_point(f.vectors, f.payload, figure=f.index) for f, _ in rows]
 
     def _encode_missing(self, encoder: VisionEncoder, images: list[Image.Image], keys: list[ImageKey],
                         absent: set[ImageKey], report: IngestReport) -> tuple[int, int]:
@@ -333,6 +353,18 @@ class Ingestor:
             captions=tuple(c.text for c in captions),
             figures=figures,
         )
+
+
+@dataclass(slots=True)
+class _Figure:
+    """A figure of a document being ingested, until its point is made at the document's end."""
+
+    payload: PagePayload  # its page's
+    index: int  # which of the page's figures
+    page: int
+    region: FigureRegion
+    words: str  # drawn inside it (FigureCrop.words)
+    vectors: dict[str, Any] = field(default_factory=dict)  # its image vectors, where made; then its text's
 
 
 class FileLease:

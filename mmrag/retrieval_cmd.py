@@ -50,12 +50,18 @@ def eval_command(
                                         "weights (MMRAG_FUSION, MMRAG_FUSION_WEIGHTS), from the same searches.")
                      ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables.")] = False,
+    held_out: Annotated[Path | None, typer.Option(
+        "--held-out", help="Also score the held-out set (mmrag/bench/heldout/labels.jsonl over the PDFs in this "
+        "folder: `python -m mmrag.bench.realdocs.fetch --set heldout --out DIR`), ingested into a collection of "
+        "its own (MMRAG_QDRANT_COLLECTION + '-heldout': neither set's pages are the other's distractors), and "
+        "print both side by side. Reported only: nothing is tuned on it.")] = None,
 ) -> None:
     """Recall@1, recall@5, MRR and (multi-page questions) every-page@5, per channel: text (dense), lexical (BM25),
     image (if on), hybrid (fused), and `cited`: the pages an answer to the question cites (sub-questions, their
     pages, one prompt's page budget), as POST /v1/ask would. Per question kind too (text, figure).
 
-    On your own documents: `mmrag retrieval eval --labels my_labels.jsonl my_docs/`."""
+    On your own documents: `mmrag retrieval eval --labels my_labels.jsonl my_docs/`. The project's own sets:
+    `mmrag retrieval eval --labels mmrag/bench/realdocs/labels.jsonl realdocs/ --held-out heldout/`."""
     from mmrag.core.settings import Settings
     from retrieval.evaluate import load_labels
 
@@ -71,18 +77,35 @@ def eval_command(
                                      "e.g. `python -m mmrag.bench.realdocs.fetch --out realdocs` fetches ours")
         ingest_for_eval(settings, docs, err)
         report = asyncio.run(run_eval(settings, load_labels(labels), sweep=sweep))
+    if held_out is not None:
+        from mmrag.bench.heldout import LABELS
+
+        if not held_out.is_dir():
+            raise typer.BadParameter(f"--held-out {held_out} is not a folder: fetch the held-out PDFs with "
+                                     f"`python -m mmrag.bench.realdocs.fetch --set heldout --out {held_out}`")
+        collection = f"{settings.qdrant_collection}{HELD_OUT_SUFFIX}"
+        ingest_for_eval(settings, held_out, err, collection=collection)
+        report = {"tuned": report, "held_out": asyncio.run(run_eval(settings, load_labels(LABELS),
+                                                                    collection=collection))}
     if as_json:
         typer.echo(json.dumps(report))
+    elif held_out is not None:
+        print_eval(report["tuned"], err, title="the labelled set")
+        print_eval(report["held_out"], err, title="the held-out set")
+        print_side_by_side(report["tuned"], report["held_out"], err)
     else:
         print_eval(report, err)
 
 
-def ingest_for_eval(settings: Settings, docs: Path, console: Console) -> None:
+HELD_OUT_SUFFIX = "-heldout"  # the held-out set's collection: MMRAG_QDRANT_COLLECTION and this
+
+
+def ingest_for_eval(settings: Settings, docs: Path, console: Console, *, collection: str | None = None) -> None:
     """Ingest ``docs`` as `mmrag ingest` would (unchanged files are skipped), with progress; a failed file stops
-    the evaluation, since its questions could not be answered."""
+    the evaluation, since its questions could not be answered. ``collection``: None, the configured one."""
     from mmrag import wiring
 
-    ingestor = wiring.ingestor(settings)
+    ingestor = wiring.ingestor(settings, collection=collection)
     try:
         report = ingestor.run([docs], progress=lambda done, total, pages: console.print(
             f"ingesting {docs}: {done}/{total} files, {pages} pages", end="\r"))
@@ -112,17 +135,18 @@ def labelled_questions(manifest: CorpusManifest) -> list[LabelledQuestion]:
     return [LabelledQuestion(q.question, frozenset((a.file, a.page) for a in q.answers)) for q in manifest.questions]
 
 
-async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, sweep: bool = False) -> dict[str, Any]:
+async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, sweep: bool = False,
+                   collection: str | None = None) -> dict[str, Any]:
     from qdrant_client import models
 
     from mmrag.core.pages import TextSource
     from mmrag.adapters.qdrant import PAGES_ONLY
     from mmrag.core.payload import PageField
     from mmrag import wiring
-    from retrieval.evaluate import DEPTH, by_kind, chance_recall, score, unknown_docs
+    from retrieval.evaluate import DEPTH, by_kind, chance_recall, misses, score, unknown_docs
     from retrieval.search import Channel
 
-    searcher = wiring.searcher(settings)
+    searcher = wiring.searcher(settings, collection=collection)
     try:
         client, collection = searcher.client, searcher.collection
         # Pages only: figure points (issue 26) carry their page's payload, and are not pages to count.
@@ -163,6 +187,8 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
         "chance_recall@5": round(chance_recall(labelled, pages), 4),
         "fusion": {"method": searcher.fusion.method, "weights": dict(searcher.fusion.weights)},
         "search_ms_per_question": round(search_ms, 2),
+        # Why a question's answer missed: its pages' fused ranks and what it cited instead.
+        "misses": misses(cited, found[Channel.HYBRID], labelled),
     }
     if sweep:
         report["sweep"] = fusion_sweep(found, labelled)
@@ -219,8 +245,30 @@ def fusion_sweep(found: dict[Channel, list[list[Hit]]], labelled: list[LabelledQ
     return rows
 
 
-def print_eval(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"retrieval eval: {report['questions']} questions, {report['pages']} indexed pages")
+def print_side_by_side(tuned: dict[str, Any], held: dict[str, Any], console: Console) -> None:
+    """Recall@5 and every-page@5 of the labelled set beside the held-out set's, per channel and per kind."""
+    table = Table(title="the labelled set (tuned on) beside the held-out set (reported only)")
+    for col in ("", "recall@5", "held out", "every page@5", "held out"):
+        table.add_column(col, justify="left" if not col else "right")
+
+    def row(name: str, a: dict[str, Any] | None, b: dict[str, Any] | None) -> None:
+        def cells(s: dict[str, Any] | None) -> tuple[str, str]:
+            if s is None:
+                return "-", "-"
+            return f"{s['recall@5']:.3f} of {s['n']}", f"{s['all@5']:.3f} of {s['n_multi']}" if s.get("n_multi") else "-"
+        (r5a, alla), (r5b, allb) = cells(a), cells(b)
+        table.add_row(name, r5a, r5b, alla, allb)
+
+    for channel in tuned["channels"]:
+        row(channel, tuned["channels"][channel], held["channels"].get(channel))
+    for channel, kinds in tuned.get("by_kind", {}).items():
+        for kind in sorted({*kinds, *held.get("by_kind", {}).get(channel, {})}):
+            row(f"{channel}, {kind} questions", kinds.get(kind), held["by_kind"].get(channel, {}).get(kind))
+    console.print(table)
+
+
+def print_eval(report: dict[str, Any], console: Console, *, title: str = "retrieval eval") -> None:
+    table = Table(title=f"{title}: {report['questions']} questions, {report['pages']} indexed pages")
     for col in ("channel", "recall@1", "recall@5", "MRR@5", "every page@5", "questions"):
         table.add_column(col, justify="left" if col == "channel" else "right")
     for channel, s in report["channels"].items():
@@ -229,7 +277,7 @@ def print_eval(report: dict[str, Any], console: Console) -> None:
     for channel, kinds in report.get("by_kind", {}).items():
         for kind, s in kinds.items():
             table.add_row(f"{channel}, {kind} questions", f"{s['recall@1']:.3f}", f"{s['recall@5']:.3f}",
-                          f"{s['mrr']:.3f}", f"{s['all@5']:.3f} of {s['n_multi']}" if s["n_multi"] else "-",
+                          f"{s['mrr']:.3f}", f"{s['all@5']:.3f} of {s['n_multi']}" if s.get("n_multi") else "-",
                           str(s["n"]))
     console.print(table)
     fusion = report["fusion"]
@@ -243,6 +291,15 @@ def print_eval(report: dict[str, Any], console: Console) -> None:
             sweep.add_row(r["method"], ",".join(f"{k}={v}" for k, v in r["weights"].items()), f"{r['recall@1']:.3f}",
                           f"{r['recall@5']:.3f}", f"{r['mrr']:.3f}", f"{r['all@5']:.3f}")
         console.print(sweep)
+    if report.get("misses"):
+        missed = Table(title=f"{title}: questions whose answer cites no needed page (every one, for multi-page)")
+        for col in ("id", "kind", "needs", "fused rank of each needed page", "cited instead"):
+            missed.add_column(col)
+        for m in report["misses"]:
+            missed.add_row(m["id"], m["kind"], m["needs"],
+                           ", ".join(f"{p}: {r if r is not None else '-'}" for p, r in m["hybrid_rank"].items()),
+                           ", ".join(m["cited"]))
+        console.print(missed)
     if report["image_channel"] == "off":
         console.print("page-image channel: off (set MMRAG_PAGE_RETRIEVER to a local ColQwen2/ColPali folder, or "
                       "MMRAG_CLIP_WEIGHTS to a local open_clip file, to score it)")

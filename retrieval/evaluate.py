@@ -93,6 +93,25 @@ def by_kind(hits: Sequence[Sequence[Hit]], labelled: Sequence[LabelledQuestion])
     return {k: score([hits[i] for i in idx], [labelled[i] for i in idx]) for k, idx in sorted(kinds.items())}
 
 
+def misses(cited: Sequence[Sequence[tuple[str, int]]], hybrid: Sequence[Sequence[Hit]],
+           labelled: Sequence[LabelledQuestion]) -> list[dict]:
+    """The questions whose answer does not cite what they need (any labelled page, or every one of a multi-page
+    question, among its first DEPTH cited pages), each with why it can be read: the pages it needed, the fused
+    ranking's rank of each (None: not among its candidates), and the pages cited instead."""
+    out = []
+    for cites, hits, q in zip(cited, hybrid, labelled):
+        shown = [tuple(c) for c in cites[:DEPTH]]
+        found = q.answers <= set(shown) if q.needs_all else bool(q.answers & set(shown))
+        if found:
+            continue
+        ranked = [(h.doc, h.page) for h in hits]
+        ranks = {f"{doc} p{page}": (ranked.index((doc, page)) + 1 if (doc, page) in ranked else None)
+                 for doc, page in sorted(q.answers)}
+        out.append({"id": q.id, "kind": q.kind, "needs": "all" if q.needs_all else "any", "question": q.question,
+                    "hybrid_rank": ranks, "cited": [f"{doc} p{page}" for doc, page in shown]})
+    return out
+
+
 def first_correct_rank(hits: Sequence[Hit] | Sequence[tuple[str, int]], answers: frozenset[tuple[str, int]]
                        ) -> int | None:
     """1-based rank of the first hit on an answer page, None when none of the first DEPTH is."""

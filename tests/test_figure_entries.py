@@ -460,3 +460,46 @@ def test_deleting_a_document_removes_its_figure_points_and_reencode_updates_them
         assert [p.payload["doc"] for p in index.figure_points()] == ["deck.pdf"]
     finally:
         index.client.close()
+
+
+def test_a_figure_point_is_found_by_the_words_drawn_in_it_and_the_sentences_naming_it_on_other_pages(
+        tiny_model, tmp_path, monkeypatch):
+    """Issue 44's sources of a figure point's text, through ingestion: the labels drawn inside a chart and a sentence
+    three pages on that says what the figure shows are in the text its dense vector embeds; another figure's
+    sentence is not."""
+    import ingestion.pipeline
+    from mmrag.devkit.pdfbuild import join_pages
+
+    first = PageBuilder()
+    first.body(72, 3)
+    first.chart((120, 150, 480, 400))
+    first.text(300, 380, "Pressure (kPa)")
+    first.text(120, 415, "Figure 2: The loop.")
+    first.body(460, 4)
+    pages = [first.bytes()]
+    for text in ("Nothing about figures here.", "Figure 7 is elsewhere.",
+                 "As Figure 2 shows, the radon half-life does not depend on pressure."):
+        page = PageBuilder()
+        page.text(72, 72, text)
+        pages.append(page.bytes())
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "loop.pdf").write_bytes(join_pages(pages))
+    texts = []
+    real = ingestion.pipeline.figure_text
+    monkeypatch.setattr(ingestion.pipeline, "figure_text", lambda *a, **k: texts.append(real(*a, **k)) or texts[-1])
+    settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False)
+    ingestor = wiring.ingestor(settings)
+    try:
+        report = ingestor.run([tmp_path / "docs" / "loop.pdf"])
+        (point,) = ingestor.index.figure_points(with_vectors=True)
+        embed = ingestor.text_embedder.embed
+    finally:
+        ingestor.index.client.close()
+    assert report.figures == 1 and point.payload["page"] == 1
+    (text,) = texts
+    assert text.startswith("Figure 2: The loop.") and "Pressure (kPa)" in text
+    assert text.endswith("As Figure 2 shows, the radon half-life does not depend on pressure.")
+    assert "Figure 7" not in text and "Nothing about" not in text
+    (expected, caption_only) = embed([text, "Figure 2: The loop."])
+    assert np.allclose(point.vector["text"], expected, atol=1e-5)  # what the point is found by
+    assert not np.allclose(point.vector["text"], caption_only, atol=1e-3)

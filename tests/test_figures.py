@@ -6,16 +6,22 @@ placed at known positions, saved and opened again, as an ingested PDF would be.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image, ImageDraw, ImageFont
 
 from mmrag.bench.figures.evaluate import match
-from mmrag.core.figures import FigureRegion, figure_text, iou, union_box
+from mmrag.core.figures import (FIGURE_TEXT_CHARS, FIGURE_WORDS_CHARS, FigureRegion, figure_mentions, figure_text,
+                                figure_words, iou, union_box)
+from mmrag.core.settings import DocumentSettings
 from mmrag.devkit.pdfbuild import PageBuilder
 from ingestion.figures import FigureBudgetError, _cluster, detect_figures
+from ingestion.loaders import open_document
+from ingestion.ocr import ocr_available
 
 
 def close(a, b, tol=2.0) -> bool:
@@ -322,3 +328,103 @@ def test_thousands_of_large_overlapping_shapes_are_stopped_by_the_time_budget_wh
         _cluster(boxes, 6.0, deadline=0.0)
     assert _cluster(boxes, 6.0, deadline=None) == [(0.0, 0.0, 399.0, 300.0)]  # no deadline: grouped as ever
 
+
+
+# --- what a figure point is found by: its caption, the words drawn in it, the sentences naming it anywhere ------
+
+
+def test_a_figures_words_keep_its_labels_without_its_caption_or_tick_values():
+    drawn = "0 10 20 30\nLatency (ms)  p50 p99\n2.5 5.0 Figure 4: Tail latency by load. Requests/s"
+    assert figure_words(drawn, "Figure 4: Tail latency by load.") == "Latency (ms) p50 p99 Requests/s"
+    assert figure_words("1 2 3 4 5") == ""
+    long = figure_words(" ".join(f"label{k}" for k in range(200)))
+    assert len(long) <= FIGURE_WORDS_CHARS and long.endswith(tuple("0123456789")) and "label1 " in long
+
+
+def test_a_figure_point_adds_the_words_drawn_in_it_and_the_sentences_naming_it_on_other_pages():
+    region = FigureRegion(2, "figure", "Figure 2: Decay.", (0, 0, 10, 10), "vector")
+    pages = [(1, "Figure 2: Decay. The apparatus is shown."),
+             (3, "As Figure 2 shows, radon halves every 3.8 days. Table 2 lists isotopes."),
+             (5, "Compare with Figure 2 for thorium. Nothing else.")]
+    mentions = figure_mentions(pages)
+    assert mentions[("figure", "2")] == [(1, "Figure 2: Decay."), (3, "As Figure 2 shows, radon halves every 3.8 days."),
+                                         (5, "Compare with Figure 2 for thorium.")]
+    assert mentions[("table", "2")] == [(3, "Table 2 lists isotopes.")]
+    elsewhere = [s for page, s in mentions[region.ref] if page != 1]
+    text = figure_text(region, pages[0][1], words="half-life activity Bq", elsewhere=elsewhere)
+    assert text == ("Figure 2: Decay. half-life activity Bq As Figure 2 shows, radon halves every 3.8 days. "
+                    "Compare with Figure 2 for thorium.")
+    # each sentence once, however many pages repeat it; the whole cut where MiniLM stops reading
+    assert figure_text(region, "See Figure 2 here.", elsewhere=["See Figure 2 here."] * 3) == \
+        "Figure 2: Decay. See Figure 2 here."
+    assert len(figure_text(region, "", elsewhere=[f"Figure 2 case {k}." for k in range(400)])) == FIGURE_TEXT_CHARS
+    # an unnumbered figure is named by no sentence: its caption and its own words find it
+    plain = FigureRegion(None, "image", "", (0, 0, 10, 10), "raster")
+    assert figure_text(plain, "As Figure 2 shows.", words="throughput", elsewhere=elsewhere) == "throughput"
+
+
+def _crops(pdf: bytes, tmp_path: Path, **config) -> list:
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(pdf)
+    with open_document(path, DocumentSettings(**{"figures": True, "ocr": False, **config})) as doc:
+        return [crop for page in doc.pages() for crop in page.figures]
+
+
+def test_a_drawn_charts_labels_legend_and_axis_title_are_its_words(tmp_path):
+    b = PageBuilder()
+    b.body(72, 3)
+    b.chart((120, 150, 480, 400))
+    b.text(130, 160, "cache hits")  # a legend entry inside the frame
+    b.text(300, 380, "Requests per second")  # the axis title along its foot
+    for k, tick in enumerate(("0", "50", "100")):
+        b.text(100, 390 - 100 * k, tick, size=8)
+    b.text(120, 425, "Figure 5: Throughput under load.")
+    b.body(460, 4)
+    (crop,) = _crops(b.bytes(), tmp_path)
+    assert crop.region.number == 5
+    assert "cache hits" in crop.words and "Requests per second" in crop.words
+    assert "Throughput under load" not in crop.words and "body text" not in crop.words  # not its caption, nor the page
+    assert not any(w.isdigit() for w in crop.words.split())
+
+
+def _picture_with_text(text: str) -> bytes:
+    im = Image.new("RGB", (640, 360), "white")
+    draw = ImageDraw.Draw(im)
+    draw.rectangle((40, 120, 600, 320), outline="black", width=3)
+    draw.text((60, 30), text, fill="black", font=ImageFont.load_default(size=44))
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+@pytest.mark.skipif(not ocr_available(), reason="tesseract is not installed (apt-get install tesseract-ocr)")
+def test_a_raster_figure_without_text_objects_is_read_by_ocr_where_ocr_is_on(tmp_path):
+    b = PageBuilder()
+    b.body(72, 3)
+    b.image((120, 150, 480, 352.5), _picture_with_text("REACTOR COOLANT FLOW"))
+    b.text(120, 365, "Figure 1: The loop.")
+    b.body(420, 4)
+    (read,) = _crops(b.bytes(), tmp_path, ocr=True)
+    assert read.region.source == "raster" and {"REACTOR", "COOLANT", "FLOW"} <= set(read.words.split())
+    (unread,) = _crops(b.bytes(), tmp_path, ocr=False)  # MMRAG_OCR=false: no tesseract run, no words
+    assert unread.words == ""
+
+
+def test_a_missed_question_is_reported_with_its_pages_ranks_and_what_was_cited_instead():
+    from retrieval.evaluate import LabelledQuestion, misses
+    from retrieval.search import Hit
+
+    def hit(doc: str, page: int) -> Hit:
+        return Hit(f"{doc}-{page}", doc, doc, page, 1.0, "", None, 0, doc)  # type: ignore[arg-type]
+
+    labelled = [LabelledQuestion("found?", frozenset({("a.pdf", 2)}), id="q1"),
+                LabelledQuestion("missed?", frozenset({("a.pdf", 9)}), kind="figure", id="q2"),
+                LabelledQuestion("both?", frozenset({("a.pdf", 2), ("a.pdf", 7)}), needs_all=True, id="q3")]
+    ranking = [hit("a.pdf", 2), hit("a.pdf", 3), hit("a.pdf", 7), hit("a.pdf", 9)]
+    cited = [[("a.pdf", 2)], [("a.pdf", 3), ("a.pdf", 2)], [("a.pdf", 2), ("a.pdf", 3)]]
+    assert misses(cited, [ranking] * 3, labelled) == [
+        {"id": "q2", "kind": "figure", "needs": "any", "question": "missed?", "hybrid_rank": {"a.pdf p9": 4},
+         "cited": ["a.pdf p3", "a.pdf p2"]},
+        {"id": "q3", "kind": "text", "needs": "all", "question": "both?", "hybrid_rank": {"a.pdf p2": 1, "a.pdf p7": 3},
+         "cited": ["a.pdf p2", "a.pdf p3"]}]
+    assert misses([[("b.pdf", 1)]], [[]], labelled[:1])[0]["hybrid_rank"] == {"a.pdf p2": None}

@@ -355,19 +355,52 @@ def figure_refs(text: str) -> list[tuple[str, str]]:
 
 # --- what a figure point is found by ----------------------------------------------------------------------
 
-FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption and the first sentences naming the figure
+FIGURE_TEXT_CHARS = 1200  # MiniLM reads ~256 word pieces: the caption, its words, the first sentences naming it
+FIGURE_WORDS_CHARS = 400  # of the words drawn inside a figure: its labels, not a whole table's body
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")
 
 
-def figure_text(region: FigureRegion, page_text: str) -> str:
-    """What a figure point is found by (the figure channel): its caption, then the page's sentences that name
-    it by number ("as Figure 3 shows ..."); empty for a figure with neither (it is found through its page).
+def figure_words(text: str, caption: str = "") -> str:
+    """The words drawn inside a figure (tick and axis labels, a legend, node names: a PDF's text objects in its
+    region, or a raster's OCR) as its point keeps them: whitespace collapsed, its caption's words left out, tokens
+    without a letter dropped (a plot's tick values "0 10 20" name nothing a question asks for), at most
+    FIGURE_WORDS_CHARS."""
+    text = " ".join(text.split())
+    if caption:
+        text = text.replace(" ".join(caption.split()), " ")
+    kept = " ".join(w for w in text.split() if any(c.isalpha() for c in w))
+    return kept[:FIGURE_WORDS_CHARS].rsplit(" ", 1)[0] if len(kept) > FIGURE_WORDS_CHARS else kept
+
+
+def figure_mentions(pages: Iterable[tuple[int, str]]) -> dict[tuple[str, str], list[tuple[int, str]]]:
+    """Every sentence of a document that names a figure or table by number (:func:`figure_refs`), under each
+    reference it names, with its page, in page order: ``pages`` as (page number, page text). Read once a
+    document, so each figure point finds the sentences naming it anywhere in it (:func:`figure_text`)."""
+    mentions: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for number, text in pages:
+        for sentence in _SENTENCE.split(" ".join(text.split())):
+            sentence = sentence.strip()
+            for ref in figure_refs(sentence) if sentence else ():
+                mentions.setdefault(ref, []).append((number, sentence))
+    return mentions
+
+
+def figure_text(region: FigureRegion, page_text: str, *, words: str = "",
+                elsewhere: Sequence[str] = ()) -> str:
+    """What a figure point is found by (the figure channel): its caption; the words drawn inside it
+    (:func:`figure_words`); the sentences of its page that name it by number ("as Figure 3 shows ..."); then
+    ``elsewhere``, the sentences of the document's other pages that name it (:func:`figure_mentions`), each once,
+    cut at FIGURE_TEXT_CHARS. Empty for a figure with none of these (it is found through its page, or its pixels).
     Ingestion stores it: a change re-ingests (ingestion/figures.py FIGURES_VERSION)."""
     parts = [region.caption] if region.caption else []
+    if words:
+        parts.append(words)
     if region.ref is not None:
-        for sentence in _SENTENCE.split(" ".join(page_text.split())):
-            if sentence.strip() and sentence.strip() not in region.caption and region.ref in figure_refs(sentence):
-                parts.append(sentence.strip())
+        page = [s.strip() for s in _SENTENCE.split(" ".join(page_text.split()))]
+        for sentence in [*page, *elsewhere]:
+            if (sentence and sentence not in region.caption and sentence not in parts
+                    and region.ref in figure_refs(sentence)):
+                parts.append(sentence)
     return " ".join(parts)[:FIGURE_TEXT_CHARS]
 
 

@@ -28,6 +28,9 @@ class FigureCrop:
     region: FigureRegion
     image: Image.Image  # normalised: RGB
     content_hash: ContentHash
+    # The words drawn inside it: its text objects, or a raster's OCR (mmrag.core.figures.figure_words); what its
+    # figure point is found by besides its caption and the sentences naming it (figure_text).
+    words: str = ""
 
 
 @dataclass(slots=True)
