@@ -140,7 +140,7 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
     from qdrant_client import models
 
     from mmrag.core.pages import TextSource
-    from mmrag.adapters.qdrant import PAGES_ONLY
+    from mmrag.adapters.qdrant import PAGES_ONLY, AsyncPageReader
     from mmrag.core.payload import PageField
     from mmrag import wiring
     from retrieval.evaluate import DEPTH, by_kind, chance_recall, misses, score, unknown_docs
@@ -169,6 +169,10 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
                                                             match=models.MatchValue(value=TextSource.NONE.value))],
                                 must_not=PAGES_ONLY.must_not)
         without_text = (await client.count(collection, count_filter=no_text, exact=True)).count
+        missed = misses(cited, found[Channel.HYBRID], labelled)
+        if missed:  # what each needed page holds: its payload, read once
+            by_page = {(p.doc, p.page): p for p in await AsyncPageReader(client, collection).pages()}
+            missed = misses(cited, found[Channel.HYBRID], labelled, by_page)
     finally:
         await searcher.client.close()
     channels = {c.value: score([h[:DEPTH] for h in found[c]], labelled) for c in found}
@@ -187,8 +191,8 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
         "chance_recall@5": round(chance_recall(labelled, pages), 4),
         "fusion": {"method": searcher.fusion.method, "weights": dict(searcher.fusion.weights)},
         "search_ms_per_question": round(search_ms, 2),
-        # Why a question's answer missed: its pages' fused ranks and what it cited instead.
-        "misses": misses(cited, found[Channel.HYBRID], labelled),
+        # Why a question's answer missed: its pages' fused ranks, figures and text, and what it cited instead.
+        "misses": missed,
     }
     if sweep:
         report["sweep"] = fusion_sweep(found, labelled)
@@ -293,13 +297,16 @@ def print_eval(report: dict[str, Any], console: Console, *, title: str = "retrie
         console.print(sweep)
     if report.get("misses"):
         missed = Table(title=f"{title}: questions whose answer cites no needed page (every one, for multi-page)")
-        for col in ("id", "kind", "needs", "fused rank of each needed page", "cited instead"):
+        for col in ("id", "kind", "needs", "fused rank of each needed page [its figures]", "cited instead"):
             missed.add_column(col)
         for m in report["misses"]:
-            missed.add_row(m["id"], m["kind"], m["needs"],
-                           ", ".join(f"{p}: {r if r is not None else '-'}" for p, r in m["hybrid_rank"].items()),
-                           ", ".join(m["cited"]))
+            needed = m.get("needed", {})
+            missed.add_row(m["id"], m["kind"], m["needs"], "; ".join(
+                f"{p}: {r if r is not None else '-'}" + (f" [{' | '.join(needed[p]['figures'])}]"
+                                                         if needed.get(p, {}).get("figures") else "")
+                for p, r in m["hybrid_rank"].items()), ", ".join(m["cited"]))
         console.print(missed)
+        console.print("(--json adds each needed page's text; a rank '-': not among the fused candidates)")
     if report["image_channel"] == "off":
         console.print("page-image channel: off (set MMRAG_PAGE_RETRIEVER to a local ColQwen2/ColPali folder, or "
                       "MMRAG_CLIP_WEIGHTS to a local open_clip file, to score it)")

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmrag.core.payload import PagePayload
 from retrieval.search import Channel, Hit, PageSearcher
 
 DEPTH = 5  # recall@5, MRR and all@5 look at the first five hits
@@ -93,11 +94,16 @@ def by_kind(hits: Sequence[Sequence[Hit]], labelled: Sequence[LabelledQuestion])
     return {k: score([hits[i] for i in idx], [labelled[i] for i in idx]) for k, idx in sorted(kinds.items())}
 
 
+MISS_TEXT_CHARS = 200  # of a needed page's text, in a miss's report
+
+
 def misses(cited: Sequence[Sequence[tuple[str, int]]], hybrid: Sequence[Sequence[Hit]],
-           labelled: Sequence[LabelledQuestion]) -> list[dict]:
+           labelled: Sequence[LabelledQuestion], pages: Mapping[tuple[str, int], PagePayload] | None = None
+           ) -> list[dict]:
     """The questions whose answer does not cite what they need (any labelled page, or every one of a multi-page
     question, among its first DEPTH cited pages), each with why it can be read: the pages it needed, the fused
-    ranking's rank of each (None: not among its candidates), and the pages cited instead."""
+    ranking's rank of each (None: not among its candidates), and the pages cited instead; with ``pages`` (the
+    index's payloads by (doc, page)), each needed page's figures (number and caption) and the start of its text."""
     out = []
     for cites, hits, q in zip(cited, hybrid, labelled):
         shown = [tuple(c) for c in cites[:DEPTH]]
@@ -107,9 +113,20 @@ def misses(cited: Sequence[Sequence[tuple[str, int]]], hybrid: Sequence[Sequence
         ranked = [(h.doc, h.page) for h in hits]
         ranks = {f"{doc} p{page}": (ranked.index((doc, page)) + 1 if (doc, page) in ranked else None)
                  for doc, page in sorted(q.answers)}
-        out.append({"id": q.id, "kind": q.kind, "needs": "all" if q.needs_all else "any", "question": q.question,
-                    "hybrid_rank": ranks, "cited": [f"{doc} p{page}" for doc, page in shown]})
+        row = {"id": q.id, "kind": q.kind, "needs": "all" if q.needs_all else "any", "question": q.question,
+               "hybrid_rank": ranks, "cited": [f"{doc} p{page}" for doc, page in shown]}
+        if pages is not None:
+            row["needed"] = {f"{doc} p{page}": _described(pages.get((doc, page))) for doc, page in sorted(q.answers)}
+        out.append(row)
     return out
+
+
+def _described(page: PagePayload | None) -> dict:
+    if page is None:
+        return {"indexed": False}
+    return {"figures": [f"{f.region.kind} {f.region.number if f.region.number is not None else '-'}: "
+                        f"{f.region.caption or '(no caption)'}" for f in page.figures],
+            "text": " ".join(page.text.split())[:MISS_TEXT_CHARS]}
 
 
 def first_correct_rank(hits: Sequence[Hit] | Sequence[tuple[str, int]], answers: frozenset[tuple[str, int]]

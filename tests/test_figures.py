@@ -428,3 +428,18 @@ def test_a_missed_question_is_reported_with_its_pages_ranks_and_what_was_cited_i
         {"id": "q3", "kind": "text", "needs": "all", "question": "both?", "hybrid_rank": {"a.pdf p2": 1, "a.pdf p7": 3},
          "cited": ["a.pdf p2", "a.pdf p3"]}]
     assert misses([[("b.pdf", 1)]], [[]], labelled[:1])[0]["hybrid_rank"] == {"a.pdf p2": None}
+    # with the index's payloads: what each needed page holds, its figures and the start of its text
+    from mmrag.core.figures import PageFigure
+    from mmrag.core.keys import ImageKey
+    from mmrag.core.pages import TextSource
+    from mmrag.core.payload import PagePayload
+
+    key = ImageKey.parse(f"img1-{'0' * 64}-deadbeef-px3136-200704")
+    figure = PageFigure(FigureRegion(6, "figure", "Figure 6: Node shapes.", (0, 0, 9, 9), "form"), key, 4)
+    page = PagePayload(doc_id="d", doc="a.pdf", path="/x/a.pdf", page=9, num_pages=9, file_sha256="", content_hash="",
+                       image_key=key, image_tokens=4, width=9, height=9, text="  The   shapes " + "x" * 400,
+                       text_source=TextSource.TEXT_LAYER, fingerprint="", figures=(figure,))
+    (described,) = misses(cited[1:2], [ranking], labelled[1:2], {("a.pdf", 9): page})
+    assert described["needed"] == {"a.pdf p9": {"figures": ["figure 6: Figure 6: Node shapes."],
+                                                "text": ("The shapes " + "x" * 400)[:200]}}
+    assert misses(cited[1:2], [ranking], labelled[1:2], {})[0]["needed"] == {"a.pdf p9": {"indexed": False}}
