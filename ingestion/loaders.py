@@ -480,10 +480,7 @@ class _PdfSource:
 
     @staticmethod
     def _text_layer(textpage: pdfium.PdfTextPage) -> str:
-        raw = textpage.get_text_range()
-        # The page's own words and an English word list tell a joined hyphenation or a restored ligature from a
-        # real compound (mmrag/core/text.py, mmrag/adapters/lexical.py known_words).
-        return normalise_text(raw, known=known_words(raw))
+        return _normalised(textpage.get_text_range())
 
     def _figures(self, page: pdfium.PdfPage, textpage: pdfium.PdfTextPage,
                  number: int) -> tuple[list[FigureCrop], str]:
@@ -511,12 +508,19 @@ class _PdfSource:
             except ocr.OcrError as exc:
                 logger.warning("page %d: the figure at %s was not read by OCR (%s); it is found by its caption and "
                                "pixels", number, crop.region.bbox_pt, exc)
-        words = figure_words(normalise_text(raw, known=known_words(raw)), crop.region.caption) if raw.strip() else ""
+        words = figure_words(_normalised(raw), crop.region.caption) if raw.strip() else ""
         return replace(crop, words=words)
 
     def close(self) -> None:
         with PDFIUM_LOCK:
             self._pdf.close()
+
+
+def _normalised(raw: str) -> str:
+    """Text read from a page (its text layer, a figure's text objects, OCR) as a page's text is kept: its own words
+    and an English word list tell a joined hyphenation or a restored ligature from a real compound
+    (mmrag/core/text.py, mmrag/adapters/lexical.py known_words)."""
+    return normalise_text(raw, known=known_words(raw))
 
 
 def _page_damaged_message(number: int, exc: Exception) -> str:
@@ -818,8 +822,7 @@ class Document:
 
     def _run_ocr(self, raster: _Raster, number: int) -> str:
         try:
-            raw = ocr.ocr_image(raster.image, self._ocr_lang, dpi=raster.dpi)
-            return normalise_text(raw, known=known_words(raw))
+            return _normalised(ocr.ocr_image(raster.image, self._ocr_lang, dpi=raster.dpi))
         except ocr.OcrError as exc:
             raise IngestError(
                 f"OCR failed on page {number} ({exc}): check the tesseract install, or set MMRAG_OCR=false"

@@ -253,12 +253,12 @@ class Ingestor:
         """Each figure of the batch with its crop's image vectors where the page-image channel is configured (CLIP,
         or the late retriever's pooled multi-vector and mean: then an uncaptioned chart on a slide is found by its
         pixels), made now while the crops are in memory; its text waits for the document's end."""
-        found = [_Figure(payload, i, page.page, figure.region, page.figures[i].words)
-                 for page, payload in zip(pages, payloads) for i, figure in enumerate(payload.figures)]
+        crops = [(payload, i, page.figures[i]) for page, payload in zip(pages, payloads)
+                 for i in range(len(payload.figures))]
+        found = [_Figure(payload, i, crop.words) for payload, i, crop in crops]
         if found and (self.image_embedder is not None or self.late is not None):
             t0 = time.perf_counter()
-            self._image_vectors([page.figures[i].image for page, payload in zip(pages, payloads)
-                                 for i, _ in enumerate(payload.figures)], [f.vectors for f in found])
+            self._image_vectors([crop.image for _, _, crop in crops], [f.vectors for f in found])
             report.stage_seconds["embed"] += time.perf_counter() - t0
         return found
 
@@ -270,8 +270,9 @@ class Ingestor:
         mentions = figure_mentions(sorted(texts.items()))
         rows = []
         for f in figures:
-            elsewhere = [s for page, s in mentions.get(f.region.ref, []) if page != f.page] if f.region.ref else []
-            rows.append((f, figure_text(f.region, texts.get(f.page, ""), words=f.words, elsewhere=elsewhere)))
+            region, page = f.region, f.payload.page
+            elsewhere = [s for on, s in mentions.get(region.ref, []) if on != page] if region.ref else []
+            rows.append((f, figure_text(region, texts.get(page, ""), words=f.words, elsewhere=elsewhere)))
         rows = [(f, text) for f, text in rows if text or f.vectors]
         with_text = [(f, text) for f, text in rows if text]
         if with_text:
@@ -361,10 +362,12 @@ class _Figure:
 
     payload: PagePayload  # its page's
     index: int  # which of the page's figures
-    page: int
-    region: FigureRegion
     words: str  # drawn inside it (FigureCrop.words)
     vectors: dict[str, Any] = field(default_factory=dict)  # its image vectors, where made; then its text's
+
+    @property
+    def region(self) -> FigureRegion:
+        return self.payload.figures[self.index].region
 
 
 class FileLease:

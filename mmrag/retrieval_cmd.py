@@ -169,10 +169,9 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
                                                             match=models.MatchValue(value=TextSource.NONE.value))],
                                 must_not=PAGES_ONLY.must_not)
         without_text = (await client.count(collection, count_filter=no_text, exact=True)).count
-        missed = misses(cited, found[Channel.HYBRID], labelled)
-        if missed:  # what each needed page holds: its payload, read once
-            by_page = {(p.doc, p.page): p for p in await AsyncPageReader(client, collection).pages()}
-            missed = misses(cited, found[Channel.HYBRID], labelled, by_page)
+        # What each needed page of a missed question holds: the indexed pages' payloads, read once.
+        by_page = {(p.doc, p.page): p for p in await AsyncPageReader(client, collection).pages()} if pages else {}
+        missed = misses(cited, found[Channel.HYBRID], labelled, by_page)
     finally:
         await searcher.client.close()
     channels = {c.value: score([h[:DEPTH] for h in found[c]], labelled) for c in found}
@@ -259,7 +258,8 @@ def print_side_by_side(tuned: dict[str, Any], held: dict[str, Any], console: Con
         def cells(s: dict[str, Any] | None) -> tuple[str, str]:
             if s is None:
                 return "-", "-"
-            return f"{s['recall@5']:.3f} of {s['n']}", f"{s['all@5']:.3f} of {s['n_multi']}" if s.get("n_multi") else "-"
+            multi = f"{s['all@5']:.3f} of {s['n_multi']}" if s.get("n_multi") else "-"
+            return f"{s['recall@5']:.3f} of {s['n']}", multi
         (r5a, alla), (r5b, allb) = cells(a), cells(b)
         table.add_row(name, r5a, r5b, alla, allb)
 

@@ -63,7 +63,8 @@ T = TypeVar("T")
 # MMRAG_MAX_CONCURRENCY=0 lets in this many of the engine's batches: one decoding and one waiting inside the engine.
 # With exactly one batch in flight a sequence that ends leaves its slot empty until mmrag has seen the end, sent the
 # next plan, and the engine has taken it in (tokenised, its image tokens loaded); a second batch already waiting in
-# the engine fills it at the next step. The rest still waits here, in the scheduler's order. Measured: docs/benchmarks.md.
+# the engine fills it at the next step. The rest still waits here, in the scheduler's order. Measured:
+# docs/benchmarks.md.
 BATCHES_OFFERED = 2
 Key = Hashable
 

@@ -347,7 +347,8 @@ def test_a_figure_point_adds_the_words_drawn_in_it_and_the_sentences_naming_it_o
              (3, "As Figure 2 shows, radon halves every 3.8 days. Table 2 lists isotopes."),
              (5, "Compare with Figure 2 for thorium. Nothing else.")]
     mentions = figure_mentions(pages)
-    assert mentions[("figure", "2")] == [(1, "Figure 2: Decay."), (3, "As Figure 2 shows, radon halves every 3.8 days."),
+    assert mentions[("figure", "2")] == [(1, "Figure 2: Decay."),
+                                         (3, "As Figure 2 shows, radon halves every 3.8 days."),
                                          (5, "Compare with Figure 2 for thorium.")]
     assert mentions[("table", "2")] == [(3, "Table 2 lists isotopes.")]
     elsewhere = [s for page, s in mentions[region.ref] if page != 1]

@@ -47,12 +47,12 @@ def _ar(members: dict[str, bytes]) -> bytes:
     return bytes(out)
 
 
-def _deb() -> bytes:
+def _deb(member: str = MEMBER, data: bytes = PDF) -> bytes:
     control = f"Package: {PACKAGE}\nVersion: {VERSION}\nArchitecture: all\nDescription: fetch test\n".encode()
     return _ar({
         "debian-binary": b"2.0\n",
         "control.tar.xz": _tar_xz({"./control": control}),
-        "data.tar.xz": _tar_xz({MEMBER: PDF}),
+        "data.tar.xz": _tar_xz({member: data}),
     })
 
 
@@ -81,7 +81,7 @@ def apt(tmp_path, monkeypatch):
         text = calls.read_text().split("--\n")
         return [run.splitlines() for run in text if run]
 
-    return {"deb": deb.read_bytes(), "calls": calls_made}
+    return {"deb": deb.read_bytes(), "calls": calls_made, "archive": deb}  # archive: the .deb it hands out
 
 
 def _sources(tmp_path: Path, deb_sha256: str) -> list[dict]:
@@ -141,19 +141,13 @@ def test_a_version_apt_does_not_know_names_apt_get_update_and_the_package(tmp_pa
     assert not (tmp_path / "docs" / "demo.pdf").exists()
 
 
-def test_a_pdf_the_package_ships_gzipped_is_written_unzipped_and_checked_unzipped(tmp_path, monkeypatch):
+def test_a_pdf_the_package_ships_gzipped_is_written_unzipped_and_checked_unzipped(tmp_path, apt):
     # graphviz-doc ships dotguide.pdf.gz (the held-out set's first document)
     import gzip
 
     member = MEMBER + ".gz"
-    deb = _ar({"debian-binary": b"2.0\n", "data.tar.xz": _tar_xz({member: gzip.compress(PDF)})})
-    (tmp_path / "archive").mkdir()
-    (tmp_path / "archive" / DEB_NAME).write_bytes(deb)
-    stand_in = tmp_path / "bin" / "apt-get"  # a stand-in for apt-get (tests must not fetch)
-    stand_in.parent.mkdir()
-    stand_in.write_text(f'#!/bin/sh\nexec {shutil.which("cp")} "{tmp_path / "archive" / DEB_NAME}" "./{DEB_NAME}"\n')
-    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", str(stand_in.parent))
+    deb = _deb(member, gzip.compress(PDF))
+    apt["archive"].write_bytes(deb)  # the .deb the stand-in hands out
     (source,) = _sources(tmp_path, _sha256(deb))
     out = tmp_path / "docs"
     assert fetch(out, sources=[{**source, "member": member}], progress=lambda _: None) == [out / "demo.pdf"]

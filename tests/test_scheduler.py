@@ -12,7 +12,8 @@ import asyncio
 import pytest
 
 from mmrag.core.engine import Completion, PromptPlan, Usage
-from serving.scheduler import BATCHES_OFFERED, Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs, order_lpm
+from serving.scheduler import (BATCHES_OFFERED, Policy, Scheduler, SchedulerConfig, order_dfs_weight, order_fcfs,
+                              order_lpm)
 from tests.waiting import eventually
 
 

@@ -396,10 +396,9 @@ def figure_text(region: FigureRegion, page_text: str, *, words: str = "",
     if words:
         parts.append(words)
     if region.ref is not None:
-        page = [s.strip() for s in _SENTENCE.split(" ".join(page_text.split()))]
-        for sentence in [*page, *elsewhere]:
-            if (sentence and sentence not in region.caption and sentence not in parts
-                    and region.ref in figure_refs(sentence)):
+        own = [s for _, s in figure_mentions([(0, page_text)]).get(region.ref, [])]
+        for sentence in [*own, *elsewhere]:
+            if sentence not in region.caption and sentence not in parts:
                 parts.append(sentence)
     return " ".join(parts)[:FIGURE_TEXT_CHARS]
 

@@ -236,7 +236,8 @@ def page_index(settings: Settings, text_dim: int, *, collection: str | None = No
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
     index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path),
-                      collection or settings.qdrant_collection, text_dim=text_dim, image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
+                      collection or settings.qdrant_collection, text_dim=text_dim,
+                      image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
     index.ensure_collection()
     return index
 

@@ -282,7 +282,8 @@ async def page_image(
     path, renders = Path(found.path), services.renders
     key = renders.key(services.tenant, path, found.page, box, figure is None)
     if box is None:  # the page as is: the bytes it always was
-        png = await renders.png(services.tenant, key, lambda: _render_png(path, found.page, services.settings.documents))
+        png = await renders.png(services.tenant, key,
+                                lambda: _render_png(path, found.page, services.settings.documents))
     else:  # a figure's box is the page's own (clamped to it when drawn); the client's must lie on the page
         png = await renders.png(services.tenant, key, lambda: _render_outlined_png(
             path, found.page, services.settings.documents, box, on_page=figure is None))
