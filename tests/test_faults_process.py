@@ -356,7 +356,9 @@ def test_a_servers_heap_is_frozen_after_start_up_and_what_it_makes_later_is_stil
 
     kept = Node()
     frozen = freeze_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # What freeze_heap counted is what it froze; the count can only fall afterwards (another thread of this test
+    # process may drop the last reference to a frozen object, which leaves the permanent generation), never rise.
+    assert frozen > 0 and gc.get_freeze_count() <= frozen
     assert not any(obj is kept for obj in gc.get_objects())  # frozen: in no generation the collector walks
     later = Node()
     later.self = later  # a cycle: only the collector frees it
