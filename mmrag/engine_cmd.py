@@ -5,6 +5,7 @@ Registered in mmrag/cli.py as ``app.add_typer(engine_app, name="engine")``.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 from typing import Annotated
@@ -28,6 +29,10 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to answer /health.")] = 600.0,
+    kv_events_port: Annotated[int, typer.Option(
+        help="Publish the replica's KV events on this TCP port (every interface; replay on the next port), so "
+             "routers send each prompt where its pages' KV is (MMRAG_KV_EVENTS_ENDPOINTS, printed at start). The "
+             "events carry token ids: keep the port on a private network. 0: none.")] = 0,
 ) -> None:
     """Serve the configured model with `vllm serve` (prefix caching and image embeddings on) until Ctrl-C.
 
@@ -40,6 +45,8 @@ def serve(
     settings = Settings()
     model = wiring.resolve_model(settings)
     config = wiring.engine_config(settings)
+    if kv_events_port:
+        config = dataclasses.replace(config, kv_events=f"tcp://*:{kv_events_port}")
     err.print(f"model: {model.describe()}")
     err.print(f"starting vllm serve on {host}:{port} (30-40 s on CPU with the tiny model) ...")
     handle: ServerHandle | None = None
@@ -67,7 +74,9 @@ def serve(
     else:
         if not stopping:  # after a stop signal during start-up the server is going down: do not announce it
             err.print(f"[green]ready[/] in {seconds:.0f} s at [bold]{handle.url}[/]")
-            typer.echo(f"MMRAG_ENGINE_URLS={handle.url}")  # stdout: the one line a script or another shell needs
+            typer.echo(f"MMRAG_ENGINE_URLS={handle.url}")  # stdout: the lines a script or another shell needs
+            if kv_events_port:
+                typer.echo(f"MMRAG_KV_EVENTS_ENDPOINTS=tcp://{host}:{kv_events_port}")
             sys.stdout.flush()
     code = handle.proc.wait()
     raise typer.Exit(0 if stopping and code in (0, -signal.SIGINT, -signal.SIGTERM) else code)

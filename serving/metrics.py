@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -98,6 +98,15 @@ STORE_BYTES_WRITTEN = "mmrag_feature_store_bytes_written"
 
 REPLICA_UP = "mmrag_replica_up"
 REPLICA_SCRAPE_ERRORS = "mmrag_replica_scrape_errors"
+# Issue 45, routing by the replicas' KV events (serving/kv_events.py): events received per replica, whether they
+# are routing's word now (synced) or it falls back to the learned table, what the index holds, and the routes
+# each source decided.
+KV_EVENTS = "mmrag_kv_events"
+KV_EVENTS_SYNCED = "mmrag_kv_events_synced"
+KV_EVENTS_BLOCKS = "mmrag_kv_events_index_blocks"
+KV_EVENTS_PREFIXES = "mmrag_kv_events_index_prefixes"
+KV_EVENTS_RESYNCS = "mmrag_kv_events_resyncs"
+ROUTES = "mmrag_routes"
 
 HTTP_NAMESPACE = "mmrag"  # the instrumentator's series: mmrag_http_requests_total, mmrag_http_request_duration_*
 
@@ -353,6 +362,14 @@ class Metrics:
             ) from exc
         self._replicas = collector
 
+    # -- routing by KV events --
+
+    def register_kv_events(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]],
+                           routed: Mapping[str, int]) -> None:
+        """Export the KV events index (``stats``: serving/kv_events.KvEventIndex.stats) and the routes decided
+        by each source (``routed``: source -> count, read at scrape time)."""
+        self.registry.register(_KvEventsCollector(stats, routed))
+
     # -- the FastAPI app --
 
     def instrument_app(self, app: Any) -> None:
@@ -457,6 +474,44 @@ class _StoreCollector(Collector):
             for backend in sorted(totals):
                 family.add_metric([backend], totals[backend][field])
             yield family
+
+
+class _KvEventsCollector(Collector):
+    """The KV events index per replica and the routes by source, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]], routed: Mapping[str, int]) -> None:
+        self._stats, self._routed = stats, routed
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    @staticmethod
+    def _families() -> dict[str, Metric]:
+        return {
+            "events": CounterMetricFamily(KV_EVENTS, "KV events received from each replica.", labels=["replica"]),
+            "synced": GaugeMetricFamily(KV_EVENTS_SYNCED, "1 while a replica's KV events are routing's word; 0 "
+                                        "while its publisher is lost or a gap could not be replayed (routing "
+                                        "falls back to the learned table).", labels=["replica", "state"]),
+            "blocks": GaugeMetricFamily(KV_EVENTS_BLOCKS, "KV blocks indexed per replica.", labels=["replica"]),
+            "prefixes": GaugeMetricFamily(KV_EVENTS_PREFIXES, "Leading image prefixes indexed per replica.",
+                                          labels=["replica"]),
+            "resyncs": CounterMetricFamily(KV_EVENTS_RESYNCS, "Replays asked of a replica's publisher (a "
+                                           "reconnect or a gap).", labels=["replica"]),
+            "routes": CounterMetricFamily(ROUTES, "Prompt plans routed, by what decided: the replicas' KV events, "
+                                          "or the table learned from what was sent.", labels=["source"]),
+        }
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        for replica, st in sorted(self._stats().items()):
+            families["events"].add_metric([replica], st["events"])
+            families["synced"].add_metric([replica, st["state"]], 1 if st["state"] == "synced" else 0)
+            families["blocks"].add_metric([replica], st["blocks"])
+            families["prefixes"].add_metric([replica], st["prefixes"])
+            families["resyncs"].add_metric([replica], st["resyncs"])
+        for source in ("events", "table"):
+            families["routes"].add_metric([source], self._routed.get(source, 0))
+        yield from families.values()
 
 
 class _ReplicaCollector(Collector):

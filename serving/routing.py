@@ -5,10 +5,11 @@ for both transports, Ray Serve's request router (serving/ray/router.py) and `vll
 A plan renders ``[system prompt][images in order][text]``, so the KV a replica can reuse for it is the longest
 leading run of its images that the replica prefilled after the same system prompt. The rule:
 
-1. home = the replica that holds the longest leading image prefix of the plan (learned from what each replica
-   was sent, :class:`AffinityTable`); when none holds any, the plan's rendezvous home (highest-random-weight
-   hash of its first image, else of ``system:<system_prompt_id>``), so a new figure has one stable home on
-   every router, and adding or removing a replica moves only the keys that ranked it first;
+1. home = the replica that holds the longest leading image prefix of the plan — by the replica's own KV events
+   where they flow (serving/kv_events.py: who holds which prefix, passed in as data), else as learned from
+   what each replica was sent (:class:`AffinityTable`); when none holds any, the plan's rendezvous home
+   (highest-random-weight hash of its first image, else of ``system:<system_prompt_id>``), so a new figure has
+   one stable home on every router, and adding or removing a replica moves only the keys that ranked it first;
 2. unless the home's queue is longer than ``bound``: then the least loaded replica (ties: rendezvous order).
 
 Plans without images are keyed by their system prompt alone. Replicas come and go: the caller passes the live
@@ -97,14 +98,19 @@ class AffinityTable:
         return list(self._held)
 
 
-def rank_replicas(plan: PromptPlan, queues: Mapping[str, int], table: AffinityTable, bound: int) -> list[str]:
+def rank_replicas(plan: PromptPlan, queues: Mapping[str, int], table: AffinityTable, bound: int,
+                  events: Mapping[str, int] | None = None) -> list[str]:
     """The live replicas (``queues``: replica → requests it has queued or running) in the order to try: the
-    rule's choice first, then the fall-backs, least loaded first (ties: rendezvous order)."""
+    rule's choice first, then the fall-backs, least loaded first (ties: rendezvous order). ``events``: for the
+    replicas whose KV events are known, how many of the plan's leading images each holds by its own word; the
+    others are asked of ``table``."""
     order = rendezvous_order(route_key(plan), queues)
     if not order:
         return []
     path = prefix_path(plan)
-    held = {r: table.match(r, path) for r in order}
+    events = events or {}
+    # The table counts the system prompt as the path's first element; events count images: one scale.
+    held = {r: events[r] + 1 if events.get(r) else 0 if r in events else table.match(r, path) for r in order}
     longest = max(held.values())
     # The holder of the longest prefix (ties: the shorter queue, then rendezvous order), else the rendezvous home.
     home = min((r for r in order if held[r] == longest), key=lambda r: queues[r]) if longest else order[0]
@@ -113,8 +119,9 @@ def rank_replicas(plan: PromptPlan, queues: Mapping[str, int], table: AffinityTa
     return [home, *sorted((r for r in order if r != home), key=lambda r: queues[r])]
 
 
-def choose_replica(plan: PromptPlan, queues: Mapping[str, int], table: AffinityTable, bound: int) -> str | None:
+def choose_replica(plan: PromptPlan, queues: Mapping[str, int], table: AffinityTable, bound: int,
+                   events: Mapping[str, int] | None = None) -> str | None:
     """The rule's choice among the live replicas, or None when there are none."""
-    ranked = rank_replicas(plan, queues, table, bound)
+    ranked = rank_replicas(plan, queues, table, bound, events)
     return ranked[0] if ranked else None
 

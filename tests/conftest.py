@@ -153,23 +153,28 @@ async def inprocess_engine(engine_settings, ingested):
 # --- vllm_server: one `vllm serve` replica per session (tests/test_remote_engine.py) ---------------------
 
 
+KV_EVENTS: dict[str, str] = {}  # a replica URL the tests started -> where it publishes its KV events
+
+
 @pytest.fixture(scope="session")
 def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of one `vllm serve` replica of the tiny model, with the engine settings of ENGINE_ENV."""
+    """Base URL of one `vllm serve` replica of the tiny model, with the engine settings of ENGINE_ENV; it publishes
+    its KV events (``KV_EVENTS[url]``, tests/test_kv_events_replicas.py)."""
+    import dataclasses
+
     from mmrag import wiring
-    from serving.vllm_launch import start_server
+    from mmrag.devkit.ports import free_port_pair
+    from serving.vllm_launch import start_dev_replica
 
     # Dev mode adds POST /reset_prefix_cache, which warm-up tests use to start from a cold cache.
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-    try:
-        handle = start_server(
-            wiring.resolve_model(engine_settings).path,
-            wiring.engine_config(engine_settings),
-            port=free_port(),
-            log_path=tmp_path_factory.mktemp("vllm-serve") / "server.log",
-        )
-    finally:
-        del os.environ["VLLM_SERVER_DEV_MODE"]
+    events = f"tcp://*:{free_port_pair()}"
+    handle = start_dev_replica(
+        wiring.resolve_model(engine_settings).path,
+        dataclasses.replace(wiring.engine_config(engine_settings), kv_events=events),
+        tmp_path_factory.mktemp("vllm-serve") / "server.log",
+        port=free_port(),
+    )
+    KV_EVENTS[handle.url] = events
     try:
         handle.wait_ready(timeout=300)
         yield handle.url

@@ -305,6 +305,12 @@ class Settings(BaseSettings):
         "engine", [],
         description="The `vllm serve` replicas (`mmrag engine serve`), comma-separated, e.g. "
                     "http://127.0.0.1:8100,http://127.0.0.1:8101. Empty: vLLM runs in this process.")
+    kv_events_endpoints: CommaList = setting(
+        "engine", [],
+        description="Where each replica of MMRAG_ENGINE_URLS publishes its KV events (`mmrag engine serve "
+                    "--kv-events-port` prints it), comma-separated, in the same order, e.g. "
+                    "tcp://10.0.0.5:5557,tcp://10.0.0.6:5557: routing then goes by what each replica says it holds "
+                    "(a socket per replica). Empty: by what this process sent each replica.")
     kv_block_size: int = setting(
         "engine", 0,
         description="KV cache block size, in tokens; only full blocks are cached (on a CPU a multiple of 32). 0: "
@@ -582,7 +588,7 @@ class Settings(BaseSettings):
             raise ValueError("use auto, cpu, cuda or cuda:N (N: a GPU index)")
         return value
 
-    @field_validator("engine_urls", "ingest_tiers", mode="before")
+    @field_validator("engine_urls", "ingest_tiers", "kv_events_endpoints", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return comma_list(value)
@@ -652,6 +658,10 @@ class Settings(BaseSettings):
         if not self.ingest_image_tokens and self.image_input != "pixels":
             raise ValueError("MMRAG_INGEST_IMAGE_TOKENS=false stores pages without image tokens, which only the "
                              "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
+        if self.kv_events_endpoints and len(self.kv_events_endpoints) != len(self.engine_urls):
+            raise ValueError(f"MMRAG_KV_EVENTS_ENDPOINTS lists {len(self.kv_events_endpoints)} endpoints for "
+                             f"{len(self.engine_urls)} replicas in MMRAG_ENGINE_URLS: give one per replica, in the "
+                             "same order, or leave it empty")
         if self.top_k > self.candidate_k:
             raise ValueError(f"MMRAG_TOP_K={self.top_k} is over MMRAG_CANDIDATE_K={self.candidate_k}: raise "
                              "MMRAG_CANDIDATE_K (each channel's candidates) or lower MMRAG_TOP_K")

@@ -74,7 +74,8 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
                                     queue_bound=settings.ray_affinity_queue_bound,
                                     image_input=ImageInput(settings.image_input),
                                     image_pixels=(settings.min_pixels, settings.max_pixels),
-                                    max_num_seqs=settings.max_num_seqs)
+                                    max_num_seqs=settings.max_num_seqs,
+                                    kv_events=dict(zip(settings.engine_urls, settings.kv_events_endpoints)))
     if not allow_inprocess:
         require_engine_urls(settings)
     return inprocess_engine(settings, model, store, encoder=encoder)

@@ -77,6 +77,8 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
     if settings.engine_urls:
         metrics.register_remote_replicas(settings.engine_urls)
+    if isinstance(raw, RemoteEngine) and raw.kv_events is not None:
+        metrics.register_kv_events(raw.kv_events.index.stats, raw.routed)
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mmrag.adapters.hardware import native_cpu_dtype
 from mmrag.core.engine import ImageInput
+from serving.kv_events import publisher_config
 
 
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -35,6 +36,12 @@ class EngineConfig:
     # first token in sooner beside long prefills (chunked prefill); larger ones prefill more per step
     # (issue 40, measured end to end: 512 on 2 cores).
     max_num_batched_tokens: int | None = None
+    # Where the engine publishes its KV events (serving/kv_events.py: routing by what each replica holds), e.g.
+    # ``tcp://*:5557`` (replay on the next port); None: it publishes none.
+    kv_events: str | None = None
+    # The KV cache in blocks instead of what kv_cache_gib holds (vLLM's num_gpu_blocks_override): a replica under
+    # KV pressure for the benchmark's eviction scenario and the tests of routing by events. None: by memory.
+    kv_blocks: int | None = None
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
@@ -61,6 +68,12 @@ class EngineConfig:
             kwargs["mm_processor_kwargs"] = self.processor_size()
         if not self.caching:
             kwargs["mm_processor_cache_gb"] = 0
+        if self.kv_blocks:
+            kwargs["num_gpu_blocks_override"] = self.kv_blocks
+        if self.kv_events:
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(**publisher_config(self.kv_events))
         return kwargs
 
     def serve_flags(self) -> list[str]:
@@ -85,6 +98,10 @@ class EngineConfig:
             flags += ["--block-size", str(self.block_size)]
         if self.max_num_batched_tokens:
             flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.kv_blocks:
+            flags += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        if self.kv_events:
+            flags += ["--kv-events-config", json.dumps(publisher_config(self.kv_events))]
         return flags
 
 

@@ -1,7 +1,9 @@
 """The remote engine: `vllm serve` replicas over HTTP, routed by prefix affinity.
 
 Each request goes to the replica the routing rule (serving/routing.py, the same rule as the Ray Serve router)
-chooses: the one this engine last sent the plan's longest leading image prefix to, else the plan's rendezvous
+chooses: the one that holds the plan's longest leading image prefix — by its own KV events where the replicas
+publish them (``kv_events``: replica URL → publisher endpoint; serving/kv_events.py), else as learned from what
+this engine sent it — else the plan's rendezvous
 home (highest-random-weight hash of its first image), unless that replica has more than ``queue_bound``
 requests of this engine in flight, then the least loaded. So every plan that starts with the same figure lands
 on the replica whose prefix cache holds that figure's KV, and adding or removing a replica moves only the keys
@@ -44,7 +46,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -66,6 +68,7 @@ from serving.engine.images import (ImageTokenCountError, count_mismatch, multi_m
                                    processor_kwargs, uncached_images)
 from serving.engine.prompt import PromptRenderer
 from serving.metrics import Samples, parse_samples, sample_total
+from serving.kv_events import KvEventSubscriber
 from serving.routing import AffinityTable, prefix_path, rank_replicas
 
 log = logging.getLogger(__name__)
@@ -194,6 +197,7 @@ class RemoteEngine:
         image_input: ImageInput = ImageInput.EMBEDS,
         image_pixels: tuple[int, int] | None = None,
         max_num_seqs: int | None = None,
+        kv_events: Mapping[str, str] | None = None,
     ) -> None:
         # The batch each replica is started with (MMRAG_MAX_NUM_SEQS, what `mmrag engine serve` passes): its
         # share of batch_capacity() where the replica does not say its own (GET /server_info is vLLM's dev mode).
@@ -235,6 +239,11 @@ class RemoteEngine:
         self.bytes_sent: Counter[str] = Counter()  # form -> base64 image bytes sent to replicas
         self.queue_bound = queue_bound
         self.connect_timeout_s = connect_timeout_s
+        # Who holds which prefix by the replicas' own word, where they publish KV events; routes decided by them
+        # ("events": every live replica's events known) or by the learned table ("table").
+        self.kv_events = KvEventSubscriber(
+            {u.strip().rstrip("/"): e for u, e in kv_events.items()}) if kv_events else None
+        self.routed: Counter[str] = Counter()
         self._served_names: dict[str, str] = {}  # replica URL -> our model's name there, once identified
 
     def with_image_input(self, form: ImageInput) -> RemoteEngine:
@@ -253,8 +262,8 @@ class RemoteEngine:
         form = plan_form(self.image_input, plan.images, feats)
         part = pixels_part if form is ImageInput.PIXELS else image_part
         # torch.save (or the stored PNG) + base64 of ~100 KB-1 MB per image: blocking work, off the event loop.
-        parts = await asyncio.to_thread(
-            lambda: [part(multi_modal_uuid(k, form), f) for k, f in zip(plan.images, feats)])
+        uuids = [multi_modal_uuid(k, form) for k in plan.images]
+        parts = await asyncio.to_thread(lambda: [part(u, f) for u, f in zip(uuids, feats)])
         self.bytes_sent[form.value] += sum(_part_bytes(p) for p in parts)
         prompt = self.renderer.render(plan)
         layout = self.renderer.tokens(prompt, [f.num_tokens for f in feats])
@@ -269,7 +278,7 @@ class RemoteEngine:
             body["cache_salt"] = plan.cache_salt  # vLLM folds it into the first block's hash, as in-process
         if form is ImageInput.PIXELS and (kwargs := processor_kwargs(plan.images, self.image_pixels)):
             body["mm_processor_kwargs"] = kwargs  # another tier: resized as its policy says
-        url, out = await self._send(plan, body, started, on_first_token, on_text)
+        url, out = await self._send(plan, body, started, on_first_token, on_text, uuids)
         prompt_tokens, cached = _prompt_usage(url, out.usage, layout.prompt_tokens, form)
         return Completion(
             "".join(out.text),
@@ -293,7 +302,7 @@ class RemoteEngine:
 
     async def _send(self, plan: PromptPlan, body: dict[str, Any], started: float,
                     on_first_token: Callable[[], None] | None = None,
-                    on_text: OnText | None = None) -> tuple[str, _Stream]:
+                    on_text: OnText | None = None, uuids: list[str] | None = None) -> tuple[str, _Stream]:
         # Re-sending to the next replica is safe: the answer is a pure function of the prompt (the same weights
         # on every replica; greedy decoding gives the same tokens, sampling another draw from the same
         # distribution; the prefix cache changes speed, never tokens), nothing of a failed attempt reaches the
@@ -303,7 +312,10 @@ class RemoteEngine:
         first_token = once(on_first_token)
         told = Told(on_text)
         failures: list[str] = []
-        for url in rank_replicas(plan, {u: self.in_flight[u] for u in self.urls}, self.affinity, self.queue_bound):
+        known = self.kv_events.index.holding(self.urls, plan.cache_salt, uuids or []) if self.kv_events else {}
+        self.routed["events" if known and len(known) == len(self.urls) else "table"] += 1
+        for url in rank_replicas(plan, {u: self.in_flight[u] for u in self.urls}, self.affinity, self.queue_bound,
+                                 known):
             self.affinity.record(url, prefix_path(plan))
             self.in_flight[url] += 1
             out = _Stream(started, first_token, told.attempt())
@@ -466,6 +478,8 @@ class RemoteEngine:
 
     async def close(self) -> None:
         await self.client.aclose()
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
 
 def _part_bytes(part: dict[str, Any]) -> int:
