@@ -144,6 +144,38 @@ def test_a_leased_entry_outlives_delete_until_its_last_lease_ends(store):
     assert store.delete(key(1)) > 0 and not store.contains(key(1))
 
 
+@pytest.mark.parametrize("race", ["folder gone before the touch", "folder gone inside mkdir"])
+def test_a_lease_taken_while_another_holders_release_removes_the_folder_is_taken(tmp_path, monkeypatch, race):
+    """The last lease's release removes the key's lease folder (rmdir), at any moment of another holder's lease:
+    between its mkdir and its touch, or inside mkdir after it found the folder there (pathlib then re-raises
+    FileExistsError: CI saw an answer fail with 503 "File exists" so). The lease is taken all the same."""
+    import pathlib
+
+    store = DiskFeatureStore(tmp_path)
+    store.lease([key(1)], "answer-a", ttl_s=60)
+    folder = store._lease_dir(key(1))
+    real_touch, real_mkdir = pathlib.Path.touch, os.mkdir
+    raced = []
+
+    def release_then(real):
+        def racing(*args, **kwargs):
+            if not raced:
+                raced.append(True)
+                store.release([key(1)], "answer-a")  # the folder goes with the last lease
+                assert not folder.exists()
+                if real is real_mkdir:
+                    raise FileExistsError(17, "File exists", str(args[0]))  # it was there when mkdir looked
+            return real(*args, **kwargs)
+        return racing
+
+    if race == "folder gone before the touch":
+        monkeypatch.setattr(pathlib.Path, "touch", release_then(real_touch))
+    else:
+        monkeypatch.setattr(os, "mkdir", release_then(real_mkdir))
+    store.lease([key(1)], "answer-b", ttl_s=60)
+    assert raced and store.leased(key(1)) and (folder / "answer-b").exists()
+
+
 def test_an_expired_lease_holds_nothing(store):
     """A holder killed before it released: its lease ends by itself (here one that ended 1 s ago)."""
     store.put(key(1), value(1))

@@ -349,10 +349,7 @@ class DiskFeatureStore(_BlobStore):
         for key in keys:
             path = self._lease_dir(key) / _holder_name(holder)
             try:
-                try:
-                    _stamp_lease(path, until)
-                except FileNotFoundError:  # its folder went with another holder's release: once more
-                    _stamp_lease(path, until)
+                _stamp_lease(path, until)
             except OSError as exc:
                 raise self._write_failed(key, 0, exc) from exc
 
@@ -526,11 +523,25 @@ def _write_atomically(path: Path, blob: bytes) -> None:
     write_atomically(path, blob, prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=_SUFFIX)
 
 
+LEASE_ATTEMPTS = 16
+
+
 def _stamp_lease(path: Path, until: float) -> None:
-    """``path`` (a holder's lease file, its folder made if missing) with ``until`` as its mtime: the lease's end."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-    os.utime(path, (until, until))
+    """``path`` (a holder's lease file, its folder made if missing) with ``until`` as its mtime: the lease's end.
+
+    Another holder's release removes the key's lease folder when it held the last lease there, at any moment:
+    between our mkdir and our touch (FileNotFoundError), or inside mkdir, after it found the folder there and
+    before it checked that it is one (FileExistsError, pathlib's exist_ok re-raising for a folder gone). Either
+    way the folder is made again: each attempt loses only to a release that ran during it."""
+    for attempt in range(LEASE_ATTEMPTS):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            os.utime(path, (until, until))
+            return
+        except (FileNotFoundError, FileExistsError):
+            if attempt == LEASE_ATTEMPTS - 1 or path.parent.exists() and not path.parent.is_dir():
+                raise
 
 
 def _holder_name(holder: str) -> str:
