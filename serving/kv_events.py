@@ -94,6 +94,24 @@ def replay_endpoint(endpoint: str) -> str:
     raise ValueError(f"KV events endpoint {endpoint!r}: give tcp://HOST:PORT or ipc://PATH")
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free TCP port whose next one is free too: a publisher and its replay socket (a Ray engine replica takes
+    one on its node; tests and benchmarks too). Free when asked: good enough on one host at start-up."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no two consecutive free ports on {host}")
+
+
 def subscriber_endpoint(endpoint: str, host: str = "127.0.0.1") -> str:
     """Where a subscriber connects for a publisher bound at ``endpoint`` (a wildcard host becomes ``host``)."""
     return endpoint.replace("tcp://*:", f"tcp://{host}:")
@@ -186,6 +204,9 @@ class _Replica:
     blocks: ReplicaBlocks
     state: State = State.LOST
     next_seq: int = 0  # the sequence number of the next batch to apply
+    # This process reset the replica's cache and its reset event has not come yet: what comes before it is
+    # older than the reset, and skipped.
+    awaiting_reset: bool = False
     events: int = 0  # events received
     resyncs: int = 0  # replays asked for (a reconnect or a gap)
 
@@ -220,6 +241,18 @@ class KvEventIndex:
             return {r: rep.blocks.match(salt, images) for r in replicas
                     if (rep := self._replicas.get(r)) is not None and rep.state is State.SYNCED}
 
+    def cleared(self, replica: str) -> None:
+        """This process reset the replica's prefix cache (and the replica said it did): it holds nothing now.
+        vLLM publishes the reset with the replica's next engine step (an idle replica takes none), so the process
+        that reset it says so at once, and skips the events still on their way from before the reset until the
+        reset's own event comes; other routers learn of it from that event."""
+        with self._changed:
+            rep = self._replicas.get(replica)
+            if rep is not None:
+                rep.blocks.clear()
+                rep.awaiting_reset = True
+                self._changed.notify_all()
+
     def state(self, replica: str) -> State | None:
         with self._lock:
             rep = self._replicas.get(replica)
@@ -251,6 +284,9 @@ class KvEventIndex:
             rep.next_seq = seq + 1
             cleared = False
             for event in batch.events:
+                if rep.awaiting_reset:
+                    rep.awaiting_reset = not isinstance(event, _Cleared)
+                    continue  # older than the reset this process made: the index is already empty
                 if not rep.blocks.apply(event):
                     log.warning("KV events of %s: more blocks than any KV cache holds (removals lost); its "
                                 "blocks are unknown until its next reset", replica)
@@ -269,6 +305,7 @@ class KvEventIndex:
                 return
             if reset:
                 rep.blocks.clear()
+                rep.awaiting_reset = False
             if next_seq is not None:
                 rep.next_seq = next_seq
             rep.resyncs += resync
@@ -318,6 +355,10 @@ class KvEventSubscriber:
         import zmq
 
         self.index = index or KvEventIndex()
+        # Routes decided by the replicas' events ("events": every live replica's known) or the learned table.
+        self.routed: Counter[str] = Counter()
+        self._expected: set[str] = set()  # replicas the transport has now, followed or not (Ray: its router's)
+        self._endpoints: dict[str, str] = {}
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
@@ -330,12 +371,30 @@ class KvEventSubscriber:
     def add(self, replica: str, endpoint: str) -> None:
         """Follow ``replica``'s publisher at ``endpoint`` (as the replica binds it; a wildcard host is this
         host)."""
+        if self._endpoints.get(replica) == endpoint:
+            return
+        self._endpoints[replica] = endpoint
         self.index.add(replica)
         self._commands.put(("add", replica, endpoint))
 
     def discard(self, replica: str) -> None:
+        self._endpoints.pop(replica, None)
         self.index.discard(replica)
         self._commands.put(("discard", replica, None))
+
+    def expect(self, replicas: Iterable[str]) -> None:
+        """The transport's live replicas now: the others are no longer followed; :meth:`missing` lists those
+        whose endpoints are not known yet."""
+        self._expected = set(replicas)
+        for gone in set(self._endpoints) - self._expected:
+            self.discard(gone)
+
+    def missing(self) -> set[str]:
+        return self._expected - set(self._endpoints)
+
+    def decided(self, known: Mapping[str, int], replicas: int) -> None:
+        """Count one route: by events when every live replica's events were known, else by the table."""
+        self.routed["events" if known and len(known) == replicas else "table"] += 1
 
     def close(self) -> None:
         self._stop.set()
@@ -455,6 +514,20 @@ class KvEventSubscriber:
         for seq, batch in got:
             if seq >= (self.index._next_seq(replica) or 0):
                 self.index._apply(replica, seq, batch)
+
+
+_SHARED: dict[str, KvEventSubscriber] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_subscriber(name: str) -> KvEventSubscriber:
+    """The one subscriber of this process for deployment ``name``: Ray Serve builds the request router itself
+    (serving/ray/router.py), so the router and the engine client (serving/ray/engine.py, which learns the
+    replicas' endpoints) meet here rather than by injection."""
+    with _SHARED_LOCK:
+        if name not in _SHARED:
+            _SHARED[name] = KvEventSubscriber()
+        return _SHARED[name]
 
 
 def _parse(frames: list[bytes]) -> tuple[int, EventBatch | None]:

@@ -163,7 +163,7 @@ def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFact
     import dataclasses
 
     from mmrag import wiring
-    from mmrag.devkit.ports import free_port_pair
+    from serving.kv_events import free_port_pair
     from serving.vllm_launch import start_dev_replica
 
     # Dev mode adds POST /reset_prefix_cache, which warm-up tests use to start from a cold cache.

@@ -16,7 +16,7 @@ import yaml
 
 from serving.dashboards import dashboard_expressions
 from serving.metrics import ANSWER_OUTCOMES, Samples, parse_samples
-from tests.conftest import copy_corpus
+from tests.conftest import KV_EVENTS, copy_corpus
 
 RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yml"
 
@@ -67,6 +67,7 @@ async def test_every_series_a_panel_or_an_alert_queries_is_served_from_start_up(
 
     copy_corpus(engine_settings, tmp_path)
     settings = engine_settings.model_copy(update={"data_dir": tmp_path, "engine_urls": [vllm_server],
+                                                  "kv_events_endpoints": [KV_EVENTS[vllm_server]],
                                                   "warm_top": 0})  # not one prefill: nothing has been asked
     app = wiring.create_app(settings)
     async with app.router.lifespan_context(app):

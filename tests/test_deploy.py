@@ -85,7 +85,7 @@ def test_the_committed_dashboard_is_a_fresh_render_of_serving_dashboards():
 
 def test_every_panel_has_prometheus_queries_with_an_expression_and_a_ref_id():
     panels = committed_panels()
-    assert len(panels) == 16
+    assert len(panels) == 17
     for panel in panels:
         assert panel["targets"], panel["title"]
         assert panel["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}
@@ -265,6 +265,8 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Clien
     metrics.register_remote_replicas([f"http://127.0.0.1:{replica.server_address[1]}"])
     store = _Store()
     metrics.register_store(store)
+    events = KvEvents()
+    metrics.register_kv_events(events.index.stats, events.routed)
     api = _serve(_app(metrics))
 
     workdir = tmp_path_factory.mktemp("prometheus")
@@ -295,7 +297,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Clien
         # it has scraped that traffic SCRAPES_OF_TRAFFIC times.
         first = eventually_sync(scrapes, timeout=20, what="prometheus's first scrape of the app")
         stop = threading.Event()
-        feeder = threading.Thread(target=feed, args=(metrics, store, stop), daemon=True)
+        feeder = threading.Thread(target=feed, args=(metrics, store, stop, events), daemon=True)
         feeder.start()
         try:
             eventually_sync(lambda: scrapes() >= first + SCRAPES_OF_TRAFFIC, timeout=120,
@@ -346,7 +348,29 @@ def _serve(app):
     return server
 
 
-def feed(metrics: Metrics, store: _Store, stop: threading.Event) -> None:
+class KvEvents:
+    """A replica's KV events index (the real one, fed batches here instead of from a socket) and the routes."""
+
+    REPLICA = "http://127.0.0.1:8100"
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        from serving.kv_events import KvEventIndex, State
+
+        self.index, self.routed, self.seq = KvEventIndex(), Counter(), 0
+        self.index.add(self.REPLICA)
+        self.index._set(self.REPLICA, State.SYNCED)
+
+    def route(self) -> None:
+        from serving.kv_events import EventBatch, _Stored
+
+        self.index._apply(self.REPLICA, self.seq, EventBatch(0.0, [_Stored(block_hashes=[self.seq])]))
+        self.seq += 1
+        self.routed["events"] += 1
+
+
+def feed(metrics: Metrics, store: _Store, stop: threading.Event, events: KvEvents) -> None:
     """Steady traffic with known proportions, one record every 50 ms until ``stop`` is set: 75% of image tokens
     cached, image share of computed prefill (512-384)/(1000-600) = 32%, 2 of 3 feature-store lookups hit, 3 of 5
     answer-cache lookups hit, TTFT 0.2 s, queue waits of 10 ms, a quarter of the KV capacity held by image
@@ -369,6 +393,7 @@ def feed(metrics: Metrics, store: _Store, stop: threading.Event) -> None:
         for hit in (True, True, False):
             store.stats.record_lookup(hit, nbytes=1024 if hit else 0)
         metrics.set_warm_set(pages=4, tokens=2048)
+        events.route()
         stop.wait(0.05)  # the traffic's pace, as a live server records it (and a prompt end once stopped)
 
 

@@ -14,7 +14,7 @@ from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPol
 from serving.kv_events import (EventBatch, KvEventIndex, KvEventSubscriber, ReplicaBlocks, State, _Cleared,
                                _Removed, _Stored, publisher_config, replay_endpoint)
 from serving.routing import AffinityTable, prefix_path, rank_replicas, rendezvous_order, route_key
-from mmrag.devkit.ports import free_port_pair
+from serving.kv_events import free_port_pair
 
 WAIT_S = 60.0  # a hang guard for events crossing a socket, never a speed check
 
@@ -103,6 +103,19 @@ def test_the_index_answers_only_for_synced_replicas():
     assert index.holding(["r1"], "", []) == {}  # a plan without images: nothing to say
     index._apply("r2", 1, EventBatch(0.0, [_Cleared()]))  # a reset: exact again from there
     assert index.holding(["r2"], "", ["a"]) == {"r2": 0}
+
+
+def test_a_reset_this_process_made_empties_the_index_at_once_and_skips_what_was_older_than_it():
+    index = KvEventIndex()
+    index.add("r1")
+    index._set("r1", State.SYNCED)
+    index._apply("r1", 0, EventBatch(0.0, prompt_blocks("", ["a"], 1)))
+    index.cleared("r1")  # the replica said it reset; its event comes with its next step
+    assert index.holding(["r1"], "", ["a"]) == {"r1": 0}
+    index._apply("r1", 1, EventBatch(0.0, prompt_blocks("", ["a"], 1)))  # on its way from before the reset
+    assert index.holding(["r1"], "", ["a"]) == {"r1": 0}
+    index._apply("r1", 2, EventBatch(0.0, [*prompt_blocks("", ["b"], 20), _Cleared(), *prompt_blocks("", ["c"], 30)]))
+    assert index.holding(["r1"], "", ["b"]) == {"r1": 0} and index.holding(["r1"], "", ["c"]) == {"r1": 1}
 
 
 # --- the routing rule with events as data ---------------------------------------------------------------------
@@ -266,3 +279,36 @@ def scrape(sub: KvEventSubscriber) -> str:
     metrics = Metrics(CollectorRegistry())
     metrics.register_kv_events(sub.index.stats, {"table": 1})
     return generate_latest(metrics.registry).decode()
+
+
+# --- `mmrag bench --kv-events`: its sizing and its verdicts (the runs themselves need replicas) -----------------
+
+def test_the_pressure_scenarios_kv_holds_a_third_of_the_working_set_but_one_longest_prompt_at_least():
+    from mmrag.bench.kv_events import pressure_config
+    from mmrag.bench.runner import default_engine_config
+
+    config = default_engine_config()  # 32-token blocks, 4,096-token model length
+    pressed = pressure_config(config, working_set_tokens=96_000, longest_prompt_tokens=1_000)
+    assert pressed.kv_blocks == 1000 and pressed.max_model_len == 1024  # 96,000 / 3 / 32; the prompt in blocks
+    small = pressure_config(config, working_set_tokens=3_000, longest_prompt_tokens=1_000)
+    assert small.kv_blocks == 33  # a third would be 32 blocks: vLLM starts only with one longest prompt's and one
+
+
+def test_the_verdicts_compare_events_with_the_steady_run_the_table_and_one_replica():
+    from mmrag.bench.kv_events import kv_events_table, targets
+
+    def run(events: float, table: float) -> dict:
+        row = dict(ttft_p50_s=0.1, ttft_p99_s=0.2, plans_per_s=1.0, routes_by_events=1)
+        return {"events": {"image_prefix_hit_rate": events, **row}, "table": {"image_prefix_hit_rate": table, **row}}
+
+    scenarios = {"a_steady": {**run(0.5, 0.5), "single": {"image_prefix_hit_rate": 0.5}},
+                 "b_kv_pressure": run(0.4, 0.4), "c_two_routers": run(0.5, 0.4), "d_reset": run(0.46, 0.46),
+                 "e_replica_joins": run(0.6, 0.3)}
+    t = targets(scenarios)
+    assert t["events_vs_steady"] == {"b_kv_pressure": 0.8, "c_two_routers": 1.0, "d_reset": 0.92}
+    assert not t["events_within_0_9_of_steady"]  # b is at 0.8
+    assert t["events_over_table"] == {"b_kv_pressure": 1.0, "c_two_routers": 1.25}
+    assert t["events_1_2x_table_in_b_or_c"] and t["a_table_of_single"] == 1.0 and t["e_events_over_table"] == 2.0
+    scenarios["a_steady"]["single"].update(ttft_p50_s=0.1, ttft_p99_s=0.2, plans_per_s=1.0, routes_by_events=0)
+    text = kv_events_table({"vllm_serve": {"scenarios": scenarios, "targets": t}})
+    assert "| vllm_serve | c_two_routers | events | 0.5 |" in text and "e (a replica joins): events / table 2.0" in text

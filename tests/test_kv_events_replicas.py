@@ -16,7 +16,8 @@ import pytest
 
 from mmrag.core.engine import PromptPlan, SamplingSpec
 from mmrag.core.keys import ImageKey
-from mmrag.devkit.ports import free_port, free_port_pair
+from mmrag.devkit.ports import free_port
+from serving.kv_events import free_port_pair
 from mmrag.wiring import engine_config, feature_store, resolve_model
 from serving.engine.features import FeatureProvider
 from serving.engine.images import multi_modal_uuid

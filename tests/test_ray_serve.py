@@ -65,8 +65,10 @@ def keys(engine_settings, ingested) -> list[ImageKey]:
 @pytest.fixture(scope="module")
 def ray_cluster(engine_settings, ingested):
     """A local Ray cluster with Serve, and the engine deployment of 2 replicas on it."""
+    # The replicas publish their KV events and the router follows them (MMRAG_RAY_KV_EVENTS).
     settings = engine_settings.model_copy(update={"ray_replicas": 2, "ray_replica_cpus": 1.0,
-                                                  "ray_http_port": free_port(), "max_num_seqs": 8})
+                                                  "ray_http_port": free_port(), "max_num_seqs": 8,
+                                                  "ray_kv_events": True})
     started = time.perf_counter()
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=256 * 2**20, log_to_driver=False)
@@ -137,6 +139,40 @@ async def test_two_replicas_serve_and_plans_sharing_a_leading_figure_land_on_the
         served.setdefault(plan.images[0], set()).add(completion.replica)
     # Each figure on one replica: its rendezvous home among the live replicas (no replica held it before).
     assert served == {k: {rendezvous_order(str(k), replicas)[0]} for k in served}, served
+
+
+async def test_the_router_goes_by_the_replicas_kv_events_where_its_own_table_is_stale(ray_cluster, keys):
+    from serving.kv_events import State
+
+    engine = ray_cluster["engine"]
+    events = engine.kv_events
+    replicas = await engine.replica_ids()
+    assert set(await engine.follow_kv_events()) == set(replicas)
+
+    def index(predicate, what: str) -> None:
+        assert events.index.wait(predicate, HANG_GUARD_S), f"{what}: {events.index.stats()}"
+
+    await asyncio.to_thread(index, lambda v: all(v.state(r) is State.SYNCED for r in replicas), "both synced")
+    key = keys[5]
+    home = rendezvous_order(str(key), replicas)[0]
+    other = next(r for r in replicas if r != home)
+    page = [str(key)]  # its uuid in the events (MMRAG_IMAGE_INPUT=embeds)
+
+    def plan(text: str) -> PromptPlan:
+        return PromptPlan(images=(key,), text=text, system_prompt_id="kv-events", sampling=SHORT)
+
+    warmed = await engine.with_routing(PINNED + other).generate(plan("Warm this page."))
+    assert warmed.replica == other
+    await asyncio.to_thread(index, lambda v: v.match(other, "", page) == 1, "the other replica holds the page")
+    assert (await engine.generate(plan("What is shown?"))).replica == other  # drawn there, away from its home
+    # Reset behind the router's back (Serve's broadcast bypasses it), so its table still says `other`; the replica
+    # publishes the reset with its next step.
+    await engine.handle.broadcast("reset_prefix_cache").results_async()
+    await engine.with_routing(PINNED + other).generate(PromptPlan(images=(), text="Step once.", sampling=SHORT))
+    await asyncio.to_thread(index, lambda v: v.match(other, "", page) == 0, "the reset reached the index")
+    before = events.routed["events"]
+    assert (await engine.generate(plan("And now?"))).replica == home
+    assert events.routed["events"] == before + 1
 
 
 async def test_affinity_keeps_the_single_replica_hit_rate_on_a_shared_figure_workload(ray_cluster, keys):

@@ -22,7 +22,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,12 @@ class ReplicaBenchInputs:
     log: Callable[[str], None] = print
 
 
-def replica_engine(model: ModelSource, store_dir: Path, config: EngineConfig) -> InProcessEngine:
-    """What each replica runs (module-level, so Ray can pickle it by reference)."""
+def replica_engine(model: ModelSource, store_dir: Path, config: EngineConfig,
+                   kv_events: str | None = None) -> InProcessEngine:
+    """What each replica runs (module-level, so Ray can pickle it by reference); ``kv_events``: where it
+    publishes its KV events (the replica picks it: serving/ray/deployments.py)."""
+    if kv_events:
+        config = replace(config, kv_events=kv_events)
     return InProcessEngine.start(model, FeatureProvider.unscoped(DiskFeatureStore(store_dir)), config)
 
 

@@ -520,6 +520,12 @@ class Settings(BaseSettings):
         description="Port of Serve's HTTP proxy on MMRAG_HOST (the vision service at /vision).")
     ray_vision_max_replicas: int = setting(
         "ray", 2, ge=1, description="The vision deployment autoscales on its queue between 1 and this many replicas.")
+    ray_kv_events: bool = setting(
+        "ray", False,
+        description="Each engine replica publishes its KV events on a free port pair of its node, and the router "
+                    "sends each plan to the replica that says it holds the plan's pages (serving/kv_events.py): "
+                    "right under KV pressure, across routers and after a replica's reset. The events carry token "
+                    "ids: the ports must be on a private network. false: by what the router sent each replica.")
 
     # --- tenants ------------------------------------------------------------------------------------------------
     tenants_file: Path | None = setting(

@@ -12,17 +12,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A free port whose next one is free too: a KV events publisher and its replay socket
-    (serving/kv_events.replay_endpoint)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -82,7 +83,7 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
 
 
 def inprocess_engine(settings: Settings, model: ModelSource, store: FeatureStore | None = None, *,
-                     encoder: EncoderScope | None = None) -> Engine:
+                     encoder: EncoderScope | None = None, kv_events: str | None = None) -> Engine:
     """vLLM in this process over the feature store, reading image tokens of ``encoder`` only (default: the
     configured model's): what a Ray engine replica runs, whatever MMRAG_ENGINE_URLS names."""
     from serving.engine.features import FeatureProvider
@@ -90,7 +91,10 @@ def inprocess_engine(settings: Settings, model: ModelSource, store: FeatureStore
 
     encoder = encoder or encoder_scope(settings, model)
     features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.tier_table)
-    return InProcessEngine.start(model, features, engine_config(settings))
+    config = engine_config(settings)
+    if kv_events:
+        config = dataclasses.replace(config, kv_events=kv_events)  # where this replica publishes (Ray)
+    return InProcessEngine.start(model, features, config)
 
 
 def scheduler_config(settings: Settings) -> SchedulerConfig:

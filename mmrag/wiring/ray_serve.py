@@ -33,12 +33,14 @@ def ray_config(settings: Settings) -> RayServeConfig:
                           replica_gpus=settings.ray_replica_gpus,
                           max_ongoing_requests=settings.max_num_seqs + settings.ray_affinity_queue_bound,
                           http_host=settings.host, http_port=settings.ray_http_port,
-                          vision_max_replicas=settings.ray_vision_max_replicas)
+                          vision_max_replicas=settings.ray_vision_max_replicas,
+                          kv_events=settings.ray_kv_events, image_input=settings.image_input)
 
 
-def replica_engine(settings: Settings) -> Engine:
-    """What each Ray engine replica runs: vLLM in its process over the configured feature store."""
-    return inprocess_engine(settings, resolve_model(settings))
+def replica_engine(settings: Settings, kv_events: str | None = None) -> Engine:
+    """What each Ray engine replica runs: vLLM in its process over the configured feature store, publishing
+    its KV events at ``kv_events`` (MMRAG_RAY_KV_EVENTS: the replica picks the port)."""
+    return inprocess_engine(settings, resolve_model(settings), kv_events=kv_events)
 
 
 def ray_engine_application(args: dict | None = None):
@@ -73,7 +75,7 @@ def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
     log.info("Ray cluster ready in %.1f s", connect(config, num_cpus=num_cpus))
     handle = (deploy_engine(config, functools.partial(replica_engine, settings)) if settings.ray_deploy
               else engine_handle())
-    return RayEngine(handle, resolve_model(settings))
+    return RayEngine(handle, resolve_model(settings), kv_events=settings.ray_kv_events)
 
 
 def ray_app(settings: Settings) -> FastAPI:

@@ -77,8 +77,9 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
     if settings.engine_urls:
         metrics.register_remote_replicas(settings.engine_urls)
-    if isinstance(raw, RemoteEngine) and raw.kv_events is not None:
-        metrics.register_kv_events(raw.kv_events.index.stats, raw.routed)
+    events = getattr(raw, "kv_events", None)  # the remote and the Ray engines' subscriber, when they follow events
+    if events is not None:
+        metrics.register_kv_events(events.index.stats, events.routed)
     loop = asyncio.get_running_loop()
     client = pipe.searcher.client
 

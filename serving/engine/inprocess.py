@@ -179,9 +179,10 @@ class InProcessEngine:
     async def batch_capacity(self) -> int:
         return int(self.llm.vllm_config.scheduler_config.max_num_seqs)
 
-    async def reset_prefix_cache(self) -> None:
-        """Drop every cached block (benchmarks and cold-path tests start from here)."""
-        await self.llm.reset_prefix_cache()
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (benchmarks and cold-path tests start from here). False: vLLM did not, as
+        blocks were in use by requests still running."""
+        return bool(await self.llm.reset_prefix_cache())
 
     async def close(self) -> None:
         # Stopped at once, as `vllm serve` stops its own (VllmConfig.shutdown_timeout 0: requests still in flight

@@ -243,7 +243,7 @@ class RemoteEngine:
         # ("events": every live replica's events known) or by the learned table ("table").
         self.kv_events = KvEventSubscriber(
             {u.strip().rstrip("/"): e for u, e in kv_events.items()}) if kv_events else None
-        self.routed: Counter[str] = Counter()
+        self.routed: Counter[str] = self.kv_events.routed if self.kv_events else Counter()
         self._served_names: dict[str, str] = {}  # replica URL -> our model's name there, once identified
 
     def with_image_input(self, form: ImageInput) -> RemoteEngine:
@@ -313,7 +313,10 @@ class RemoteEngine:
         told = Told(on_text)
         failures: list[str] = []
         known = self.kv_events.index.holding(self.urls, plan.cache_salt, uuids or []) if self.kv_events else {}
-        self.routed["events" if known and len(known) == len(self.urls) else "table"] += 1
+        if self.kv_events:
+            self.kv_events.decided(known, len(self.urls))
+        else:
+            self.routed["table"] += 1
         for url in rank_replicas(plan, {u: self.in_flight[u] for u in self.urls}, self.affinity, self.queue_bound,
                                  known):
             self.affinity.record(url, prefix_path(plan))
@@ -475,11 +478,21 @@ class RemoteEngine:
             if resp.status_code != 200:
                 raise EngineRequestError(url, resp.status_code, _error_message(resp))
             self.affinity.drop(url)  # it holds nothing now
+            if self.kv_events is not None and _reset_succeeded(resp):
+                self.kv_events.index.cleared(url)
 
     async def close(self) -> None:
         await self.client.aclose()
         if self.kv_events is not None:
             await asyncio.to_thread(self.kv_events.close)
+
+
+def _reset_succeeded(resp: httpx.Response) -> bool:
+    """vLLM's POST /reset_prefix_cache answers {"success": false} when blocks were still in use."""
+    try:
+        return bool(resp.json().get("success", False))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _part_bytes(part: dict[str, Any]) -> int:

@@ -41,6 +41,10 @@ class RayServeConfig:
     http_host: str
     http_port: int
     vision_max_replicas: int
+    # Each engine replica publishes its KV events and the router follows them (serving/kv_events.py); the form
+    # images are sent in names them in the events (serving/engine/images.multi_modal_uuid).
+    kv_events: bool = False
+    image_input: str = "embeds"
 
     @property
     def actor_options(self) -> dict[str, float]:
@@ -96,9 +100,11 @@ def engine_application(config: RayServeConfig, build: Callable[[], Engine]) -> A
         # replaced: 2 s rather than Ray's 10 (a check is one call to vLLM's check_health, nothing heavier).
         health_check_period_s=2,
         health_check_timeout_s=60,  # a replica busy prefilling on CPU answers late, not never
-        request_router_config=RequestRouterConfig(request_router_class=ImageAffinityRouter,
-                                                  request_router_kwargs={"queue_bound": config.queue_bound}),
-    ).bind(build)
+        request_router_config=RequestRouterConfig(
+            request_router_class=ImageAffinityRouter,
+            request_router_kwargs={"queue_bound": config.queue_bound, "kv_events": config.kv_events,
+                                   "image_input": config.image_input}),
+    ).bind(build, kv_events=config.kv_events)
 
 
 def vision_application(config: RayServeConfig, build: Callable[[], Any]) -> Any:

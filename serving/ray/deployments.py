@@ -56,13 +56,25 @@ def bind_cpu_engine() -> str | None:
 
 
 class EngineReplica:
-    """One engine replica. ``build`` starts its engine (tens of seconds on CPU) when Ray starts the replica."""
+    """One engine replica. ``build`` starts its engine (tens of seconds on CPU) when Ray starts the replica.
 
-    async def __init__(self, build: Callable[[], Engine]) -> None:  # type: ignore[misc]  (Ray awaits it)
+    ``kv_events``: the engine publishes its KV events (serving/kv_events.py) on a free port pair of its node,
+    ``build(kv_events=<bind endpoint>)``; :meth:`kv_events_endpoint` tells the router's process where."""
+
+    async def __init__(self, build: Callable[..., Engine], kv_events: bool = False) -> None:  # type: ignore[misc]
+        import ray
         from ray import serve
 
         self.cpus = bind_cpu_engine()
-        self.engine = build()
+        self.events: str | None = None
+        if kv_events:
+            from serving.kv_events import free_port_pair
+
+            port = free_port_pair("0.0.0.0")
+            self.engine = build(kv_events=f"tcp://*:{port}")
+            self.events = f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        else:
+            self.engine = build()
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
 
     async def generate(self, plan: PromptPlan, routing: str = "affinity") -> AsyncIterator[tuple[str, Any]]:
@@ -88,12 +100,16 @@ class EngineReplica:
         return await self.engine.batch_capacity()
 
     async def reset_prefix_cache(self, routing: str = "") -> str:
-        """Drop this replica's cached prefixes (``routing``, for the router, names this replica)."""
-        await self.engine.reset_prefix_cache()
-        return self.replica
+        """Drop this replica's cached prefixes (``routing``, for the router, names this replica); returns this
+        replica's id, or "" when vLLM did not reset (blocks still in use)."""
+        return self.replica if await self.engine.reset_prefix_cache() is not False else ""
 
     async def replica_id(self) -> str:
         return self.replica
+
+    async def kv_events_endpoint(self) -> tuple[str, str | None]:
+        """(this replica's id, where its engine publishes KV events, or None)."""
+        return self.replica, self.events
 
     async def cpu_binding(self) -> str | None:
         """The CPUs this replica's engine worker is bound to (:func:`bind_cpu_engine`), if it set them."""

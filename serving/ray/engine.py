@@ -21,16 +21,20 @@ from mmrag.adapters.checkpoint import ModelSource
 from mmrag.core.engine import Completion, KVCapacity, OnText, PromptPlan
 from serving.engine.remote import EngineUnavailableError, once, Told
 from serving.ray.deployments import DONE, FIRST, TEXT
-from serving.ray.router import AFFINITY, PINNED
+from serving.kv_events import KvEventSubscriber, shared_subscriber
+from serving.ray.router import AFFINITY, KV_EVENTS, PINNED
 
 log = logging.getLogger(__name__)
 
 
 class RayEngine:
-    def __init__(self, handle: Any, model: ModelSource, *, routing: str = AFFINITY, attempts: int = 4) -> None:
+    def __init__(self, handle: Any, model: ModelSource, *, routing: str = AFFINITY, attempts: int = 4,
+                 kv_events: bool = False) -> None:
         """``handle``: the engine deployment's DeploymentHandle. ``routing``: ``affinity`` (serving/routing.py),
-        or a baseline the router also knows (``default``: Ray's PowerOfTwoChoices; ``replica:<id>``)."""
+        or a baseline the router also knows (``default``: Ray's PowerOfTwoChoices; ``replica:<id>``).
+        ``kv_events``: the replicas publish KV events; this client tells the router's subscriber where."""
         self.handle = handle
+        self.kv_events: KvEventSubscriber | None = shared_subscriber(KV_EVENTS) if kv_events else None
         self.model = model
         self.model_name = model.name
         self.random_weights = model.random_weights
@@ -40,12 +44,15 @@ class RayEngine:
 
     def with_routing(self, routing: str) -> RayEngine:
         """The same deployment under another routing (the benchmark's baselines, on the same replicas)."""
-        return RayEngine(self.handle, self.model, routing=routing, attempts=self.attempts)
+        return RayEngine(self.handle, self.model, routing=routing, attempts=self.attempts,
+                         kv_events=self.kv_events is not None)
 
     async def generate(self, plan: PromptPlan, *, on_first_token: Callable[[], None] | None = None,
                        on_text: OnText | None = None) -> Completion:
         from ray.exceptions import RayActorError
 
+        if self.kv_events is not None and self.kv_events.missing():
+            await self.follow_kv_events()
         first, told = once(on_first_token), Told(on_text)
         failures: list[str] = []
         for _ in range(self.attempts):
@@ -79,8 +86,20 @@ class RayEngine:
     async def reset_prefix_cache(self) -> None:
         """Drop every live replica's cached prefixes. One call per replica, pinned to it through the router (not
         Serve's broadcast, which bypasses the router), so the router forgets what each held."""
-        await asyncio.gather(*(self.handle.reset_prefix_cache.remote(routing=PINNED + r)
-                               for r in await self.replica_ids()))
+        reset = await asyncio.gather(*(self.handle.reset_prefix_cache.remote(routing=PINNED + r)
+                                       for r in await self.replica_ids()))
+        for replica in reset if self.kv_events is not None else ():
+            if replica:  # "": that replica did not reset
+                self.kv_events.index.cleared(replica)
+
+    async def follow_kv_events(self) -> dict[str, str]:
+        """Ask every live replica where it publishes its KV events and follow each (the router has told the
+        subscriber which replicas are live; one it has not seen yet is followed all the same)."""
+        assert self.kv_events is not None
+        found = {r: e for r, e in await self.handle.broadcast("kv_events_endpoint").results_async() if e}
+        for replica, endpoint in found.items():
+            self.kv_events.add(replica, endpoint)
+        return found
 
     async def replica_ids(self) -> list[str]:
         """The live replicas' full ids (their Ray actor names, in the ``serve`` namespace)."""

@@ -8,20 +8,20 @@ reports more than ``queue_bound`` ongoing requests, then the least loaded. Plans
 their system prompt. Replicas come and go (:meth:`update_replicas`, :meth:`on_replica_actor_died`): a dead
 or removed replica's entries are dropped, a replacement starts with none.
 
-The table is learned from routing (what was sent where), LRU-bounded per replica; a wrong guess costs a
-cache miss, never a wrong answer. vLLM 0.32's KV events would be the better source, and its scheduler emits
-them on CPU too (vllm/v1/core/block_pool.py, platform-independent): BlockStored lists each block's extra keys,
-``(mm identifier, offset)`` pairs whose identifier is our ImageKey uuid, and BlockRemoved tells evictions.
-But they leave the engine core only through a ZMQ publisher (``KVEventsConfig(enable_kv_cache_events=True,
-publisher="zmq")``) that this router would need a subscriber per replica for, keyed back from block hashes
-to replicas; that is not built (nor tried at runtime) here.
+Who holds which prefix comes from the replicas' own KV events where the deployment publishes them
+(``kv_events``: each replica's engine publishes on its node, serving/kv_events.py; this process's one
+subscriber for the deployment, :func:`serving.kv_events.shared_subscriber`, follows them — the router tells it
+the live replicas, the engine client, serving/ray/engine.py, asks new replicas where they publish), else from
+the table learned from routing (what was sent where), LRU-bounded per replica; a wrong guess costs a cache
+miss, never a wrong answer.
 
 ``routing`` in the request's keyword arguments selects a baseline on the same replicas (the benchmark and the
 tests measure them in one run): ``default`` is Ray Serve's own PowerOfTwoChoicesRequestRouter's choice (two
 random replicas, the shorter queue wins; without its FIFOMixin, which would hand a replica found for one
 request to an older one — wrong for affinity, so this router, like Ray's PrefixCacheAffinityRouter, leaves it
 out), ``replica:<id>`` one named replica (the single-replica baseline, and each replica's prefix-cache reset;
-one that is gone: routed as the default). Other calls without a plan route as the default.
+one that is gone: routed as the default), ``table`` the affinity rule on the learned table alone where the
+replicas publish KV events (the benchmark's baseline). Other calls without a plan route as the default.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from ray.serve.request_router import (
 )
 
 from mmrag.adapters.fences import Fence, Target
-from mmrag.core.engine import PromptPlan
+from mmrag.core.engine import ImageInput, PromptPlan
+from serving.engine.images import multi_modal_uuid
+from serving.kv_events import shared_subscriber
 from serving.routing import AffinityTable, prefix_path, rank_replicas
 
 # What this router reaches into in Ray Serve beyond its public API, as tested (pyproject.toml pins ray[serve]):
@@ -56,8 +58,10 @@ FENCE = Fence(("ray",), ">=2.60,<2.61", "serving/ray/router.py", (
 FENCE.check()
 
 AFFINITY = "affinity"
+TABLE = "table"  # the affinity rule by the learned table alone, where the replicas publish KV events (baseline)
 DEFAULT = "default"  # Ray Serve's PowerOfTwoChoices
 PINNED = "replica:"  # + a replica's full id: that replica only
+KV_EVENTS = "mmrag-engine"  # the engine deployment's subscriber in this process (shared_subscriber)
 
 
 def _plan(request: PendingRequest | None) -> PromptPlan | None:
@@ -71,10 +75,13 @@ def _routing(request: PendingRequest | None) -> str:
 
 
 class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, queue_bound: int = 8, capacity: int = 4096) -> None:
+    def initialize_state(self, queue_bound: int = 8, capacity: int = 4096, kv_events: bool = False,
+                         image_input: str = ImageInput.EMBEDS.value) -> None:
         """Called by Ray Serve with the deployment's ``request_router_kwargs``."""
         self.queue_bound = queue_bound
         self.affinity = AffinityTable(capacity)
+        self.events = shared_subscriber(KV_EVENTS) if kv_events else None
+        self.image_input = ImageInput(image_input)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -82,7 +89,7 @@ class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         plan, routing = _plan(pending_request), _routing(pending_request)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         pinned = by_id.get(routing.removeprefix(PINNED)) if routing.startswith(PINNED) else None
-        if pinned is None and (plan is None or routing != AFFINITY):  # a pinned replica that is gone: the default
+        if pinned is None and (plan is None or routing not in (AFFINITY, TABLE)):  # a pinned one gone: the default
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         if pending_request is not None:
             # What is returned is final for this try: when the replicas are full, back off before the next.
@@ -90,7 +97,14 @@ class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if pinned is not None:
             return [[pinned]]
         queues = await self._queue_lengths(candidate_replicas)
-        return [[by_id[r]] for r in rank_replicas(plan, queues, self.affinity, self.queue_bound)]
+        known: dict[str, int] = {}
+        if self.events is not None and routing == AFFINITY:
+            # The form in which the replica's engine sends the images names them in its events; a plan under
+            # several policies goes as tokens (serving/engine/images.plan_form), which routing does not model.
+            known = self.events.index.holding(
+                queues, plan.cache_salt, [multi_modal_uuid(k, self.image_input) for k in plan.images])
+            self.events.decided(known, len(queues))
+        return [[by_id[r]] for r in rank_replicas(plan, queues, self.affinity, self.queue_bound, known)]
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Ongoing requests per replica: Ray's cached figure (updated on each send and each replica report),
@@ -121,7 +135,11 @@ class ImageAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.affinity.drop(replica_id.to_full_id_str())
+        if self.events is not None:
+            self.events.discard(replica_id.to_full_id_str())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.affinity.retain(r.replica_id.to_full_id_str() for r in replicas)
+        if self.events is not None:
+            self.events.expect(r.replica_id.to_full_id_str() for r in replicas)
