@@ -153,23 +153,23 @@ async def test_the_router_goes_by_the_replicas_kv_events_where_its_own_table_is_
         assert events.index.wait(predicate, HANG_GUARD_S), f"{what}: {events.index.stats()}"
 
     await asyncio.to_thread(index, lambda v: all(v.state(r) is State.SYNCED for r in replicas), "both synced")
-    key = keys[5]
-    home = rendezvous_order(str(key), replicas)[0]
+    key, salt = keys[5], "kv-events"  # a salt of its own: no other test's prompts share its prefix
+    home = rendezvous_order(salt + str(key), replicas)[0]
     other = next(r for r in replicas if r != home)
     page = [str(key)]  # its uuid in the events (MMRAG_IMAGE_INPUT=embeds)
 
     def plan(text: str) -> PromptPlan:
-        return PromptPlan(images=(key,), text=text, system_prompt_id="kv-events", sampling=SHORT)
+        return PromptPlan(images=(key,), text=text, cache_salt=salt, sampling=SHORT)
 
     warmed = await engine.with_routing(PINNED + other).generate(plan("Warm this page."))
     assert warmed.replica == other
-    await asyncio.to_thread(index, lambda v: v.match(other, "", page) == 1, "the other replica holds the page")
+    await asyncio.to_thread(index, lambda v: v.match(other, salt, page) == 1, "the other replica holds the page")
     assert (await engine.generate(plan("What is shown?"))).replica == other  # drawn there, away from its home
     # Reset behind the router's back (Serve's broadcast bypasses it), so its table still says `other`; the replica
     # publishes the reset with its next step.
     await engine.handle.broadcast("reset_prefix_cache").results_async()
     await engine.with_routing(PINNED + other).generate(PromptPlan(images=(), text="Step once.", sampling=SHORT))
-    await asyncio.to_thread(index, lambda v: v.match(other, "", page) == 0, "the reset reached the index")
+    await asyncio.to_thread(index, lambda v: v.match(other, salt, page) == 0, "the reset reached the index")
     before = events.routed["events"]
     assert (await engine.generate(plan("And now?"))).replica == home
     assert events.routed["events"] == before + 1

@@ -7,7 +7,9 @@ go through two sources of "who holds which prefix", each time from cold prefix c
 
 - ``events``: the remote engine following both replicas' KV events (serving/kv_events.py);
 - ``table``: the remote engine's learned table (serving/routing.py AffinityTable), as before;
-- ``single`` (steady scenario only): every plan on one replica, the hit rate no routing over two can pass.
+- ``single``: every plan on one replica: in the steady scenario, the hit rate no routing over two can pass; under
+  KV pressure, one replica with both replicas' KV blocks (what a perfect split of the pages between the two could
+  at best approach, their LRU caches then being one cache of twice the size).
 
 Scenarios:
 
@@ -85,9 +87,10 @@ def pressure_config(config: EngineConfig, working_set_tokens: int, longest_promp
     return replace(config, max_model_len=max_model_len, kv_blocks=blocks)
 
 
-async def _start_pair(inputs: KvEventsBenchInputs, config: EngineConfig, tag: str) -> list[tuple[ServerHandle, str]]:
+async def _start_pair(inputs: KvEventsBenchInputs, config: EngineConfig, tag: str,
+                      n: int = 2) -> list[tuple[ServerHandle, str]]:
     pair = []
-    for i in range(2):
+    for i in range(n):
         events = f"tcp://*:{free_port_pair()}"
         handle = await asyncio.to_thread(start_dev_replica, inputs.model.path, replace(config, kv_events=events),
                                          inputs.root / f"{tag}-{i}.log", port=free_port())
@@ -184,15 +187,17 @@ async def run_kv_events(inputs: KvEventsBenchInputs) -> dict[str, Any]:
     blocks, block = pressed.kv_blocks or 0, pressed.block_size or 32
     for tag, config, names in (("steady", inputs.engine_config,
                                 ("a_steady", "c_two_routers", "d_reset", "e_replica_joins")),
-                               ("pressed", pressed, ("b_kv_pressure",))):
+                               ("pressed", pressed, ("b_kv_pressure",)),
+                               ("pressed-one", replace(pressed, kv_blocks=2 * blocks), ("b_kv_pressure",))):
         t = time.perf_counter()
-        pair = await _start_pair(inputs, config, tag)
-        inputs.log(f"2 {tag} replicas ready in {time.perf_counter() - t:.0f} s"
-                   + (f" (KV {blocks} blocks of {block} tokens)" if config.kv_blocks else ""))
+        one = tag == "pressed-one"  # the reference for b: one replica with both replicas' blocks
+        pair = await _start_pair(inputs, config, tag, n=1 if one else 2)
+        inputs.log(f"{len(pair)} {tag} replicas ready in {time.perf_counter() - t:.0f} s"
+                   + (f" (KV {config.kv_blocks} blocks of {block} tokens)" if config.kv_blocks else ""))
         try:
             for name in names:
-                out[name] = {}
-                for source in SOURCES + (("single",) if name == "a_steady" else ()):
+                out.setdefault(name, {})
+                for source in ("single",) if one else SOURCES + (("single",) if name == "a_steady" else ()):
                     out[name][source] = await _scenario(inputs, pair, name, source)
                     inputs.log(f"{name} {source}: {out[name][source]}")
         finally:
@@ -267,6 +272,7 @@ def targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rate = {n: {s: r["image_prefix_hit_rate"] for s, r in by.items()} for n, by in scenarios.items()}
     steady = rate["a_steady"]["events"]
     single = rate["a_steady"].get("single")
+    pressed_one = rate.get("b_kv_pressure", {}).get("single")
     within = {n: round(rate[n]["events"] / steady, 3) if steady else None
               for n in ("b_kv_pressure", "c_two_routers", "d_reset") if n in rate}
     over_table = {n: round(rate[n]["events"] / rate[n]["table"], 3) if rate[n]["table"] else None
@@ -281,7 +287,10 @@ def targets(scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
             # in one cache); the table's share of it bounds what any other source can add.
             "a_single_replica": single,
             "a_table_of_single": round(rate["a_steady"]["table"] / single, 3) if single else None,
-            "e_events_over_table": round(joins["events"] / joins["table"], 3) if joins and joins["table"] else None}
+            "e_events_over_table": round(joins["events"] / joins["table"], 3) if joins and joins["table"] else None,
+            # Under pressure: one replica with both replicas' blocks, over the table's rate (what is left to win).
+            "b_one_cache_over_table": round(pressed_one / rate["b_kv_pressure"]["table"], 3)
+            if pressed_one and rate["b_kv_pressure"]["table"] else None}
 
 
 def kv_events_table(result: dict[str, Any]) -> str:
@@ -295,7 +304,8 @@ def kv_events_table(result: dict[str, Any]) -> str:
         t = run["targets"]
         rows.append(f"\n{transport}: with events, b-d against a {t['events_vs_steady']} (wanted >= 0.9); events / "
                     f"table in b, c {t['events_over_table']} (wanted >= 1.2 in one); a: events / table "
-                    f"{t['a_events_over_table']}, table / one replica {t['a_table_of_single']}"
+                    f"{t['a_events_over_table']}, table / one replica {t['a_table_of_single']}; b: one replica "
+                    f"with both KVs / table {t.get('b_one_cache_over_table')}"
                     + (f"; e (a replica joins): events / table {t['e_events_over_table']}"
                        if t.get("e_events_over_table") else ""))
     return "\n".join(rows)
