@@ -97,17 +97,22 @@ def plan(key: ImageKey, salt: str, text: str = "What does this page show?") -> P
     return p
 
 
+async def warm_elsewhere(engine_settings, router: RemoteEngine, key: ImageKey, salt: str, on: str) -> None:
+    """``key``'s page prefilled on replica ``on`` by another router (an engine over ``on`` alone, as another API
+    process would have sent it), and ``on``'s events say so to ``router``."""
+    other = engine(engine_settings, [on])
+    try:
+        assert (await other.generate(plan(key, salt, "Warm this page."))).replica == on
+    finally:
+        await other.close()
+    await holds(router, on, plan(key, salt), 1)
+
+
 async def test_a_second_router_sends_a_page_the_first_one_warmed_to_the_replica_holding_it(
         engine_settings, replicas, router, keys):
     a, b = replicas
     key = homed(keys, "second-router", list(replicas), home=b)  # by rendezvous it would go to B
-    first = engine(engine_settings, [a])  # another router, whose plans went to A
-    try:
-        warmed = await first.generate(plan(key, "second-router", "Warm this page."))
-    finally:
-        await first.close()
-    assert warmed.replica == a
-    await holds(router, a, plan(key, "second-router"), 1)
+    await warm_elsewhere(engine_settings, router, key, "second-router", on=a)
     served = await router.generate(plan(key, "second-router"))
     assert served.replica == a and served.usage.cached_image_tokens > 0, served.usage
     assert router.routed["events"] == 1
@@ -116,18 +121,16 @@ async def test_a_second_router_sends_a_page_the_first_one_warmed_to_the_replica_
 async def test_a_reset_replica_no_longer_attracts_its_pages_plans(engine_settings, replicas, router, keys):
     a, b = replicas
     key = homed(keys, "reset", list(replicas), home=b)
-    p = plan(key, "reset")
-    first = engine(engine_settings, [a])
+    await warm_elsewhere(engine_settings, router, key, "reset", on=a)
+    assert (await router.generate(plan(key, "reset"))).replica == a  # attracted; the router's table learned A too
+    only_a = engine(engine_settings, [a])
     try:
-        await first.generate(plan(key, "reset", "Warm this page."))
-        await holds(router, a, p, 1)
-        assert (await router.generate(p)).replica == a  # attracted while A holds it; the router learned A too
-        await first.reset_prefix_cache()
+        await only_a.reset_prefix_cache()  # behind the router's back
         # vLLM publishes the reset with the replica's next engine step: any prompt makes one.
-        await first.generate(PromptPlan(images=(), text="Step once.", sampling=SHORT, cache_salt="reset-step"))
+        await only_a.generate(PromptPlan(images=(), text="Step once.", sampling=SHORT, cache_salt="reset-step"))
     finally:
-        await first.close()
-    await holds(router, a, p, 0)
+        await only_a.close()
+    await holds(router, a, plan(key, "reset"), 0)
     served = await router.generate(plan(key, "reset", "And now?"))
     assert served.replica == b, "the router's table still says A; the replica's word moved the plan home"
 
@@ -135,12 +138,10 @@ async def test_a_reset_replica_no_longer_attracts_its_pages_plans(engine_setting
 async def test_an_evicted_page_stops_attracting_its_plans(engine_settings, replicas, router, keys):
     a, b = replicas
     key = homed(keys, "evicted", list(replicas), home=a)
-    p = plan(key, "evicted")
+    await warm_elsewhere(engine_settings, router, key, "evicted", on=b)
+    assert (await router.generate(plan(key, "evicted"))).replica == b  # attracted away from its home
     only_b = engine(engine_settings, [b])
     try:
-        await only_b.generate(plan(key, "evicted", "Warm this page."))
-        await holds(router, b, p, 1)
-        assert (await router.generate(p)).replica == b  # attracted away from its home while B holds it
         # Other pages fill B's 129 blocks (each prompt of three pages ~800 tokens): the page's blocks go.
         others = [k for k in keys if k != key]
         for i in range(0, 30, 3):
@@ -148,7 +149,7 @@ async def test_an_evicted_page_stops_attracting_its_plans(engine_settings, repli
                                              cache_salt="evicted"))
     finally:
         await only_b.close()
-    await holds(router, b, p, 0)
+    await holds(router, b, plan(key, "evicted"), 0)
     assert router.kv_events.index.stats()[b]["blocks"] <= KV_BLOCKS
     served = await router.generate(plan(key, "evicted", "And now?"))
     assert served.replica == a
@@ -159,12 +160,7 @@ async def test_a_tenants_salt_keeps_its_blocks_from_routing_another_tenants_plan
     a, b = replicas
     urls = list(replicas)
     key = next(k for k in keys if all(rendezvous_order(s + str(k), urls)[0] == b for s in ("tenant-1", "tenant-2")))
-    first = engine(engine_settings, [a])
-    try:
-        await first.generate(plan(key, "tenant-1", "Warm this page."))
-    finally:
-        await first.close()
-    await holds(router, a, plan(key, "tenant-1"), 1)
+    await warm_elsewhere(engine_settings, router, key, "tenant-1", on=a)
     assert (await router.generate(plan(key, "tenant-2"))).replica == b  # tenant-1's blocks are not tenant-2's
     assert (await router.generate(plan(key, "tenant-1"))).replica == a
 

@@ -27,9 +27,9 @@ Scenarios:
 
 On Ray Serve (serving/ray/, one local cluster) the sources are the same router's, chosen per request: ``events``
 (its affinity rule on the replicas' events), ``table`` (the rule on its learned table) and ``ray_default``
-(Ray Serve's PowerOfTwoChoices); the scenarios a, b and d (d resets every replica through Serve's broadcast,
-which bypasses the router). Not c: one process holds one router per deployment handle, and a second API
-process is a second cluster client this bench does not start.
+(Ray Serve's PowerOfTwoChoices); the scenarios a to d, where c's second router is a second deployment handle's (each
+handle has a router of its own, with its own table; in one process they share the one KV events subscriber) and d
+resets every replica through Serve's broadcast, which bypasses the routers.
 
 Reported per scenario and source: the image-prefix hit rate (image tokens served from the prefix cache / image
 tokens sent), TTFT p50 and p99 as the client sees it, and the routes the events decided. A replica steps, and
@@ -216,7 +216,7 @@ async def run_kv_events_ray(inputs: KvEventsBenchInputs, queue_bound: int) -> di
     from ray import serve
 
     from mmrag.bench.replicas import replica_engine
-    from serving.ray.app import RayServeConfig, connect, deploy_engine
+    from serving.ray.app import RayServeConfig, connect, deploy_engine, engine_handle
     from serving.ray.engine import RayEngine
     from serving.ray.router import AFFINITY, DEFAULT, TABLE
 
@@ -229,7 +229,7 @@ async def run_kv_events_ray(inputs: KvEventsBenchInputs, queue_bound: int) -> di
     out: dict[str, dict[str, Any]] = {}
     await asyncio.to_thread(connect, config, num_cpus=4)
     try:
-        for tag, engine_config, names in (("steady", inputs.engine_config, ("a_steady", "d_reset")),
+        for tag, engine_config, names in (("steady", inputs.engine_config, ("a_steady", "c_two_routers", "d_reset")),
                                           ("pressed", pressed, ("b_kv_pressure",))):
             t = time.perf_counter()
             build = partial(replica_engine, inputs.model, inputs.store_dir, engine_config)
@@ -253,7 +253,13 @@ async def run_kv_events_ray(inputs: KvEventsBenchInputs, queue_bound: int) -> di
                     async def reset_behind_the_router() -> None:
                         await handle.broadcast("reset_prefix_cache").results_async()
 
-                    result = await _run([engine.with_routing(routing)], inputs.plans, inputs.concurrency,
+                    routers = [engine.with_routing(routing)]
+                    if name == "c_two_routers":
+                        # A second handle has a router of its own (its own table, as a second API process's;
+                        # in this process it shares the one subscriber, whose events are the same either way).
+                        second = RayEngine(engine_handle(), inputs.model, kv_events=True)
+                        routers.append(second.with_routing(routing))
+                    result = await _run(routers, inputs.plans, inputs.concurrency,
                                         reset_behind_the_router if name == "d_reset" else None)
                     result["routes_by_events"] = engine.kv_events.routed["events"] - before.get("events", 0)
                     result["routes_by_table"] = engine.kv_events.routed["table"] - before.get("table", 0)
