@@ -500,7 +500,6 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     from mmrag.bench.runner import default_engine_config, machine_info
     from mmrag.bench.workload import WorkloadSpec, make_workload
     from mmrag.core.keys import ResolutionPolicy
-    from serving.engine.features import FeatureProvider
 
     spec = _model_spec(tiny, depth)
     model = bench_model.ensure_bench_model(settings.data_dir, spec)
@@ -521,9 +520,8 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     logs = root / "kv-events-replicas"
     logs.mkdir(parents=True, exist_ok=True)
     inputs = KvEventsBenchInputs(
-        model=model, features=FeatureProvider.unscoped(store), plans=plans, engine_config=config,
-        concurrency=concurrency * 2, working_set_tokens=working, longest_prompt_tokens=longest, root=logs,
-        store_dir=root / "features", log=lambda m: err.print(escape(m)))
+        model=model, store_dir=root / "features", plans=plans, engine_config=config, concurrency=concurrency * 2,
+        working_set_tokens=working, longest_prompt_tokens=longest, root=logs, log=lambda m: err.print(escape(m)))
     result = {"vllm_serve": asyncio.run(run_kv_events(inputs))}
     if importlib.util.find_spec("ray") is None:
         err.print("[yellow]Ray is not installed (the `ray` extra): the Ray Serve transport is left out[/]")

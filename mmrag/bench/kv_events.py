@@ -45,11 +45,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from mmrag.adapters.checkpoint import ModelSource
+from mmrag.adapters.store import DiskFeatureStore
 from mmrag.core.engine import PromptPlan
 from mmrag.devkit.ports import free_port
 from serving.engine.config import EngineConfig
@@ -66,15 +68,18 @@ SYNC_TIMEOUT_S = 120.0  # a hang guard for the subscriber's first replay
 @dataclass(slots=True)
 class KvEventsBenchInputs:
     model: ModelSource
-    features: FeatureProvider
+    store_dir: Path  # the disk feature store holding every key of the plans (the Ray replicas open it themselves)
     plans: list[PromptPlan]
     engine_config: EngineConfig
     concurrency: int  # plans in flight (closed loop), over all routers
     working_set_tokens: int  # the distinct pages' image tokens the plans show
     longest_prompt_tokens: int  # the most image tokens one plan shows, with room for its text and answer
-    root: Any  # a folder for the replicas' logs
-    store_dir: Any = None  # the disk feature store's folder (the Ray replicas open it themselves)
+    root: Path  # a folder for the replicas' logs
     log: Callable[[str], None] = print
+
+    @property
+    def features(self) -> FeatureProvider:
+        return FeatureProvider.unscoped(DiskFeatureStore(self.store_dir))  # the bench's keys, one encoder
 
 
 def pressure_config(config: EngineConfig, working_set_tokens: int, longest_prompt_tokens: int,
