@@ -363,6 +363,7 @@ class KvEventSubscriber:
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.turns = 0  # turns of the thread's loop: a subscriber that follows nothing waits, it does not spin
         for replica, endpoint in (endpoints or {}).items():
             self.add(replica, endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -412,7 +413,13 @@ class KvEventSubscriber:
         poller = zmq.Poller()
         try:
             while not self._stop.is_set():
+                self.turns += 1
                 self._take_commands(subs, by_socket, poller)
+                if not by_socket:
+                    # zmq's poll over no socket returns at once: following no replica (Ray's subscriber before its
+                    # first replica or after its last), the thread waits here instead of spinning on a core.
+                    self._stop.wait(self.POLL_MS / 1000)
+                    continue
                 for sock, _ in poller.poll(self.POLL_MS):
                     replica, kind = by_socket.get(sock, (None, None))
                     if replica is None:

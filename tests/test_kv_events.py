@@ -273,6 +273,22 @@ def test_a_history_the_publisher_no_longer_buffers_leaves_the_replica_unknown_un
         pub.close()
 
 
+def test_a_subscriber_following_no_replica_waits_instead_of_spinning():
+    """zmq's poll over no socket returns at once: a subscriber with no replica (Ray's, before the first or after the
+    last) spun a core at 100% and made every CPU-bound test after the Ray module ten times slower."""
+    sub = KvEventSubscriber()
+    try:
+        sub.index.wait(lambda v: False, 0.5)  # half a second of following nothing: ~5 turns of 100 ms, not millions
+        assert sub.turns <= 50, sub.turns
+        sub.add("r1", f"tcp://*:{free_port_pair()}")
+        sub.discard("r1")  # and after its last replica is gone
+        before = sub.turns
+        sub.index.wait(lambda v: False, 0.5)
+        assert sub.turns - before <= 50, sub.turns - before
+    finally:
+        sub.close()
+
+
 def test_the_publishers_config_is_what_vllm_takes_and_its_replay_sits_on_the_next_port():
     from vllm.config import KVEventsConfig
 
