@@ -459,22 +459,12 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
                     max_tokens: int, zipf: float, seed: int, json_out: Path | None) -> None:
     """`mmrag bench --replicas N`: single replica, affinity routing and Ray's default routing, in one run."""
     from mmrag.bench import model as bench_model
-    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
     from mmrag.bench.replicas import ReplicaBenchInputs, replicas_table, run_replicas
     from mmrag.bench.runner import default_engine_config
-    from mmrag.bench.workload import WorkloadSpec, make_workload
-    from mmrag.core.keys import ResolutionPolicy
-    from mmrag.adapters.store import DiskFeatureStore
 
-    spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
-    root = settings.data_dir / "bench"
-    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
-    by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels),
-                                        DiskFeatureStore(root / "features"))
-    err.print(f"corpus: {pages} pages, {encoded} encoded now, the rest from the feature store")
-    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
-                                          max_tokens=max_tokens, seed=seed))
+    spec, model, root, by_page, workload = _routing_workload(
+        settings, tiny=tiny, depth=depth, pages=pages, questions=questions, concurrency=concurrency,
+        max_tokens=max_tokens, zipf=zipf, seed=seed)
     config = default_engine_config()
     result = run_replicas(ReplicaBenchInputs(
         model=model, store_dir=root / "features", by_page=by_page, workload=workload, engine_config=config,
@@ -492,22 +482,14 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     """`mmrag bench --kv-events`: events against the learned table, four scenarios, 2 `vllm serve` replicas."""
     from mmrag.adapters.store import DiskFeatureStore
     from mmrag.bench import model as bench_model
-    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from mmrag.bench.closed_loop import workload_plans
     from mmrag.bench.kv_events import KvEventsBenchInputs, kv_events_table, run_kv_events, run_kv_events_ray
-    from mmrag.bench.replicas import workload_plans
     from mmrag.bench.runner import default_engine_config, machine_info
-    from mmrag.bench.workload import WorkloadSpec, make_workload
-    from mmrag.core.keys import ResolutionPolicy
 
-    spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
-    root = settings.data_dir / "bench"
-    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
+    spec, model, root, by_page, workload = _routing_workload(
+        settings, tiny=tiny, depth=depth, pages=pages, questions=questions, concurrency=concurrency,
+        max_tokens=max_tokens, zipf=zipf, seed=seed)
     store = DiskFeatureStore(root / "features")
-    by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels), store)
-    err.print(f"corpus: {pages} pages, {encoded} encoded now, the rest from the feature store")
-    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
-                                          max_tokens=max_tokens, seed=seed))
     plans = workload_plans(workload, by_page)
     distinct = {k for p in plans for k in p.images}
     tokens = {k: store.get(k).num_tokens for k in distinct}
@@ -530,6 +512,28 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     _write_json(json_out, data)
     typer.echo(kv_events_table(result))
     err.print(f"on {data['meta']['cpu']} ({os.cpu_count()} cores, {config.dtype})")
+
+
+def _routing_workload(settings, *, tiny: bool, depth: int | None, pages: int, questions: int, concurrency: int,
+                      max_tokens: int, zipf: float, seed: int):
+    """The routing benchmarks' inputs: the bench model, its corpus's image tokens in the disk feature store under
+    MMRAG_DATA_DIR/bench (encoded once), and the workload over its pages. (spec, model, root, by_page, workload)."""
+    from mmrag.adapters.store import DiskFeatureStore
+    from mmrag.bench import model as bench_model
+    from mmrag.bench.corpus import CorpusSpec, build_corpus, encode_corpus
+    from mmrag.bench.workload import WorkloadSpec, make_workload
+    from mmrag.core.keys import ResolutionPolicy
+
+    spec = _model_spec(tiny, depth)
+    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    root = settings.data_dir / "bench"
+    corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
+    by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels),
+                                        DiskFeatureStore(root / "features"))
+    err.print(f"corpus: {pages} pages, {encoded} encoded now, the rest from the feature store")
+    workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,
+                                          max_tokens=max_tokens, seed=seed))
+    return spec, model, root, by_page, workload
 
 
 def _replicas_meta(dtype: str) -> dict:

@@ -24,12 +24,13 @@ The events carry token ids, i.e. document text: keep the publishers' ports on a 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,12 +247,10 @@ class KvEventIndex:
         vLLM publishes the reset with the replica's next engine step (an idle replica takes none), so the process
         that reset it says so at once, and skips the events still on their way from before the reset until the
         reset's own event comes; other routers learn of it from that event."""
-        with self._changed:
-            rep = self._replicas.get(replica)
+        with self._changing(replica) as rep:
             if rep is not None:
                 rep.blocks.clear()
                 rep.awaiting_reset = True
-                self._changed.notify_all()
 
     def state(self, replica: str) -> State | None:
         with self._lock:
@@ -275,9 +274,15 @@ class KvEventIndex:
 
     # -- written by the subscriber ----------------------------------------------------------------------------
 
-    def _apply(self, replica: str, seq: int, batch: EventBatch) -> None:
+    @contextlib.contextmanager
+    def _changing(self, replica: str) -> Iterator[_Replica | None]:
+        """``replica``'s entry (None once it is no longer followed), under the lock; waiters are woken after."""
         with self._changed:
-            rep = self._replicas.get(replica)
+            yield self._replicas.get(replica)
+            self._changed.notify_all()
+
+    def _apply(self, replica: str, seq: int, batch: EventBatch) -> None:
+        with self._changing(replica) as rep:
             if rep is None:
                 return
             rep.events += len(batch.events)
@@ -295,12 +300,10 @@ class KvEventIndex:
                 cleared = cleared or isinstance(event, _Cleared)
             if cleared and rep.state is State.UNKNOWN:
                 rep.state = State.SYNCED  # a reset: from here on every block it holds is in its events
-            self._changed.notify_all()
 
     def _set(self, replica: str, state: State, *, reset: bool = False, next_seq: int | None = None,
              resync: bool = False) -> None:
-        with self._changed:
-            rep = self._replicas.get(replica)
+        with self._changing(replica) as rep:
             if rep is None:
                 return
             if reset:
@@ -312,7 +315,6 @@ class KvEventIndex:
             if rep.state is not state:
                 log.info("KV events of %s: %s", replica, state.value)
             rep.state = state
-            self._changed.notify_all()
 
     def _next_seq(self, replica: str) -> int | None:
         with self._lock:

@@ -176,8 +176,7 @@ def vllm_server(engine_settings, ingested, tmp_path_factory: pytest.TempPathFact
     )
     KV_EVENTS[handle.url] = events
     try:
-        handle.wait_ready(timeout=300)
-        yield handle.url
+        yield handle.url  # ready: start_dev_replica waited for it
     finally:
         handle.stop()
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -52,6 +51,7 @@ import httpx
 
 from mmrag.adapters.checkpoint import ModelSource
 from mmrag.adapters.store import DiskFeatureStore
+from mmrag.bench.closed_loop import run_plans
 from mmrag.core.engine import PromptPlan
 from mmrag.devkit.ports import free_port
 from serving.engine.config import EngineConfig
@@ -129,39 +129,10 @@ async def _synced(router: RemoteEngine) -> None:
 
 async def _run(routers: list[Any], plans: list[PromptPlan], concurrency: int,
                between: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """The plans, dealt alternately to ``routers``, ``concurrency`` in flight; ``between``: awaited once half of
-    them are done, before the rest start."""
-    gate = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-    usages = []
-
-    async def one(i: int, plan: PromptPlan) -> None:
-        async with gate:
-            sent = time.perf_counter()
-            done = await routers[i % len(routers)].generate(
-                plan, on_first_token=lambda: ttfts.append(time.perf_counter() - sent))
-            usages.append(done.usage)
-
-    started = time.perf_counter()
-    half = len(plans) // 2 if between else len(plans)
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(plans[:half])))
-    if between:
-        await between()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(plans[half:], start=half)))
-    seconds = time.perf_counter() - started
-    image = sum(u.image_tokens for u in usages)
-    ttfts.sort()
+    """mmrag/bench/closed_loop.run_plans over ``routers``, with the routes each source decided."""
+    result = await run_plans(routers, plans, concurrency, between)
     routed = {k: sum(getattr(r, "routed", {}).get(k, 0) for r in routers) for k in ("events", "table")}
-    return {
-        "image_prefix_hit_rate": round(sum(u.cached_image_tokens for u in usages) / max(1, image), 4),
-        "ttft_p50_s": round(statistics.median(ttfts), 4),
-        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
-        "plans_per_s": round(len(plans) / seconds, 3),
-        "seconds": round(seconds, 1),
-        "plans": len(plans),
-        "routes_by_events": routed["events"],
-        "routes_by_table": routed["table"],
-    }
+    return {**result, "routes_by_events": routed["events"], "routes_by_table": routed["table"]}
 
 
 async def _scenario(inputs: KvEventsBenchInputs, pair: list[tuple[ServerHandle, str]], name: str,

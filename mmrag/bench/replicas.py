@@ -19,7 +19,6 @@ is the figure that carries over to one replica per machine.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,7 +28,7 @@ from typing import Any
 
 from mmrag.adapters.checkpoint import ModelSource
 from mmrag.adapters.store import DiskFeatureStore
-from mmrag.core.engine import PromptPlan, SamplingSpec
+from mmrag.core.engine import PromptPlan
 from mmrag.core.keys import ImageKey
 from mmrag.devkit.ports import free_port
 from serving.engine.config import EngineConfig
@@ -38,6 +37,7 @@ from serving.engine.inprocess import InProcessEngine
 from serving.ray.app import RayServeConfig, connect, deploy_engine
 from serving.ray.engine import RayEngine
 from serving.ray.router import AFFINITY, DEFAULT, PINNED
+from mmrag.bench.closed_loop import run_plans, workload_plans
 from mmrag.bench.workload import Workload
 
 ROUTINGS = ("single", "affinity", "ray_default")
@@ -65,38 +65,6 @@ def replica_engine(model: ModelSource, store_dir: Path, config: EngineConfig,
     return InProcessEngine.start(model, FeatureProvider.unscoped(DiskFeatureStore(store_dir)), config)
 
 
-def workload_plans(workload: Workload, by_page: dict[int, ImageKey]) -> list[PromptPlan]:
-    sampling = SamplingSpec(max_tokens=workload.spec.max_tokens)
-    return [PromptPlan(images=tuple(by_page[p] for p in sub.pages), text=sub.text, sampling=sampling)
-            for q in workload.questions for sub in q.subs]
-
-
-async def _run(engine: RayEngine, plans: list[PromptPlan], concurrency: int) -> dict[str, Any]:
-    gate = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-    usages = []
-
-    async def one(plan: PromptPlan) -> None:
-        async with gate:
-            sent = time.perf_counter()
-            completion = await engine.generate(plan, on_first_token=lambda: ttfts.append(time.perf_counter() - sent))
-            usages.append(completion.usage)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in plans))
-    seconds = time.perf_counter() - started
-    image = sum(u.image_tokens for u in usages)
-    ttfts.sort()
-    return {
-        "image_prefix_hit_rate": round(sum(u.cached_image_tokens for u in usages) / max(1, image), 4),
-        "plans_per_s": round(len(plans) / seconds, 3),
-        "ttft_p50_s": round(statistics.median(ttfts), 4),
-        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
-        "seconds": round(seconds, 1),
-        "plans": len(plans),
-    }
-
-
 async def measure_routings(engine: RayEngine, plans: list[PromptPlan], concurrency: int,
                     log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     """The plans under each routing, each from cold prefix caches, on the replicas of ``engine``."""
@@ -105,7 +73,7 @@ async def measure_routings(engine: RayEngine, plans: list[PromptPlan], concurren
     out = {}
     for name in ROUTINGS:
         await engine.reset_prefix_cache()
-        out[name] = await _run(engine.with_routing(routing[name]), plans, concurrency)
+        out[name] = await run_plans([engine.with_routing(routing[name])], plans, concurrency)
         log(f"{name}: {out[name]}")
     return out
 
