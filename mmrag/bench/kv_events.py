@@ -29,7 +29,7 @@ On Ray Serve (serving/ray/, one local cluster) the sources are the same router's
 (its affinity rule on the replicas' events), ``table`` (the rule on its learned table) and ``ray_default``
 (Ray Serve's PowerOfTwoChoices); the scenarios a to d, where c's second router is a second deployment handle's (each
 handle has a router of its own, with its own table; in one process they share the one KV events subscriber) and d
-resets every replica through Serve's broadcast, which bypasses the routers.
+resets one replica through another handle's router, pinned to it, so the routers under test see only its events.
 
 Reported per scenario and source: the image-prefix hit rate (image tokens served from the prefix cache / image
 tokens sent), TTFT p50 and p99 as the client sees it, and the routes the events decided. A replica steps, and
@@ -194,7 +194,7 @@ async def run_kv_events_ray(inputs: KvEventsBenchInputs, queue_bound: int) -> di
     from mmrag.bench.replicas import replica_engine
     from serving.ray.app import RayServeConfig, connect, deploy_engine, engine_handle
     from serving.ray.engine import RayEngine
-    from serving.ray.router import AFFINITY, DEFAULT, TABLE
+    from serving.ray.router import AFFINITY, DEFAULT, PINNED, TABLE
 
     routings = {"events": AFFINITY, "table": TABLE, "ray_default": DEFAULT}
     config = RayServeConfig(address="", replicas=2, queue_bound=queue_bound, replica_cpus=1.0, replica_gpus=0.0,
@@ -227,7 +227,9 @@ async def run_kv_events_ray(inputs: KvEventsBenchInputs, queue_bound: int) -> di
                     before = dict(engine.kv_events.routed)
 
                     async def reset_behind_the_router() -> None:
-                        await handle.broadcast("reset_prefix_cache").results_async()
+                        # One replica, through a second handle's router (an operator's, another process's): the
+                        # routers under test see neither the call nor its answer, only the replica's own events.
+                        await engine_handle().reset_prefix_cache.remote(routing=PINNED + replicas[0])
 
                     routers = [engine.with_routing(routing)]
                     if name == "c_two_routers":
