@@ -13,8 +13,13 @@ setup:
 demo: setup
 	@bash scripts/demo.sh
 
+# The whole suite on TEST_WORKERS pytest-xdist workers (0: one process). Each heavy resource is started on one
+# worker only (tests/lanes.py: a group per module, one for the session's engines, one for the vision service),
+# each worker's engines bind a core of their own, and torch runs one thread a process (tests/conftest.py).
+TEST_WORKERS ?= 2
+TEST_DIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 test: setup
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_DIST) --durations=25 $(PYTEST_ARGS)
 
 # The tests that start no vLLM engine, server process, Ray or browser; one that does fails (tests/conftest.py).
 # On CHECK_WORKERS pytest-xdist workers: the lane is single-threaded Python, so two cores run two tests at once
@@ -28,7 +33,7 @@ check: setup
 AS_AVX2 := $(PY) -c 'import sys; from mmrag.adapters.hardware import exec_emulating; exec_emulating("avx2", sys.argv[1:])'
 
 test-avx2: setup
-	$(AS_AVX2) $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(AS_AVX2) $(PY) -m pytest -q $(TEST_DIST) --durations=25 $(PYTEST_ARGS)
 
 check-avx2: setup
 	$(AS_AVX2) $(PY) -m pytest -q --lane=fast -n $(CHECK_WORKERS) --durations=10 $(PYTEST_ARGS)

@@ -10,6 +10,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The development profile, said here for every test and the processes they start: where a test leaves
 # MMRAG_MODEL empty, the tiny random-weight model is built (production refuses that: tests/test_profiles.py).
 os.environ["MMRAG_PROFILE"] = "development"
+# On pytest-xdist workers (`make test`), the vLLM engines each worker starts, in it or in the processes it starts,
+# bind their OpenMP threads to a core of that worker's own. vLLM's own binding (`auto`) assumes one engine per host
+# and binds every engine to the same core (on 2 cores: core 0, core 1 left to the frontend), so the two workers'
+# engines took turns on one core while the other did little more than imports.
+# And torch runs one OpenMP thread in the test process and its children (the vision encoder, ingestion): with two
+# threads in a process that shares the cores with an engine (or another worker), libgomp's spinning barriers burned
+# the CPU the other needed — two processes of small matmuls at 2 threads each took 4.3x as long as at 1 thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+    _CPUS = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_CPUS[int(_XDIST_WORKER[2:]) % len(_CPUS)])
 from mmrag.adapters.hardware import reproducible_numerics  # noqa: E402 - before any matmul, as the CLI's entry does
 
 reproducible_numerics()
@@ -28,7 +40,7 @@ from tests.waiting import eventually
 # The lanes (make check / make test): their option, markers and guard are tests/lanes.py's hooks.
 from tests.lanes import (  # noqa: F401 - pytest's hooks, found by name in this module
     pytest_addoption, pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport,
-    pytest_sessionfinish)
+    pytest_sessionfinish, pytest_xdist_make_scheduler)
 # The garbage collector's pauses: the import-time heap frozen after collection, the session's pauses printed.
 from tests.gcpauses import pytest_collection_finish, pytest_terminal_summary  # noqa: F401, E402 - hooks
 

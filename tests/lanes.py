@@ -4,6 +4,7 @@ which starts a heavy process. A pytest plugin: tests/conftest.py imports its hoo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -43,6 +44,23 @@ HEAVY_FIXTURES = {  # this file's fixtures by name; a test module's own as "path
     "tests/test_ray_serve.py::ray_cluster": "ray",
     "tests/test_ui.py::browser": "browser",
 }
+# --- the whole suite on two workers (`make test`: pytest-xdist, --dist loadgroup) -------------------------------
+#
+# A session fixture is started once per worker that uses it, a module fixture once per worker that runs a test of
+# its module. So every heavy test goes in a group that one worker runs whole: its module's, and one group for all the
+# modules that use the session's engines (the in-process engine, the API server on it, the `vllm serve` replica,
+# the browser on the API server), one for those using the vision service. Tests in no heavy group (the fast lane)
+# go one at a time to whichever worker is free. Groups are handed out in the order of their items, largest first
+# (SLOWEST below: a scheduling hint, seconds in one process on the Xeon 6 of issue 42's profile; a module not in it goes after
+# them), so the long ones start at once and the fast tests fill the end.
+SESSION_GROUPS = {"inprocess_engine": "session-engines", "api_server": "session-engines",
+                  "vllm_server": "session-engines", "browser": "session-engines", "vision_server": "vision-service"}
+SLOWEST = {"session-engines": 500, "tests/test_ingest.py": 66, "tests/test_ray_serve.py": 62,
+           "tests/test_jobs.py": 59, "tests/test_bench.py": 51, "tests/test_reencode.py": 39,
+           "tests/test_faults_process.py": 36, "tests/test_families.py": 27, "vision-service": 26,
+           "tests/test_families_remote.py": 25, "tests/test_wiring.py": 20, "tests/test_bench_transfer.py": 19,
+           "tests/test_retrieval.py": 14, "tests/test_corpus.py": 13, "tests/test_deploy.py": 11}
+GROUPS_ENV = "MMRAG_TEST_GROUPS"  # where the workers write each test's group for the controller
 GUARD_ENV = "PYTEST_FAST_LANE_GUARD"  # the guard's record file; its folder holds the sitecustomize.py children load
 
 
@@ -209,7 +227,33 @@ class _HeavyFixtureGuard:
                                f"{fixturedef.argname} starts one: mark the test @pytest.mark.{marker}")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup`: xdist's scheduler by scope, each test's scope its group from the workers' files."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once all workers have collected (schedule() runs then)
+                found = sorted(Path(os.environ[GROUPS_ENV]).parent.glob(Path(os.environ[GROUPS_ENV]).name + ".gw*"))
+                self.groups = json.loads(found[0].read_text()) if found else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # The controller (whose workers inherit its environment): a folder for the workers' groups.
+    if getattr(config.option, "dist", "no") == "loadgroup" and GROUPS_ENV not in os.environ:
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="mmrag-test-groups-"))
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        os.environ[GROUPS_ENV] = str(folder / "groups.json")
     if config.getoption("lane") != "fast":
         return
     import inspect
@@ -255,6 +299,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 have.add(marker)
         if have.intersection(LANE_MARKERS) and "heavy" not in have:
             item.add_marker("heavy")
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup (its dist is "no")
+        _group_for_workers(items)
     lane = config.getoption("lane")
     if lane == "all":
         return
@@ -263,6 +309,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kept = set(keep)
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = keep
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Mark each heavy test with its xdist group (its module's, or the session fixtures' it shares with other
+    modules) and order the items: the groups by SLOWEST, then the other heavy groups, then the tests in none."""
+    module_group: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        shared = {SESSION_GROUPS[n] for n in item.fixturenames if n in SESSION_GROUPS}
+        if shared:  # a module with tests on both: the engines' group, which starts the vision service too
+            module_group[module] = min(shared | ({module_group[module]} if module in module_group else set()))
+    group_of: dict[pytest.Item, str | None] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        heavy = item.get_closest_marker("heavy") is not None or module in module_group
+        group_of[item] = module_group.get(module, module) if heavy else None
+        if group_of[item] is not None:
+            item.add_marker(pytest.mark.xdist_group(group_of[item]))
+    rank = {None: (2, 0)}
+    rank.update({g: (0, -SLOWEST[g]) if g in SLOWEST else (1, 0) for g in set(group_of.values()) if g is not None})
+    items.sort(key=lambda item: rank[group_of[item]])  # stable: a group's tests keep their order
+    # For the controller's scheduler (GroupScheduling), which sees only node ids: pytest 9 ignores the id that
+    # xdist's own loadgroup rewrites (item._nodeid), so the groups travel in a file of each worker's.
+    groups = os.environ.get(GROUPS_ENV)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if groups and worker:
+        Path(f"{groups}.{worker}").write_text(json.dumps({i.nodeid: g for i, g in group_of.items() if g}))
 
 
 @pytest.hookimpl(wrapper=True)

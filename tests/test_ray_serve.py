@@ -70,8 +70,15 @@ def ray_cluster(engine_settings, ingested):
                                                   "ray_http_port": free_port(), "max_num_seqs": 8,
                                                   "ray_kv_events": True})
     started = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=256 * 2**20, log_to_driver=False)
+    # The cluster's processes take this environment: vLLM's default binding, which the replicas replace with a
+    # share of the node's cores each (serving/ray/deployments.bind_cpu_engine), not an xdist worker's core.
+    bound = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 object_store_memory=256 * 2**20, log_to_driver=False)
+    finally:
+        if bound is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bound
     cluster_s = time.perf_counter() - started
     base = ray_rss_mib()
     engine = wiring.ray_engine(settings)
