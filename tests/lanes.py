@@ -51,8 +51,8 @@ HEAVY_FIXTURES = {  # this file's fixtures by name; a test module's own as "path
 # modules that use the session's engines (the in-process engine, the API server on it, the `vllm serve` replica,
 # the browser on the API server), one for those using the vision service. Tests in no heavy group (the fast lane)
 # go one at a time to whichever worker is free. Groups are handed out in the order of their items, largest first
-# (SLOWEST below: a scheduling hint, seconds in one process on the Xeon 6 of issue 42's profile; a module not in it goes after
-# them), so the long ones start at once and the fast tests fill the end.
+# (SLOWEST below: a scheduling hint, seconds in one process on the Xeon 6 of issue 42's profile; a module not in
+# it goes after them), so the long ones start at once and the fast tests fill the end.
 SESSION_GROUPS = {"inprocess_engine": "session-engines", "api_server": "session-engines",
                   "vllm_server": "session-engines", "browser": "session-engines", "vision_server": "vision-service"}
 SLOWEST = {"session-engines": 500, "tests/test_ingest.py": 66, "tests/test_ray_serve.py": 62,
