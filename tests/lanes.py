@@ -312,8 +312,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Mark each heavy test with its xdist group (its module's, or the session fixtures' it shares with other
-    modules) and order the items: the groups by SLOWEST, then the other heavy groups, then the tests in none."""
+    """Each heavy test's group (its module's, or the session fixtures' it shares with other modules), written for
+    the controller's scheduler (no xdist_group mark: xdist would rename the node ids the file is keyed by, on a
+    pytest that reads its rename); the items in order: the groups by SLOWEST, the other heavy groups, the rest."""
     module_group: dict[str, str] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
@@ -325,8 +326,6 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
         module = item.nodeid.split("::")[0]
         heavy = item.get_closest_marker("heavy") is not None or module in module_group
         group_of[item] = module_group.get(module, module) if heavy else None
-        if group_of[item] is not None:
-            item.add_marker(pytest.mark.xdist_group(group_of[item]))
     rank = {None: (2, 0)}
     rank.update({g: (0, -SLOWEST[g]) if g in SLOWEST else (1, 0) for g in set(group_of.values()) if g is not None})
     items.sort(key=lambda item: rank[group_of[item]])  # stable: a group's tests keep their order
