@@ -67,7 +67,7 @@ def lookup_pages(index: PageIndex, refs: list[tuple[str, int]]) -> list[PagePayl
 def check_tier(settings: Settings, tier: str) -> str:
     """``--tier``: a configured tier, or an ArgumentError naming them."""
     try:
-        settings.tier_table.policy(tier)
+        settings.vision.tier_table.policy(tier)
     except UnknownTierError as exc:
         raise ArgumentError(f"--tier: {exc}") from None
     return tier
@@ -87,12 +87,12 @@ def ask(question: str, pages_spec: str | None, *, docs: list[str] | None, max_to
             raise ArgumentError("--tier applies to retrieved pages; leave it out with --pages")
         check_tier(settings, tier)
     if max_tokens:
-        settings = settings.model_copy(update={"answer_max_tokens": max_tokens})
+        settings = settings.replace(**{"answer_max_tokens": max_tokens})
     if answer_mode is not None:
         if refs is not None:
             raise ArgumentError("--answer-mode applies to retrieved pages; leave it out with --pages (one prompt "
                                 "over the pages given)")
-        settings = settings.model_copy(update={"answer_mode": answer_mode})
+        settings = settings.replace(**{"answer_mode": answer_mode})
     pages = None
     if refs is not None:
         index = open_page_index(settings, scope.collection)
@@ -110,7 +110,7 @@ async def _ask(settings: Settings, scope: TenantScope, model, question: str, pag
     engine = wiring.engine(settings, model)
     try:
         if pages is not None:
-            return await answer_over_pages(engine, question, pages, max_tokens=settings.answer_max_tokens,
+            return await answer_over_pages(engine, question, pages, max_tokens=settings.answer.max_tokens,
                                            cache_salt=scope.cache_salt)
         pipeline, _ = wiring.pipeline(settings, engine, scope=scope)
         try:
@@ -136,7 +136,7 @@ def warm_pages(*, top: int | None, pages_spec: str | None, share: float, tenant:
             payloads = index.pages()
         encoder = wiring.encoder_scope(settings, model)  # another encoder's pages are never served, so never warmed
         candidates = rank_by_demand((key, tokens) for key, tokens in
-                                    leading_images(payloads, figure_crops=settings.figure_crops,
+                                    leading_images(payloads, figure_crops=settings.answer.figure_crops,
                                                    by_pixels=settings.page_image_channel)
                                     if encoder.covers(key))
         if not pages_spec:

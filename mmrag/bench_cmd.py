@@ -245,9 +245,9 @@ def bench(
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_start = os.getloadavg()
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
-    root = settings.data_dir / "bench"
+    root = settings.storage.data_dir / "bench"
     corpus = build_corpus(root, CorpusSpec(pages=n_pages, seed=seed))
     store = DiskFeatureStore(root / "features")
     full_policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels)
@@ -346,9 +346,9 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     t_start = time.perf_counter()
     started_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
-    corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
+    corpus = build_corpus(settings.storage.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
     # 4096 tokens hold mmrag's one prompt: up to 9 pages of 256 image tokens, its text and 512 answer tokens.
     config = replace(default_engine_config(max_model_len=4096), max_images_per_prompt=MAX_IMAGES_PER_PROMPT)
     config = replace(config, dtype=resolve_dtype(config.dtype),  # what `mmrag serve` would resolve `auto` to
@@ -356,7 +356,7 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
     inputs = E2EInputs(model_path=model.path, corpus=corpus, engine_config=config,
                        spec=E2ESpec(questions=questions, concurrency=concurrency,
                                     lengths=(max_tokens,) if max_tokens else LENGTHS, zipf_s=zipf, seed=seed),
-                       root=settings.data_dir / "bench" / f"e2e-{corpus.spec.folder_name}-{spec.folder_name}",
+                       root=settings.storage.data_dir / "bench" / f"e2e-{corpus.spec.folder_name}-{spec.folder_name}",
                        log=lambda m: err.print(escape(m)), floor_pipeline=_floor_pipeline)
     result = asyncio.run(run_e2e(inputs))
     machine = machine_info()
@@ -409,9 +409,9 @@ def _bench_transfer(settings, *, tiny: bool, depth: int | None, pages: int, seed
     from mmrag.devkit.ports import free_port
 
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
-    corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
-    result = run_transfer(model.path, [corpus.image(p) for p in corpus.pages], redis_url=settings.redis_url,
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
+    corpus = build_corpus(settings.storage.data_dir / "bench", CorpusSpec(pages=pages, seed=seed))
+    result = run_transfer(model.path, [corpus.image(p) for p in corpus.pages], redis_url=settings.storage.redis_url,
                           port=free_port(), log=lambda m: err.print(escape(m)))
     data = {"transfer": result, "model": bench_model.describe(spec),
             "meta": {"cpu": machine_info()["cpu_model"], "cpus": os.cpu_count(),
@@ -434,13 +434,14 @@ def _bench_fairness(settings, *, tiny: bool, depth: int | None, quick: bool, jso
 
     t_start = time.perf_counter()
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
-    corpus = build_corpus(settings.data_dir / "bench", CorpusSpec(pages=12, seed=0))
+    corpus = build_corpus(settings.storage.data_dir / "bench", CorpusSpec(pages=12, seed=0))
     config = replace(default_engine_config(max_model_len=4096), max_images_per_prompt=MAX_IMAGES_PER_PROMPT)
     config = replace(config, dtype=resolve_dtype(config.dtype))
     inputs = FairnessInputs(model_path=model.path, corpus=corpus, engine_config=config,
-                            spec=QUICK if quick else FairnessSpec(), root=settings.data_dir / "bench" / "fairness",
+                            spec=QUICK if quick else FairnessSpec(),
+                            root=settings.storage.data_dir / "bench" / "fairness",
                             log=lambda m: err.print(escape(m)))
     result = asyncio.run(run_fairness(inputs))
     data = {"fairness": result, "model": {**bench_model.describe(spec), "random_weights": True},
@@ -468,7 +469,7 @@ def _bench_replicas(settings, *, tiny: bool, depth: int | None, replicas: int, p
     config = default_engine_config()
     result = run_replicas(ReplicaBenchInputs(
         model=model, store_dir=root / "features", by_page=by_page, workload=workload, engine_config=config,
-        replicas=replicas, queue_bound=settings.ray_affinity_queue_bound, concurrency=concurrency * 2,
+        replicas=replicas, queue_bound=settings.ray.affinity_queue_bound, concurrency=concurrency * 2,
         log=lambda m: err.print(escape(m))))
     data = {"replicas": result, "model": bench_model.describe(spec), "workload": workload.describe(),
             "meta": _replicas_meta(config.dtype)}
@@ -506,7 +507,7 @@ def _bench_kv_events(settings, *, tiny: bool, depth: int | None, pages: int, que
     if importlib.util.find_spec("ray") is None:
         err.print("[yellow]Ray is not installed (the `ray` extra): the Ray Serve transport is left out[/]")
     else:
-        result["ray_serve"] = asyncio.run(run_kv_events_ray(inputs, settings.ray_affinity_queue_bound))
+        result["ray_serve"] = asyncio.run(run_kv_events_ray(inputs, settings.ray.affinity_queue_bound))
     data = {"kv_events": result, "model": bench_model.describe(spec), "workload": workload.describe(),
             "machine": machine_info(), "meta": _replicas_meta(config.dtype)}
     _write_json(json_out, data)
@@ -525,8 +526,8 @@ def _routing_workload(settings, *, tiny: bool, depth: int | None, pages: int, qu
     from mmrag.core.keys import ResolutionPolicy
 
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
-    root = settings.data_dir / "bench"
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
+    root = settings.storage.data_dir / "bench"
     corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
     by_page, _, encoded = encode_corpus(corpus, model.path, ResolutionPolicy(spec.min_pixels, spec.max_pixels),
                                         DiskFeatureStore(root / "features"))
@@ -589,10 +590,10 @@ def _figures_inputs(settings, *, tiny: bool, depth: int | None, charts: int, que
     if charts < 2 or questions < 1:
         raise typer.BadParameter("--figures needs --charts >= 2 and --questions >= 1")
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
     corpus_spec = FigureCorpusSpec(charts=charts, seed=seed, placements=max(placements))
-    root = settings.data_dir / "bench" / "figures" / f"{corpus_spec.folder_name}-{spec.folder_name}"
+    root = settings.storage.data_dir / "bench" / "figures" / f"{corpus_spec.folder_name}-{spec.folder_name}"
     corpus = build_figure_corpus(root, corpus_spec)
     # Only this corpus' own index and store: a session's MMRAG_QDRANT_URL or MMRAG_REDIS_URL must not receive it.
     ingest_settings = Settings(model=str(model.path), data_dir=root / "data", ocr=False, figures=True,
@@ -646,9 +647,9 @@ def _image_input_inputs(settings, *, tiny: bool, depth: int | None, pages: int, 
     if pages < 2 or questions < 1:
         raise typer.BadParameter("--image-input needs --pages >= 2 and --questions >= 1")
     spec = _model_spec(tiny, depth)
-    model = bench_model.ensure_bench_model(settings.data_dir, spec)
+    model = bench_model.ensure_bench_model(settings.storage.data_dir, spec)
     err.print(f"model: {escape(model.describe())}")
-    root = settings.data_dir / "bench"
+    root = settings.storage.data_dir / "bench"
     corpus = build_corpus(root, CorpusSpec(pages=pages, seed=seed))
     policy = ResolutionPolicy(spec.min_pixels, spec.max_pixels)
     workload = make_workload(WorkloadSpec(questions=questions, pages=pages, zipf_s=zipf, concurrency=concurrency,

@@ -92,7 +92,9 @@ def configure_logging() -> None:
     the rest. Once per process; vLLM, transformers and uvicorn keep their own handlers."""
     logging.basicConfig(level=logging.WARNING, handlers=[_StderrHandler()],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    level = os.environ.get("MMRAG_LOG_LEVEL", "INFO").upper()
+    from mmrag.core.settings import ObservabilitySection
+
+    level = ObservabilitySection().log_level.upper()
     for name in OUR_PACKAGES:
         logging.getLogger(name).setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
 
@@ -231,7 +233,7 @@ def open_to_all(settings, host: str) -> str | None:
     file, and an address other machines reach."""
     from mmrag.vision_cmd import loopback
 
-    if settings.api_key or settings.tenants_file is not None or loopback(host):
+    if settings.api.key or settings.tenants.file is not None or loopback(host):
         return None
     return (f"mmrag serve listens on {host} without MMRAG_API_KEY (or MMRAG_TENANTS_FILE): anyone who reaches the "
             "port can ask, upload and delete documents; set MMRAG_API_KEY, or listen on 127.0.0.1 (--host)")
@@ -257,14 +259,14 @@ def serve(
     from serving.api.slow_clients import header_timeout_protocol
 
     settings = Settings()
-    if ray and settings.engine_urls:
+    if ray and settings.engine.urls:
         raise typer.BadParameter("--ray deploys its own engine replicas: unset MMRAG_ENGINE_URLS, or drop --ray")
-    host = host or settings.host
+    host = host or settings.api.host
     if warning := open_to_all(settings, host):
         logging.getLogger(__name__).warning("%s", warning)
     app = ray_app(settings) if ray else create_app(settings, freeze=True)
-    uvicorn.run(app, host=host, port=port or settings.port, log_level="info",
-                http=header_timeout_protocol(settings.http_header_timeout_s))
+    uvicorn.run(app, host=host, port=port or settings.api.port, log_level="info",
+                http=header_timeout_protocol(settings.api.http_header_timeout_s))
 
 
 @index_app.command("reset")

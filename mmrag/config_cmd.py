@@ -28,8 +28,6 @@ from rich.markup import escape
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
-    from pydantic_settings import BaseSettings
-
     from mmrag.core.settings import Settings
 
 config_app = typer.Typer(
@@ -54,22 +52,14 @@ class Entry:
     """One setting as `mmrag config show` reports it; ``value`` is JSON-able, with secrets masked."""
 
     component: str
-    name: str
+    name: str  # the flat name (the variable without MMRAG_, lowercased)
     env: str
+    setting: str  # where Settings holds it: engine.urls
     value: Any
     source: Source
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def env_name(name: str) -> str:
-    return f"MMRAG_{name.upper()}"
-
-
-def component_of(field: FieldInfo) -> str:
-    extra = field.json_schema_extra
-    return str(extra.get("component", "")) if isinstance(extra, dict) else ""
 
 
 def is_secret(name: str) -> bool:
@@ -104,32 +94,33 @@ def _is_text(field: FieldInfo) -> bool:
                                                                                for a in get_args(annotation)))
 
 
-def source_of(settings: BaseSettings, name: str, environ: Mapping[str, str]) -> Source:
+def source_of(field: FieldInfo, variable: str, value: Any, environ: Mapping[str, str]) -> Source:
     """env: the variable is set (and taken as it is); derived: the code filled it in from other settings (the
-    model validator maps a deprecated MMRAG_ANSWER_MODE name, and MMRAG_LAYOUT=per_page sets split); default."""
-    field = type(settings).model_fields[name]
-    value = getattr(settings, name)
-    raw = _raw_env(environ, env_name(name))
+    answer section maps a deprecated MMRAG_ANSWER_MODE name, and MMRAG_LAYOUT=per_page sets split); default."""
+    raw = _raw_env(environ, variable)
     if raw is not None:
         return "derived" if _is_text(field) and raw != value else "env"
     return "default" if value == field.get_default(call_default_factory=True) else "derived"
 
 
 def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
-    """Every setting, grouped by component in COMPONENTS' order, then in the order Settings declares them."""
-    from mmrag.core.settings import COMPONENTS, DevelopmentKnobs
+    """Every setting, grouped by component (Settings' sections in COMPONENTS' order, the testing knobs last), then
+    in the order its section declares them."""
+    from pydantic import BaseModel
+
+    from mmrag.core.settings import DevelopmentKnobs, declared
     from mmrag.wiring import development_model_dir
 
+    knobs = DevelopmentKnobs()  # read in the development profile only (the wiring)
     out = []
-    for part in (settings, DevelopmentKnobs()):  # the knobs: read in the development profile only (the wiring)
-        values = part.model_dump(mode="json")
-        for name, field in type(part).model_fields.items():
-            value, source = values[name], source_of(part, name, environ)
-            if name == "model" and (tiny := development_model_dir(settings)) is not None:
-                value, source = str(tiny), "profile"  # what resolve_model serves (built there on first use)
-            out.append(Entry(component_of(field), name, env_name(name), masked(name, value), source))
-    order = list(COMPONENTS)
-    return sorted(out, key=lambda e: order.index(e.component))  # stable: declaration order within a component
+    for d in declared():
+        part: BaseModel = knobs if d.component == "testing" else getattr(settings, d.component)
+        raw = getattr(part, d.name)
+        value, source = part.model_dump(mode="json")[d.name], source_of(d.info, d.variable, raw, environ)
+        if d.flat == "model" and (tiny := development_model_dir(settings)) is not None:
+            value, source = str(tiny), "profile"  # what resolve_model serves (built there on first use)
+        out.append(Entry(d.component, d.flat, d.variable, d.path, masked(d.flat, value), source))
+    return out
 
 
 def as_variable(value: Any) -> Any:
@@ -152,10 +143,12 @@ def _shown(value: Any) -> str:
 
 
 def render_show(rows: list[Entry]) -> str:
-    """The text form: a block per component, a line per setting: variable, source, value."""
-    width = max(len(e.env) for e in rows)
+    """The text form: a block per component, a line per setting: variable, where Settings holds it, source,
+    value."""
+    width, path = max(len(e.env) for e in rows), max(len(e.setting) for e in rows)
     return "\n\n".join(
-        "\n".join([f"{component}:", *(f"  {e.env:<{width}}  {e.source:<7}  {_shown(e.value)}" for e in group)])
+        "\n".join([f"{component}:", *(f"  {e.env:<{width}}  {e.setting:<{path}}  {e.source:<7}  {_shown(e.value)}"
+                                      for e in group)])
         for component, group in itertools.groupby(rows, key=lambda e: e.component))
 
 
@@ -176,12 +169,12 @@ def load_settings() -> Settings:
 
 @config_app.command("show")
 def show(
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list of {component, name, env, value, "
-                                          "source} instead of the text table.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list of {component, name, env, setting, "
+                                          "value, source} instead of the text table.")] = False,
 ) -> None:
-    """Print the effective configuration: every MMRAG_* variable, where its value came from, and the value,
-    grouped by component (model, storage, vision, ingestion, retrieval, answer, engine, scheduler, api, tenants,
-    ray, testing).
+    """Print the effective configuration: every MMRAG_* variable, where Settings holds it (engine.urls), where its
+    value came from, and the value, grouped by component (model, storage, vision, ingestion, retrieval, answer,
+    engine, scheduler, api, tenants, ray, testing).
 
     The variables are read exactly as `mmrag serve` and the other commands read them, and nothing is started.
 
@@ -205,7 +198,7 @@ def show(
         typer.echo(json.dumps([e.to_json() for e in rows]))
     else:
         typer.echo(render_show(rows))
-    if not settings.model and settings.profile == "production":
+    if not settings.model.name and settings.model.profile == "production":
         err.print("note: MMRAG_MODEL is empty in the production profile: `mmrag serve`, `ingest` and `ask` refuse to "
                   "start; set MMRAG_MODEL, or MMRAG_PROFILE=development to try mmrag with the tiny test model")
 
@@ -255,29 +248,32 @@ def _cell(text: str) -> str:
 
 _GENERATED = (f"<!-- Generated from mmrag/core/settings.py by `{RENDER_COMMAND}`: edit the settings' descriptions there "
               "and render again (tests/test_config_cmd.py fails while this file is stale). -->")
-_INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, one per setting below (`Settings`, "
-          "mmrag/core/settings.py; the testing knobs are `DevelopmentKnobs` beside it, read in the development "
-          "profile only and refused in production). `mmrag config show` prints each one's effective value and where it came from "
+_INTRO = ("mmrag reads its configuration from `MMRAG_*` environment variables, one per setting below. `Settings` "
+          "(mmrag/core/settings.py) holds them in a section per component, the column `setting` (`engine.urls` is "
+          "`MMRAG_ENGINE_URLS`); in Python, `Settings(engine_urls=[...])` and `settings.replace(max_num_seqs=8)` "
+          "also take the variables' names, lowercased, without `MMRAG_`. The testing knobs are `DevelopmentKnobs` "
+          "beside it, read in the development profile only and refused in production. `mmrag config show` prints "
+          "each one's effective value and where it came from "
           "(the environment, the default, or filled in by mmrag), secrets masked; `--json` for scripts. Booleans take "
           "`true` or `false`; lists are comma-separated; `MMRAG_TIERS` is JSON. The command line also reads "
-          "`MMRAG_LOG_LEVEL` (its own log lines: INFO unless set) and `MMRAG_EMULATE_ISA` (README).")
+          "`MMRAG_EMULATE_ISA` (README).")
 
 
 def render_reference() -> str:
     """docs/configuration.md: a table per component of every setting's variable, type, default and description,
     from Settings' own fields."""
-    from mmrag.core.settings import COMPONENTS, DevelopmentKnobs, Settings
+    from mmrag.core.settings import COMPONENTS, declared
 
-    every = Settings.model_fields | DevelopmentKnobs.model_fields
-    groups = {c: [(n, f) for n, f in every.items() if component_of(f) == c] for c in COMPONENTS}
+    every = declared()
+    groups = {c: [d for d in every if d.component == c] for c in COMPONENTS}
     groups = {c: fields for c, fields in groups.items() if fields}
     lines = ["# Configuration reference", "", _GENERATED, "", _INTRO, "",
              "Components: " + ", ".join(f"[{c}](#{c})" for c in groups) + "."]
     for component, fields in groups.items():
         lines += ["", f"## {component}", "", COMPONENTS[component], "",
-                  "| variable | type | default | description |", "|---|---|---|---|"]
-        lines += [f"| `{env_name(name)}` | {_cell(type_of(field))} | {_cell(default_of(field))} | "
-                  f"{_cell(field.description or '')} |" for name, field in fields]
+                  "| variable | setting | type | default | description |", "|---|---|---|---|---|"]
+        lines += [f"| `{d.variable}` | `{d.path}` | {_cell(type_of(d.info))} | {_cell(default_of(d.info))} | "
+                  f"{_cell(d.info.description or '')} |" for d in fields]
     return "\n".join(lines) + "\n"
 
 

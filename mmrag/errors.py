@@ -53,11 +53,13 @@ def describe(exc: BaseException) -> str:
         # pydantic-settings names the field and keeps the JSON parser's complaint as the cause
         return f"MMRAG_{field[1].upper()} is not valid JSON: {exc.__cause__ or exc} (fix the environment variable)"
     errors = getattr(exc, "errors", None)
-    if getattr(exc, "title", None) != "Settings" or not callable(errors):
+    title = str(getattr(exc, "title", ""))
+    if not (title == "Settings" or title.endswith("Section")) or not callable(errors):
         return str(exc)
     parts = []
-    for e in errors():
-        name = "_".join(str(p) for p in e["loc"]).upper()
-        where = f"MMRAG_{name}={e['input']!r}: " if name else ""
+    for e in errors():  # a section's field is named by its variable (its validation alias); a flat name by itself
+        name = str(e["loc"][-1]).upper() if e["loc"] else ""
+        variable = name if name.startswith("MMRAG_") else f"MMRAG_{name}"
+        where = f"{variable}={e['input']!r}: " if name else ""
         parts.append(where + e["msg"].removeprefix("Value error, "))
     return "; ".join(parts) + " (fix the environment variable)"

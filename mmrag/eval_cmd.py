@@ -127,11 +127,11 @@ async def answer_report(settings: Settings, labelled: list[AnswerLabel], strateg
     if model.random_weights:
         console.print(RANDOM_WEIGHTS_WARNING.format(model=escape(model.name)))
     console.print(f"asking {len(labelled)} questions x {len(strategies)} strategies ({', '.join(strategies)}), "
-                  f"answers up to {settings.answer_max_tokens} tokens")
+                  f"answers up to {settings.answer.max_tokens} tokens")
     asked = await ask_every(settings, engine or wiring.engine(settings, model), labelled, strategies, console,
                             close=engine is None)
     out = {"model": {"name": model.name, "random_weights": model.random_weights}, "labels": str(labels),
-           "max_tokens": settings.answer_max_tokens, **report(labelled, strategies, asked)}
+           "max_tokens": settings.answer.max_tokens, **report(labelled, strategies, asked)}
     print_report(out, console)
     return out
 
@@ -153,9 +153,7 @@ def eval_settings(settings: Settings, max_tokens: int | None) -> Settings:
     """The settings answers are asked under: ``--max-tokens``, and no answer cache, so every strategy's answer is
     generated now, by the configured model, not served from an earlier run."""
     update: dict[str, Any] = {"answer_max_tokens": max_tokens} if max_tokens else {}
-    if "answer_cache" in type(settings).model_fields:
-        update["answer_cache"] = False
-    return settings.model_copy(update=update) if update else settings
+    return settings.replace(answer_cache=False, **update)
 
 
 def unindexed_pages(settings: Settings, labelled: list[AnswerLabel]) -> list[str]:

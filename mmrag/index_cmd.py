@@ -92,7 +92,7 @@ def check(settings: Settings, *, collection: str | None = None) -> IndexCheck:
                              figures[scope])
                 for scope, n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]
     without_pixels = None
-    if settings.image_input == "pixels":
+    if settings.engine.image_input == "pixels":
         from mmrag.adapters.store import ScopedFeatureStore
         from ingestion.reencode import pages_without_pixels
 

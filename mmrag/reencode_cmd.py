@@ -83,8 +83,8 @@ def run(settings: Settings, *, dry_run: bool, show_progress: bool, collection: s
             return reencoding.ReencodeReport(str(scope), dry_run=dry_run)
         index.backfill_encoder_fields()  # an index written before the encoder fields existed gets them
         if encoder is None:
-            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.tier_table,
-                                      pixels=settings.image_input == "pixels")
+            return reencoding.dry_run(index, store, wiring.encoder_scope(settings, model), settings.vision.tier_table,
+                                      pixels=settings.engine.image_input == "pixels")
         reencoder = wiring.reencoder(settings, encoder=encoder, store=store, index=index)
         with Progress(
             TextColumn("[bold]reencode"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),

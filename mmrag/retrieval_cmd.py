@@ -83,7 +83,7 @@ def eval_command(
         if not held_out.is_dir():
             raise typer.BadParameter(f"--held-out {held_out} is not a folder: fetch the held-out PDFs with "
                                      f"`python -m mmrag.bench.realdocs.fetch --set heldout --out {held_out}`")
-        collection = f"{settings.qdrant_collection}{HELD_OUT_SUFFIX}"
+        collection = f"{settings.storage.qdrant_collection}{HELD_OUT_SUFFIX}"
         ingest_for_eval(settings, held_out, err, collection=collection)
         report = {"tuned": report, "held_out": asyncio.run(run_eval(settings, load_labels(LABELS),
                                                                     collection=collection))}
@@ -162,7 +162,7 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
                     "labelled documents (pass their folder), or fix the labels' doc names and page numbers")
         questions = [q.question for q in labelled]
         t0 = time.perf_counter()
-        found = await searcher.search_channels(questions, top_k=settings.candidate_k, channels=Channel.HYBRID)
+        found = await searcher.search_channels(questions, top_k=settings.retrieval.candidate_k, channels=Channel.HYBRID)
         search_ms = (time.perf_counter() - t0) * 1e3 / len(questions)
         cited = await cited_pages(settings, searcher, questions)
         no_text = models.Filter(must=[models.FieldCondition(key=PageField.TEXT_SOURCE.value,
@@ -185,7 +185,7 @@ async def run_eval(settings: Settings, labelled: list[LabelledQuestion], *, swee
         "pages": pages,
         "pages_without_text": without_text,
         "image_channel": searcher.image_channel_name,
-        "image_random_init": bool((searcher.image_embedder and settings.clip_weights is None)
+        "image_random_init": bool((searcher.image_embedder and settings.retrieval.clip_weights is None)
                                   or (searcher.late and searcher.late.random_weights)),
         "chance_recall@5": round(chance_recall(labelled, pages), 4),
         "fusion": {"method": searcher.fusion.method, "weights": dict(searcher.fusion.weights)},
@@ -209,17 +209,18 @@ async def cited_pages(settings: Settings, searcher: PageSearcher, questions: lis
     from rag.decompose import RuleDecomposer
     from rag.plans import AnswerMode, choose_answer, cite, fit_pages, shown_as_figures
 
-    rules = RuleDecomposer(max_n=settings.max_sub_questions)
+    rules = RuleDecomposer(max_n=settings.answer.max_sub_questions)
     out = []
     for question in questions:  # one round trip per question, as an answer makes
         subs = rules.split(question)
-        hits = await searcher.search_many(subs, top_k=settings.top_k, context=question if len(subs) > 1 else None)
-        if settings.figure_crops:  # a figure's crop is an image of its own: one key wherever it recurs
+        hits = await searcher.search_many(subs, top_k=settings.retrieval.top_k,
+                                          context=question if len(subs) > 1 else None)
+        if settings.answer.figure_crops:  # a figure's crop is an image of its own: one key wherever it recurs
             hits = shown_as_figures(hits, subs, whole=question)
-        shown, _ = fit_pages(hits, room=settings.max_images_per_prompt, layout=Layout.CANONICAL)
-        choice = choose_answer(AnswerMode(settings.answer_mode), shown, misfit=lambda pages: None,
-                               question=question, max_pages=settings.one_prompt_pages,
-                               max_parts=settings.answer_max_tokens)
+        shown, _ = fit_pages(hits, room=settings.engine.max_images_per_prompt, layout=Layout.CANONICAL)
+        choice = choose_answer(AnswerMode(settings.answer.mode), shown, misfit=lambda pages: None,
+                               question=question, max_pages=settings.answer.one_prompt_pages,
+                               max_parts=settings.answer.max_tokens)
         dropped = {p.image_key for p in choice.left_out}
         out.append([(c.doc, c.page) for c in cite([[h for h in hs if h.image_key not in dropped] for hs in shown])])
     return out
@@ -378,34 +379,36 @@ async def run_latency(settings: Settings, *, pages: int, queries: int, batch: in
     text = wiring.text_embedder(settings)
     lexical = LexicalEncoder()
     # Timing only: a random-weight CLIP when no weights are configured (random weights change no timing).
-    image = wiring.image_embedder(settings) or ImageEmbedder(settings.clip_model, None,
-                                                             batch_size=settings.embed_batch_size)
+    image = wiring.image_embedder(settings) or ImageEmbedder(settings.retrieval.clip_model, None,
+                                                             batch_size=settings.ingestion.embed_batch_size)
     rng = np.random.default_rng(seed)
     vocabulary = [f"{_SYLLABLES[i % 37]}{_SYLLABLES[(i // 37) % 37]}{i // 1369}" for i in range(30_000)]
     client = AsyncQdrantClient(location=":memory:")
     try:
         t0 = time.perf_counter()
-        key = ImageKey(ContentHash("0" * 64), EncoderVersion("0" * 16), settings.resolution_policy)
+        key = ImageKey(ContentHash("0" * 64), EncoderVersion("0" * 16), settings.vision.resolution_policy)
         await fill_synthetic(client, "latency", pages, text.dim, image.dim, key, rng, lexical, vocabulary)
         build_s = time.perf_counter() - t0
-        weights = settings.fusion_weight_table
+        weights = settings.retrieval.fusion_weight_table
         words = _zipf_words(rng, vocabulary, queries * 6)
         questions = [f"How does {' '.join(words[6 * i:6 * i + 6])} change in part {i % 4 + 1}?"
                      for i in range(queries)]
         # As served: every request filtered to the encoder's pages (and no figure points), as wiring.searcher does.
         scope = EncoderScope.of(key)
-        texts = PageSearcher(client, "latency", text, None, lexical=lexical, top_k=settings.top_k,
-                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights | {"image": 0}),
+        texts = PageSearcher(client, "latency", text, None, lexical=lexical, top_k=settings.retrieval.top_k,
+                             candidate_k=settings.retrieval.candidate_k,
+                             fusion=Fusion(settings.retrieval.fusion, weights | {"image": 0}),
                              encoder=scope)
-        every = PageSearcher(client, "latency", text, image, lexical=lexical, top_k=settings.top_k,
-                             candidate_k=settings.candidate_k, fusion=Fusion(settings.fusion, weights), encoder=scope)
+        every = PageSearcher(client, "latency", text, image, lexical=lexical, top_k=settings.retrieval.top_k,
+                             candidate_k=settings.retrieval.candidate_k,
+                             fusion=Fusion(settings.retrieval.fusion, weights), encoder=scope)
         rows = [await _time_channel(s, questions, batch, ch, name) for s, ch, name in (
             (texts, Channel.TEXT, "text (dense)"), (texts, Channel.LEXICAL, "lexical (BM25)"),
             (texts, Channel.HYBRID, "text + lexical, fused"), (every, Channel.HYBRID, "text + lexical + image, fused"))]
     finally:
         await client.close()
     return {"pages": pages, "queries": queries, "batch": batch, "build_s": round(build_s, 2),
-            "image_channel": image.name, "fusion": settings.fusion, "rows": [asdict(r) for r in rows]}
+            "image_channel": image.name, "fusion": settings.retrieval.fusion, "rows": [asdict(r) for r in rows]}
 
 
 async def _time_channel(searcher: PageSearcher, questions: list[str], batch: int, channel: Channel, name: str

@@ -49,15 +49,16 @@ def gc(settings: Settings, *, dry_run: bool) -> GcReport:
     stored = list(store.keys())  # first: anything indexed by the time the index is read below is kept
     index = wiring.read_index(settings)
     try:
-        if not dry_run and not index.client.collection_exists(settings.qdrant_collection):
+        if not dry_run and not index.client.collection_exists(settings.storage.qdrant_collection):
             raise IndexConfigError(
-                f"there is no Qdrant collection {settings.qdrant_collection!r} here, so every entry would look "
+                f"there is no Qdrant collection {settings.storage.qdrant_collection!r} here, so every entry would look "
                 "unreferenced; refusing to remove them. Check MMRAG_QDRANT_URL / MMRAG_QDRANT_COLLECTION / "
                 "MMRAG_DATA_DIR (an emptied index is fine: `mmrag index reset` keeps the collection)"
             )
-        exists = index.client.collection_exists(settings.qdrant_collection)
-        referenced = index.referenced_keys(settings.qdrant_collection) if exists else set()  # every tenant's
-        in_use = settings.tier_table.in_use(referenced)  # a page's entries in the other tiers live in the store only
+        exists = index.client.collection_exists(settings.storage.qdrant_collection)
+        referenced = index.referenced_keys(settings.storage.qdrant_collection) if exists else set()  # every tenant's
+        # a page's entries in the other tiers live in the store only
+        in_use = settings.vision.tier_table.in_use(referenced)
     finally:
         index.client.close()
     report = GcReport(store.backend, dry_run)

@@ -20,7 +20,7 @@ err = Console(stderr=True)
 def _file():
     from mmrag.core.settings import Settings
 
-    path = Settings().tenants_file
+    path = Settings().tenants.file
     if path is None:
         raise typer.BadParameter("set MMRAG_TENANTS_FILE to the tenants file to write (e.g. .mmrag/tenants.json); "
                                  "`mmrag serve` reads it at start-up", param_hint="MMRAG_TENANTS_FILE")
@@ -52,7 +52,7 @@ def list_(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON o
     from serving.api.tenants import read_tenants_file
 
     settings = Settings()
-    tenants = {t: {"keys": len(d), "collection": settings.tenant_collection(t), **q.as_json()}
+    tenants = {t: {"keys": len(d), "collection": settings.storage.tenant_collection(t), **q.as_json()}
                for t, (d, q) in sorted(read_tenants_file(_file()).items())}
     if as_json:
         typer.echo(json.dumps(tenants))

@@ -49,7 +49,7 @@ def serve(
     from mmrag.wiring import vision_app as build
 
     settings = Settings()
-    if not settings.vision_api_key and not loopback(host):
+    if not settings.vision.api_key and not loopback(host):
         log.warning("the vision service listens on %s without MMRAG_VISION_API_KEY: anyone who reaches the port "
                     "can make it decode and encode images; set MMRAG_VISION_API_KEY (and the same on its clients)",
                     host)

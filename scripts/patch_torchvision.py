@@ -5,7 +5,8 @@ _meta_registrations.py registers fake kernels for `torchvision::nms`/`qnms` with
 exist, so `import torchvision` (and therefore `import vllm`) dies with
 "operator torchvision::nms does not exist". The Qwen2-VL processor only needs the pure-Python transforms.
 We guard those two decorators with `torchvision.extension._has_ops()`, as the file already does for the
-others. Run only when `import torchvision` fails (see scripts/setup.sh).
+others. Run only when `import torchvision` fails (see scripts/setup.sh). Fenced (mmrag/adapters/fences.py): the
+torchvision releases it was tested with, the pin in constraints.txt; another release is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run by setup.sh before mmrag is installed
+from mmrag.adapters.fences import Fence, Target  # noqa: E402  (standard library and packaging only)
+
+# The file rewritten, and the guard it calls, as tested; main() also checks the decorators' layout it rewrites.
+FENCE = Fence(("torchvision",), ">=0.28,<0.29", "scripts/patch_torchvision.py", (
+    Target("torchvision.extension", "_has_ops"),
+))
 
 GUARD = '''
 def _register_fake_if_ops(name):
@@ -33,6 +42,9 @@ def main() -> int:
     src = path.read_text()
     if "_register_fake_if_ops" in src:
         return 0
+    if problem := FENCE.version_problem():
+        print(f"{problem}: install a CPU torchvision, or torchvision{FENCE.tested} (constraints.txt)", file=sys.stderr)
+        return 1
     anchor = "@functools.lru_cache(None)\ndef get_meta_lib():"
     if anchor not in src or '@torch.library.register_fake("torchvision::' not in src:
         print(f"unexpected layout of {path}; install a CPU torchvision instead", file=sys.stderr)

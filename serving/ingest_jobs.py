@@ -32,7 +32,7 @@ from mmrag.adapters.qdrant import PageIndex
 from mmrag.adapters.store import FeatureStore
 from mmrag.core.keys import ImageKey, Tiers, doc_id_for
 from mmrag.core.scope import TenantScope
-from mmrag.core.settings import DEFAULT_TENANT
+from mmrag.core.settings import DEFAULT_TENANT, default_of
 from ingestion.pipeline import Ingestor
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,8 @@ class IngestJobs:
                  *, state: Path,
                  make_index: Callable[[str], PageIndex], store: FeatureStore,
                  referenced: Callable[[PageIndex], set[ImageKey]], tiers: Tiers,
-                 workers: int = 1, retry_s: float = 60.0, keep: int = 1000) -> None:
+                 workers: int = default_of("ingest_workers"), retry_s: float = default_of("delete_retry_s"),
+                 keep: int = default_of("ingest_jobs_kept")) -> None:
         if workers < 1:
             raise ValueError(f"ingest workers must be at least 1, got {workers}: set MMRAG_INGEST_WORKERS to 1 or more")
         self._scope_of = scope_of

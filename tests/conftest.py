@@ -203,7 +203,7 @@ API_KEY = "test-key"
 
 def copy_corpus(settings, data_dir: Path) -> None:
     """The session corpus (index + features) copied to ``data_dir`` (:func:`copy_index_and_store`)."""
-    copy_index_and_store(settings.data_dir, data_dir)
+    copy_index_and_store(settings.storage.data_dir, data_dir)
 
 
 def copy_index_and_store(source: Path, data_dir: Path) -> None:
@@ -252,7 +252,7 @@ async def api_server(engine_settings, ingested, inprocess_engine, tmp_path_facto
     data = tmp_path_factory.mktemp("api-data")
     copy_corpus(engine_settings, data)
     root = tmp_path_factory.mktemp("ingest-root")
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "api_key": API_KEY, "ingest_root": root, "answer_max_tokens": 8, "warm_top": 4,
         "max_images_per_prompt": 6,  # the union of a two-part question fits; four question images leave room for 2
     })

@@ -394,8 +394,8 @@ def test_the_settings_build_the_admission():
     from mmrag.core.settings import Settings
 
     s = Settings(admission_queue=7, admission_max_wait_s=2.5, max_questions_in_flight=3)
-    assert (s.admission_queue, s.admission_max_wait_s) == (7, 2.5)
-    assert Settings().admission_queue == 256 and Settings().admission_max_wait_s == 30.0
+    assert (s.api.admission_queue, s.api.admission_max_wait_s) == (7, 2.5)
+    assert Settings().api.admission_queue == 256 and Settings().api.admission_max_wait_s == 30.0
 
 
 # --- bursts on the real app --------------------------------------------------------------------------------------

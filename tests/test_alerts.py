@@ -90,9 +90,9 @@ async def api(engine_settings, data_dir: Path, salt: str) -> AsyncIterator[tuple
     """A real mmrag REST app over a copy of the session index, configured with ``salt``; yields its host:port
     and its serving encoder scope. Its engine is remote and never asked (no vLLM starts)."""
     copy_corpus(engine_settings, data_dir)
-    settings = engine_settings.model_copy(update={"data_dir": data_dir, "encoder_salt": salt, "warm_top": 0})
+    settings = engine_settings.replace(**{"data_dir": data_dir, "encoder_salt": salt, "warm_top": 0})
     model = wiring.resolve_model(settings)
-    engine = wiring.engine(settings.model_copy(update={"engine_urls": [NOWHERE]}), model)
+    engine = wiring.engine(settings.replace(**{"engine_urls": [NOWHERE]}), model)
     try:
         async with serving(wiring.create_app(settings, engine=engine)) as url:
             yield url.removeprefix("http://"), wiring.encoder_scope(settings, model)
@@ -151,7 +151,8 @@ async def test_a_real_prometheus_fires_the_mismatch_alert_after_a_salt_change(en
     rules = tmp_path / "alerts.yml"
     shipped_rules_firing_after_1s(rules)
     async with (api(engine_settings, tmp_path / "changed", CHANGED_SALT) as (changed, new_encoder),
-                api(engine_settings, tmp_path / "kept", engine_settings.encoder_salt) as (kept, indexed_encoder)):
+                api(engine_settings, tmp_path / "kept", engine_settings.vision.encoder_salt)
+                 as (kept, indexed_encoder)):
         assert new_encoder.version != indexed_encoder.version
         config = PROMETHEUS_CONFIG.format(rules=rules, changed=changed, kept=kept)
         async with prometheus(config, tmp_path) as prom:

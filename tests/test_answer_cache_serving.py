@@ -31,7 +31,7 @@ def cached(request, api_server, tmp_path, monkeypatch):
         client = redis.Redis.from_url(redis_url)
         for key in client.scan_iter(match=f"{REDIS_PREFIX}*"):
             client.delete(key)
-    settings = api_server["settings"].model_copy(update={"answer_cache": True, "data_dir": tmp_path,
+    settings = api_server["settings"].replace(**{"answer_cache": True, "data_dir": tmp_path,
                                                          "redis_url": redis_url})
     cache = wiring.answer_cache(settings, services.metrics)
     monkeypatch.setattr(services.pipeline, "answers", cache)

@@ -167,7 +167,7 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
     from tests.conftest import copy_corpus
 
     copy_corpus(engine_settings, tmp_path)  # index and image tokens: only the engine is missing
-    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "warm_top": 0})
+    settings = engine_settings.replace(**{"data_dir": tmp_path, "warm_top": 0})
     dead = RemoteEngine(["http://127.0.0.1:9"], resolve_model(settings),
                         FeatureProvider.unscoped(feature_store(engine_settings)))
     app = create_app(settings, engine=dead)
@@ -188,7 +188,8 @@ async def test_a_dead_engine_gives_503_with_the_fix_and_readyz_says_not_ready(en
 def _server_folders(api_server, engine_settings, tiny_model: Path, sample_corpus: Path, session_tmp: Path) -> set[str]:
     """The server's absolute folders, each as given and resolved: the data dirs, the ingest root, the model, the
     folder the corpus was ingested from, and the test session's temp root that holds them all."""
-    folders = [api_server["settings"].data_dir, api_server["root"], engine_settings.data_dir, tiny_model,
+    folders = [api_server["settings"].storage.data_dir, api_server["root"], engine_settings.storage.data_dir,
+               tiny_model,
                sample_corpus, session_tmp]
     return {str(p) for p in folders} | {str(p.resolve()) for p in folders}
 

@@ -109,10 +109,11 @@ def test_the_rag_pipeline_never_imports_serving(path):
 
 
 def test_settings_become_objects_only_in_the_wiring_module():
-    """Only mmrag/ (the composition root: CLI + wiring) and bench's entry build from a whole Settings."""
+    """Only mmrag/ (the composition root: CLI + wiring) and bench's entry build from a whole Settings (and the
+    settings module, whose replace() builds the copy it returns)."""
     offenders = []
     for pkg in PRODUCT:
-        for path in (REPO / pkg).rglob("*.py"):
+        for path in (p for p in (REPO / pkg).rglob("*.py") if p != REPO / "mmrag" / "core" / "settings.py"):
             calls = [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.Call)]
             if any(isinstance(c.func, ast.Name) and c.func.id == "Settings" for c in calls):
                 offenders.append(str(path.relative_to(REPO)))
@@ -145,5 +146,23 @@ def test_the_wiring_builds_from_the_settings_it_was_given_and_patches_no_copy():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
             copies += [f"{path.name}:{fn.name}" for n in ast.walk(fn)
-                       if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "model_copy"]
+                       if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("model_copy", "replace")
+                       and ast.unparse(n.func) != "dataclasses.replace"]
     assert copies == ["ray_serve.py:ray_app"], copies
+
+
+@pytest.mark.slow  # a Python process that imports the whole service: torch, vLLM, Ray (10-20 s)
+def test_the_service_as_composed_in_production_imports_neither_the_bench_nor_the_development_kit():
+    """The import contracts keep the service's rooms off mmrag.bench and mmrag.devkit; the composition root reaches
+    the tiny-model kit only for the development profile's model (wiring.resolve_model). Every module of the
+    service and of the wiring, imported as `mmrag serve` would, loads neither."""
+    service = [str(p.relative_to(REPO).with_suffix("")).replace("/", ".")
+               for pkg in ("serving", "rag", "retrieval", "ingestion", "mmrag/wiring")
+               for p in sorted((REPO / pkg).rglob("*.py")) if p.name != "__main__.py"]
+    code = ("import importlib, sys\n"
+            f"for name in {service!r}:\n"
+            "    importlib.import_module(name.removesuffix('.__init__'))\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('mmrag.bench', 'mmrag.devkit'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

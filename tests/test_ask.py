@@ -46,7 +46,8 @@ async def test_an_answer_over_pages_has_the_documented_shape_and_names_the_test_
 
 
 def run_cli(*args: str, settings) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MMRAG_DATA_DIR=str(settings.data_dir), MMRAG_MODEL=settings.model, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, MMRAG_DATA_DIR=str(settings.storage.data_dir), MMRAG_MODEL=settings.model.name,
+               HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "mmrag", *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
 

@@ -102,7 +102,7 @@ async def test_the_same_image_uploaded_as_a_file_has_the_same_key_and_is_not_enc
 
 
 async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http, api_server):
-    limit = api_server["settings"].max_images_per_prompt
+    limit = api_server["settings"].engine.max_images_per_prompt
     room = 2
     images = [b64(new_figure((196 + 28 * i, 196))) for i in range(limit - room)]
     r = await http.post("/v1/ask", json={"question": "What is the retry limit of the ingest service?",
@@ -226,7 +226,7 @@ async def test_the_vision_service_down_fails_questions_with_images_only(http, ap
 
 async def test_the_body_limit_grows_by_the_images_on_the_question_routes_only(http, api_server):
     settings = api_server["settings"]
-    big = new_figure((448, 448)) + b"\0" * settings.max_request_bytes  # PNG readers ignore bytes after IEND
+    big = new_figure((448, 448)) + b"\0" * settings.api.max_request_bytes  # PNG readers ignore bytes after IEND
     r = await http.post("/v1/ask", json={"question": "What does it show?", "images": [b64(big)]})
     assert r.status_code == 200, r.text
     up = await http.post("/v1/ask/upload", data={"question": "What does it show?"},

@@ -32,7 +32,7 @@ async def long_answers(engine_settings, ingested, inprocess_engine, tmp_path_fac
 
     data = tmp_path_factory.mktemp("cancel-data")
     copy_corpus(engine_settings, data)
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "api_key": API_KEY, "answer_max_tokens": MAX_TOKENS, "warm_top": 0,
     })
     app = create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)

@@ -120,10 +120,13 @@ def test_mmrag_log_level_debug_shows_our_debug_lines():
     ("0.0.0.0", {"api_key": "k"}, False), ("0.0.0.0", {"tenants_file": "tenants.toml"}, False),
 ])
 def test_serve_warns_when_anyone_can_reach_it_without_a_key(host, settings, warned):
-    from mmrag.core.settings import Settings
+    from mmrag.core.settings import ApiSection, Settings, TenantsSection
 
     from mmrag.cli import open_to_all
 
-    warning = open_to_all(Settings.model_construct(**{"api_key": "", "tenants_file": None, **settings}), host)
+    given = {"api_key": "", "tenants_file": None, **settings}  # sections built without reading the environment
+    warning = open_to_all(Settings.model_construct(api=ApiSection.model_construct(key=given["api_key"]),
+                                                   tenants=TenantsSection.model_construct(file=given["tenants_file"])),
+                          host)
     assert (warning is not None) == warned
     assert warning is None or ("MMRAG_API_KEY" in warning and host in warning)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mmrag.core.settings import COMPONENTS, DevelopmentKnobs, Settings
+from mmrag.core.settings import COMPONENTS, SECTIONS, Settings, declared, flat_names
 from mmrag import cli, config_cmd
-from mmrag.config_cmd import MASK, component_of, render_reference
+from mmrag.config_cmd import MASK, render_reference
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -42,21 +42,42 @@ def show_json() -> dict[str, dict]:
     code, out, err = show("--json")
     assert code == 0, err
     rows = json.loads(out)
-    assert all(set(row) == {"component", "name", "env", "value", "source"} for row in rows)
+    assert all(set(row) == {"component", "name", "env", "setting", "value", "source"} for row in rows)
     return {row["name"]: row for row in rows}
 
 
 # --- the settings document themselves -----------------------------------------------------------------------------
 
 
-EVERY = Settings.model_fields | DevelopmentKnobs.model_fields  # the settings and the benchmark knobs
+EVERY = {d.flat: d for d in declared()}  # the settings and the benchmark knobs, by flat name
 
 
 def test_every_setting_has_a_description_and_a_known_component():
-    undocumented = [n for n, f in EVERY.items() if not (f.description or "").strip()]
+    undocumented = [n for n, d in EVERY.items() if not (d.info.description or "").strip()]
     assert not undocumented, f"Settings fields without a description: {undocumented}"
-    unknown = {n: component_of(f) for n, f in EVERY.items() if component_of(f) not in COMPONENTS}
+    unknown = {n: d.component for n, d in EVERY.items() if d.component not in COMPONENTS}
     assert not unknown, f"Settings fields without a component of {list(COMPONENTS)}: {unknown}"
+    assert list(SECTIONS) == [c for c in COMPONENTS if c != "testing"]  # a section per component, in its order
+
+
+def test_each_section_holds_its_own_settings_and_every_variable_keeps_its_flat_name(monkeypatch):
+    """The alias table: every setting keeps the MMRAG_* variable it had when Settings was flat, now held by its
+    component's section (MMRAG_ENGINE_URLS is settings.engine.urls); the flat names build and replace too."""
+    assert len(flat_names()) == len(EVERY) - 2  # all but the two testing knobs, each name once
+    assert flat_names()["engine_urls"] == ("engine", "urls") and flat_names()["model"] == ("model", "name")
+    assert {d.variable for d in EVERY.values()} == {f"MMRAG_{n.upper()}" for n in EVERY}
+    monkeypatch.setenv("MMRAG_ENGINE_URLS", "http://a:1/, http://b:2")
+    monkeypatch.setenv("MMRAG_ANSWER_MAX_TOKENS", "17")
+    monkeypatch.setenv("MMRAG_RAY_REPLICAS", "3")
+    settings = Settings(max_num_seqs=5)
+    assert settings.engine.urls == ["http://a:1", "http://b:2"] and settings.engine.max_num_seqs == 5
+    assert settings.answer.max_tokens == 17 and settings.ray.replicas == 3
+    assert Settings().engine.max_num_seqs == 64  # the environment's, not the first one's override
+    other = settings.replace(answer_max_tokens=9, vision={"url": "http://v:3"})
+    assert (other.answer.max_tokens, other.vision.url, other.engine.max_num_seqs) == (9, "http://v:3", 5)
+    assert settings.answer.max_tokens == 17  # a copy; the original stays
+    with pytest.raises(ValueError, match="unknown setting 'max_num_seq'"):
+        Settings(max_num_seq=5)
 
 
 def test_the_committed_reference_is_a_fresh_render_of_the_settings():
@@ -70,8 +91,8 @@ def test_reference_write_writes_the_rendered_page(tmp_path):
     assert result.exit_code == 0, result.output
     text = (tmp_path / "configuration.md").read_text()
     assert text == render_reference()
-    for name in EVERY:
-        assert f"`MMRAG_{name.upper()}`" in text
+    for d in EVERY.values():
+        assert f"| `{d.variable}` | `{d.path}` |" in text
 
 
 # --- show: values and their sources -------------------------------------------------------------------------------
@@ -80,7 +101,8 @@ def test_reference_write_writes_the_rendered_page(tmp_path):
 def test_a_set_variable_is_reported_from_env_and_an_unset_one_as_its_default(environ):
     environ.setenv("MMRAG_PORT", "9001")
     rows = show_json()
-    assert rows["port"] == {"component": "api", "name": "port", "env": "MMRAG_PORT", "value": 9001, "source": "env"}
+    assert rows["port"] == {"component": "api", "name": "port", "env": "MMRAG_PORT", "setting": "api.port",
+                            "value": 9001, "source": "env"}
     assert rows["host"]["value"] == "127.0.0.1" and rows["host"]["source"] == "default"
     assert rows["profile"]["source"] == "env"
     assert [r["source"] for r in rows.values()].count("env") == 2  # MMRAG_PORT and MMRAG_PROFILE, nothing else
@@ -89,9 +111,9 @@ def test_a_set_variable_is_reported_from_env_and_an_unset_one_as_its_default(env
     code, out, _ = show()
     assert code == 0
     port = next(line for line in out.splitlines() if "MMRAG_PORT " in line)
-    assert port.split() == ["MMRAG_PORT", "env", "9001"]
+    assert port.split() == ["MMRAG_PORT", "api.port", "env", "9001"]
     assert next(line for line in out.splitlines() if "MMRAG_HOST " in line).split() == [
-        "MMRAG_HOST", "default", "127.0.0.1"]
+        "MMRAG_HOST", "api.host", "default", "127.0.0.1"]
     assert "api:" in out.splitlines()
 
 
@@ -99,15 +121,16 @@ def test_a_benchmark_knob_is_shown_under_testing_from_its_variable(environ):
     environ.setenv("MMRAG_DECOMPOSE_FIXED_TOKENS", "7")
     rows = show_json()
     assert rows["decompose_fixed_tokens"] == {"component": "testing", "name": "decompose_fixed_tokens",
-                                              "env": "MMRAG_DECOMPOSE_FIXED_TOKENS", "value": 7, "source": "env"}
+                                              "env": "MMRAG_DECOMPOSE_FIXED_TOKENS",
+                                              "setting": "decompose_fixed_tokens", "value": 7, "source": "env"}
     assert rows["answer_fixed_length"]["source"] == "default"
 
 
 def test_the_development_profile_fills_an_empty_model_and_a_set_model_is_env(environ, tmp_path):
     environ.setenv("MMRAG_DATA_DIR", str(tmp_path))
     assert show_json()["model"] | {"component": "model"} == {
-        "component": "model", "name": "model", "env": "MMRAG_MODEL", "value": str(tmp_path / "models" / "tiny"),
-        "source": "profile"}
+        "component": "model", "name": "model", "env": "MMRAG_MODEL", "setting": "model.name",
+        "value": str(tmp_path / "models" / "tiny"), "source": "profile"}
     assert not (tmp_path / "models").exists()  # reported, not built
 
     environ.setenv("MMRAG_MODEL", "Qwen/Qwen2-VL-2B-Instruct")
@@ -119,7 +142,7 @@ def test_production_without_a_model_shows_the_empty_default_and_says_it_will_be_
     code, out, err = show()
     assert code == 0
     assert next(line for line in out.splitlines() if "MMRAG_MODEL " in line).split() == [
-        "MMRAG_MODEL", "default", '""']
+        "MMRAG_MODEL", "model.name", "default", '""']
     assert "MMRAG_MODEL is empty in the production profile" in err
 
 
@@ -151,8 +174,8 @@ def test_secrets_are_masked_in_text_and_json_and_never_printed(environ):
     assert code == 0
     assert not [s for s in hidden if s in out + err]
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
-    assert lines["MMRAG_API_KEY"] == ["MMRAG_API_KEY", "env", MASK]
-    assert lines["MMRAG_REDIS_URL"][2] == "redis://:***@cache:6379/0"
+    assert lines["MMRAG_API_KEY"] == ["MMRAG_API_KEY", "api.key", "env", MASK]
+    assert lines["MMRAG_REDIS_URL"][3] == "redis://:***@cache:6379/0"
 
     code, out, err = show("--json")
     assert code == 0

@@ -66,7 +66,7 @@ async def test_every_series_a_panel_or_an_alert_queries_is_served_from_start_up(
     from mmrag import wiring
 
     copy_corpus(engine_settings, tmp_path)
-    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "engine_urls": [vllm_server],
+    settings = engine_settings.replace(**{"data_dir": tmp_path, "engine_urls": [vllm_server],
                                                   "kv_events_endpoints": [KV_EVENTS[vllm_server]],
                                                   "warm_top": 0})  # not one prefill: nothing has been asked
     app = wiring.create_app(settings)
@@ -75,7 +75,7 @@ async def test_every_series_a_panel_or_an_alert_queries_is_served_from_start_up(
             resp = await client.get("/metrics")
     assert resp.status_code == 200
     samples = parse_samples(resp.text)
-    known = {"tier": tuple(settings.tier_table.policies), "outcome": ANSWER_OUTCOMES,
+    known = {"tier": tuple(settings.vision.tier_table.policies), "outcome": ANSWER_OUTCOMES,
              "pooled": ("true", "false"), "backend": ("disk",)}
 
     assert missing_series(dashboard_expressions() + rule_expressions(), samples, known) == []

@@ -81,8 +81,8 @@ async def own_store_app(engine_settings, inprocess_engine, data: Path, **setting
     from mmrag.wiring import create_app
 
     copy_corpus(engine_settings, data)
-    settings = engine_settings.model_copy(update={"data_dir": data, "warm_top": 0, **settings_update})
-    store = DiskFeatureStore(settings.features_dir)
+    settings = engine_settings.replace(**{"data_dir": data, "warm_top": 0, **settings_update})
+    store = DiskFeatureStore(settings.storage.features_dir)
     session_store = inprocess_engine.features.store
     inprocess_engine.features.store = store
     try:
@@ -110,9 +110,9 @@ def gc_beside_the_server(settings, tmp: Path) -> store_cmd.GcReport:
     """`mmrag store gc --apply` while the server runs, over the server's own feature store. Qdrant's local mode
     lets one client hold a folder, so the gc reads a copy of the server's index (with a Qdrant server,
     MMRAG_QDRANT_URL, it would read the index itself)."""
-    shutil.copytree(settings.qdrant_path, tmp / "qdrant", ignore=shutil.ignore_patterns(".lock"))
-    (tmp / "features").symlink_to(settings.features_dir, target_is_directory=True)
-    return store_cmd.gc(settings.model_copy(update={"data_dir": tmp}), dry_run=False)
+    shutil.copytree(settings.storage.qdrant_path, tmp / "qdrant", ignore=shutil.ignore_patterns(".lock"))
+    (tmp / "features").symlink_to(settings.storage.features_dir, target_is_directory=True)
+    return store_cmd.gc(settings.replace(**{"data_dir": tmp}), dry_run=False)
 
 
 async def test_deleting_a_document_while_answers_that_cite_it_stream_ends_none_of_them(leases):
@@ -195,7 +195,7 @@ async def test_an_image_whose_lease_lapsed_and_was_collected_says_send_it_again(
     conversation = first.json()["conversation_id"]
     key = ImageKey.parse(first.json()["question_images"][0]["image_key"])
     # The conversation's lease lapses (as one of a killed server does: its end, the file's mtime, passes) ...
-    held = list((leases["settings"].features_dir / ".leases" / str(key)).iterdir())
+    held = list((leases["settings"].storage.features_dir / ".leases" / str(key)).iterdir())
     assert held and all(f.name.startswith("conversation-") for f in held)
     for lease in held:
         os.utime(lease, (time.time() - 1, time.time() - 1))

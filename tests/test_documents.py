@@ -25,7 +25,7 @@ async def docs_app(engine_settings, ingested, inprocess_engine, tmp_path_factory
     data = tmp_path_factory.mktemp("documents-data")
     copy_corpus(engine_settings, data)
     upload = sorted(sample_corpus.glob("*.png"))[0]
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "api_key": API_KEY, "warm_top": 0, "max_upload_bytes": upload.stat().st_size + 100,
     })
     # The engine is the session's (nothing here asks a question); the store is the copy's, which deletes act on.
@@ -48,8 +48,8 @@ async def test_an_upload_is_stored_by_content_under_a_safe_name_and_ingested_as_
     r = await http.post("/v1/documents", files={"file": ("../../etc/evil name.png", body, "image/png")})
     assert r.status_code == 202, r.text
     out = r.json()
-    stored = list((settings.data_dir / "uploads").glob("*/*"))
-    assert [p.relative_to(settings.data_dir).as_posix() for p in stored] == [
+    stored = list((settings.storage.data_dir / "uploads").glob("*/*"))
+    assert [p.relative_to(settings.storage.data_dir).as_posix() for p in stored] == [
         f"uploads/{out['sha256'][:16]}/etc_evil_name.png"]
     assert stored[0].read_bytes() == body and out["bytes"] == len(body)
     assert out["job"]["paths"] == ["etc_evil_name.png"]  # no server folder in what the client sees
@@ -67,7 +67,7 @@ async def test_an_upload_is_stored_by_content_under_a_safe_name_and_ingested_as_
 
 async def test_uploads_over_the_size_limit_or_of_an_unread_type_are_refused_and_leave_nothing(docs_app):
     http, settings = docs_app["http"], docs_app["settings"]
-    big = b"\x89PNG\r\n\x1a\n" + bytes(settings.max_upload_bytes)
+    big = b"\x89PNG\r\n\x1a\n" + bytes(settings.api.max_upload_bytes)
     r = await http.post("/v1/documents", files={"file": ("big.png", big, "image/png")})
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
     assert "MMRAG_MAX_UPLOAD_BYTES" in r.json()["error"]["fix"]
@@ -76,7 +76,7 @@ async def test_uploads_over_the_size_limit_or_of_an_unread_type_are_refused_and_
     assert r.json()["error"]["fix"]
     r = await http.post("/v1/documents", data={"other": "x"})
     assert r.status_code == 422, r.text
-    assert list((settings.data_dir / "uploads").glob("**/*.*")) == []  # no temp file or stored file stays
+    assert list((settings.storage.data_dir / "uploads").glob("**/*.*")) == []  # no temp file or stored file stays
 
 
 async def test_deleting_a_document_keeps_the_figures_another_document_shares(docs_app):
@@ -92,7 +92,7 @@ async def test_deleting_a_document_keeps_the_figures_another_document_shares(doc
                   and any(uses[k] == 1 for k in keys[d["doc_id"]]))
     shared = {k for k in keys[victim["doc_id"]] if uses[k] > 1}
     own = keys[victim["doc_id"]] - shared
-    store = DiskFeatureStore(settings.features_dir)
+    store = DiskFeatureStore(settings.storage.features_dir)
     assert all(store.contains(ImageKey.parse(k)) for k in keys[victim["doc_id"]])
 
     r = await http.delete(f"/v1/documents/{victim['doc_id']}")

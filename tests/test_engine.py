@@ -26,9 +26,9 @@ GREEDY = SamplingSpec(max_tokens=12)
 @pytest.fixture(scope="module")
 def pages(engine_settings, ingested) -> list[dict]:
     """Payloads of the ingested pages, one per distinct image key, in key order."""
-    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    client = QdrantClient(path=str(engine_settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(engine_settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     by_key = {p.payload["image_key"]: p.payload for p in points}
@@ -144,14 +144,14 @@ async def test_a_new_encoder_version_or_resolution_policy_gets_no_cached_image_t
     assert (await engine.generate(plan(old_key))).usage.cached_image_tokens > 0
 
     # Same weights and tokens, new salt: a new encoder version, so a new key — and a cold image prefix.
-    salted = VisionEncoder(tiny_model, engine_settings.resolution_policy, salt="bumped")
+    salted = VisionEncoder(tiny_model, engine_settings.vision.resolution_policy, salt="bumped")
     new_key = salted.key_for(old_key.content_hash)
     assert new_key != old_key and new_key.encoder_version != old_key.encoder_version
     store.put(new_key, store.get(old_key))
     assert (await engine.generate(plan(new_key))).usage.cached_image_tokens == 0
 
     # A smaller resolution policy: other tokens (fewer of them) under another key — cold as well.
-    policy = ResolutionPolicy(engine_settings.min_pixels, engine_settings.max_pixels // 4)
+    policy = ResolutionPolicy(engine_settings.vision.min_pixels, engine_settings.vision.max_pixels // 4)
     smaller = VisionEncoder(tiny_model, policy)
     rendered = render_page(page, engine_settings)
     small_key = smaller.key_for(rendered.content_hash)
@@ -183,4 +183,4 @@ async def test_kv_capacity_comes_from_the_engine_config(inprocess_engine):
 
 
 async def test_batch_capacity_is_the_engines_max_num_seqs(inprocess_engine, engine_settings):
-    assert await inprocess_engine.batch_capacity() == engine_settings.max_num_seqs
+    assert await inprocess_engine.batch_capacity() == engine_settings.engine.max_num_seqs

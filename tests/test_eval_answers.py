@@ -190,7 +190,7 @@ async def test_the_command_asks_every_question_through_every_strategy_on_the_tin
 
     data = tmp_path / "data"
     copy_corpus(engine_settings, data)  # Qdrant local mode: one client per folder, and other tests read the original
-    settings = eval_settings(engine_settings.model_copy(update={"data_dir": data}), 6)
+    settings = eval_settings(engine_settings.replace(**{"data_dir": data}), 6)
     questions = CorpusManifest.load(sample_corpus / "manifest.json").questions[:3]
     rows = [{"id": f"s{i}", "question": q.question, "kind": "figure" if i else "text",
              "pages": [{"doc": a.file, "page": a.page} for a in q.answers], "needs": "any",

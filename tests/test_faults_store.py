@@ -103,7 +103,7 @@ async def redis_app(engine_settings, inprocess_engine, tmp_path_factory):
             store.put(k, disk.get(k))
         data = tmp_path_factory.mktemp("store-api-data")
         copy_corpus(engine_settings, data)
-        settings = engine_settings.model_copy(update={
+        settings = engine_settings.replace(**{
             "data_dir": data, "redis_url": redis_proc.url, "answer_max_tokens": 8, "warm_top": 0})
         inprocess_engine.features.store = store
         async with serving(create_app(settings, engine=inprocess_engine, store=store)) as url:
@@ -301,7 +301,7 @@ def full_disk_ingestor(engine_settings, sample_corpus, tmp_path_factory):
     data = tmp_path_factory.mktemp("full-disk-data")
     with full_tmpfs(data / "features") as features:
         fill(features)
-        ingestor = wiring.ingestor(engine_settings.model_copy(update={"data_dir": data}))
+        ingestor = wiring.ingestor(engine_settings.replace(**{"data_dir": data}))
         try:
             yield SimpleNamespace(ingestor=ingestor, features=features,
                                   slide=sorted(sample_corpus.glob("*.png"))[0])

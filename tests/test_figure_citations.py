@@ -128,12 +128,12 @@ async def figures_app(engine_settings, ingested, inprocess_engine, tmp_path_fact
 
     data = tmp_path_factory.mktemp("figure-citations-data")
     copy_corpus(engine_settings, data)
-    settings = engine_settings.model_copy(update={"data_dir": data, "api_key": API_KEY, "warm_top": 0})
+    settings = engine_settings.replace(**{"data_dir": data, "api_key": API_KEY, "warm_top": 0})
     index = wiring.read_index(settings)
     try:
         first, second = index.find_page(REPORT, 1), index.find_page(REPORT, 2)
         slide = next(p for p in index.pages() if p.doc.endswith(".png"))
-        scale = settings.pdf_dpi / 72
+        scale = settings.ingestion.pdf_dpi / 72
         w, h = (v / scale for v in render_page(Path(first.path), 1, settings.documents).image.size)
         boxes = {3: (0.1 * w, 0.2 * h, 0.6 * w, 0.5 * h), 5: (0.5 * w, 0.8 * h, w, h)}
         figures = [figure(n, f"Figure {n}: chart {n}", box) for n, box in boxes.items()]
@@ -210,7 +210,7 @@ async def test_any_box_is_outlined_with_bbox_in_points_on_a_pdf_and_in_pixels_on
     plain = _image((await http.get(f"/v1/pages/{page}/image")).content)
     got = await http.get(f"/v1/pages/{page}/image", params={"bbox": "36, 54.5, 144, 108"})
     assert got.status_code == 200, got.text
-    assert settings.pdf_dpi == 96  # 4/3 px a point: 54.5 pt is 72.67 px, taken outward
+    assert settings.ingestion.pdf_dpi == 96  # 4/3 px a point: 54.5 pt is 72.67 px, taken outward
     assert _changed(plain, _image(got.content)) == (48, 72, 192, 144)
     slide = figures_app["slide"].page_id  # an image document: its pixels are its points
     plain = _image((await http.get(f"/v1/pages/{slide}/image")).content)

@@ -90,10 +90,10 @@ def ingested(tiny_model, tmp_path_factory) -> Ingested:
 def copied(ingested: Ingested, to: Path, **update) -> Settings:
     """Settings on a copy of the ingested index and store (a test that changes them leaves the others theirs)."""
     data = to / "data"
-    shutil.copytree(ingested.settings.data_dir / "qdrant", data / "qdrant")
-    shutil.copytree(ingested.settings.data_dir / "features", data / "features",
+    shutil.copytree(ingested.settings.storage.data_dir / "qdrant", data / "qdrant")
+    shutil.copytree(ingested.settings.storage.data_dir / "features", data / "features",
                     ignore=shutil.ignore_patterns(".leases"))
-    return ingested.settings.model_copy(update={"data_dir": data, **update})
+    return ingested.settings.replace(**{"data_dir": data, **update})
 
 
 def pages_of(settings: Settings) -> dict[str, object]:

@@ -44,9 +44,9 @@ def test_settings_read_fusion_weights_and_name_the_fix_for_a_bad_one(tmp_path):
 
     from mmrag.core.settings import Settings
 
-    assert Settings(fusion_weights="lexical=3, image=0.5").fusion_weight_table == {
+    assert Settings(fusion_weights="lexical=3, image=0.5").retrieval.fusion_weight_table == {
         "text": 1.0, "lexical": 3.0, "image": 0.5, "caption": 1.0, "figure": 0.125}
-    assert Settings().fusion_weight_table["lexical"] == 2.0  # the measured default (mmrag/core/settings.py)
+    assert Settings().retrieval.fusion_weight_table["lexical"] == 2.0  # the measured default (mmrag/core/settings.py)
     for bad in ("lexical", "sparse=1", "text=-1", "text=heavy"):
         with pytest.raises(ValidationError, match="MMRAG_FUSION_WEIGHTS .*channel=weight"):
             Settings(fusion_weights=bad)

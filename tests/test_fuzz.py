@@ -47,7 +47,7 @@ async def fuzzed_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
 
     data = tmp_path_factory.mktemp("fuzz-data")
     copy_corpus(engine_settings, data)
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "api_key": API_KEY, "ingest_root": tmp_path_factory.mktemp("fuzz-ingest-root"),
         "answer_max_tokens": 8, "warm_top": 0,
     })
@@ -81,7 +81,8 @@ async def test_schemathesis_finds_no_server_error_and_nothing_undocumented(
     hooks = tmp_path / "no_server_paths.py"
     hooks.write_text(NO_SERVER_PATHS_CHECK)
     settings = api_server["settings"]
-    folders = [settings.data_dir, settings.ingest_root, engine_settings.data_dir, tiny_model, sample_corpus,
+    folders = [settings.storage.data_dir, settings.api.ingest_root, engine_settings.storage.data_dir, tiny_model,
+               sample_corpus,
                tmp_path_factory.getbasetemp()]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": str(hooks), "MMRAG_FUZZ_CHECKED": str(tmp_path / "checked"),
            "MMRAG_FUZZ_SERVER_FOLDERS": json.dumps(sorted({str(p) for p in folders} | {str(p.resolve())

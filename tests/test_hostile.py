@@ -242,7 +242,7 @@ async def test_a_file_name_that_is_not_utf8_fails_that_file_alone(http, api_serv
 
 
 def _server_paths(api_server, tiny_model: Path, engine_settings) -> list[str]:
-    paths = {api_server["settings"].data_dir, api_server["root"], tiny_model, engine_settings.data_dir}
+    paths = {api_server["settings"].storage.data_dir, api_server["root"], tiny_model, engine_settings.storage.data_dir}
     return sorted({str(p) for p in paths} | {str(p.resolve()) for p in paths})
 
 
@@ -319,13 +319,13 @@ async def test_error_bodies_never_show_absolute_server_paths(http, api_server, s
 
 async def test_a_feature_store_error_names_the_data_dir_setting_not_its_folder(tmp_path):
     settings = Settings(data_dir=tmp_path / "data", ingest_root=tmp_path / "in")
-    store = DiskFeatureStore(settings.features_dir)
+    store = DiskFeatureStore(settings.storage.features_dir)
     key = ImageKey(ContentHash(hashlib.sha256(b"page").hexdigest()), EncoderVersion("ab" * 8),
                    ResolutionPolicy(56 * 56, 448 * 448))
-    (settings.features_dir / key.content_hash[:2]).write_text("a file where the store wants its shard folder")
+    (settings.storage.features_dir / key.content_hash[:2]).write_text("a file where the store wants its shard folder")
     with pytest.raises(FeatureStoreError) as failed:
         store.put(key, EncodedImage(torch.zeros(4, 8), torch.tensor([[1, 4, 4]])))
-    assert str(settings.features_dir) in str(failed.value)  # the store names its folder, for the server's log
+    assert str(settings.storage.features_dir) in str(failed.value)  # the store names its folder, for the server's log
 
     app = FastAPI()
     errors.install(app, errors.ServerPaths.of(settings.folders))

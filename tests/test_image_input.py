@@ -31,7 +31,8 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def encoder(engine_settings) -> VisionEncoder:
     """The session's encoder (same version and policy, so the same keys as ingestion's), keeping pixels."""
-    return VisionEncoder(engine_settings.model, engine_settings.resolution_policy, salt=engine_settings.encoder_salt,
+    return VisionEncoder(engine_settings.model.name, engine_settings.vision.resolution_policy,
+                         salt=engine_settings.vision.encoder_salt,
                          keep_pixels=True)
 
 
@@ -40,9 +41,9 @@ def pixel_pages(engine_settings, ingested, encoder, tmp_path_factory) -> dict:
     """Three sample pages stored in the pixels form: tokens and pixels (``both``), and pixels only (``bare``)."""
     from qdrant_client import QdrantClient
 
-    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    client = QdrantClient(path=str(engine_settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(engine_settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     by_key = {p.payload["image_key"]: p.payload for p in points if p.payload.get("figure") is None}
@@ -51,8 +52,8 @@ def pixel_pages(engine_settings, ingested, encoder, tmp_path_factory) -> dict:
     images, keys = [r.image for r in rendered], [encoder.key_for(r.content_hash) for r in rendered]
     both = DiskFeatureStore(tmp_path_factory.mktemp("pixels-and-tokens"))
     bare = DiskFeatureStore(tmp_path_factory.mktemp("pixels-only"))
-    bare_encoder = VisionEncoder(engine_settings.model, engine_settings.resolution_policy,
-                                 salt=engine_settings.encoder_salt, keep_pixels=True, tokens=False)
+    bare_encoder = VisionEncoder(engine_settings.model.name, engine_settings.vision.resolution_policy,
+                                 salt=engine_settings.vision.encoder_salt, keep_pixels=True, tokens=False)
     for key, value, no_tokens in zip(keys, encoder.encode(images), bare_encoder.encode(images), strict=True):
         both.put(key, value)
         bare.put(key, no_tokens)
@@ -129,8 +130,9 @@ async def test_pixels_whose_token_count_differs_from_the_stored_entry_are_stoppe
 
 async def test_a_pooled_key_is_sent_as_tokens_in_the_pixels_form(inprocess_engine, engine_settings, pixel_pages,
                                                                tmp_path):
-    pooled = ResolutionPolicy(engine_settings.min_pixels, engine_settings.max_pixels, pool=2)
-    encoder = VisionEncoder(engine_settings.model, pooled, salt=engine_settings.encoder_salt, keep_pixels=True)
+    pooled = ResolutionPolicy(engine_settings.vision.min_pixels, engine_settings.vision.max_pixels, pool=2)
+    encoder = VisionEncoder(engine_settings.model.name, pooled, salt=engine_settings.vision.encoder_salt,
+                            keep_pixels=True)
     (value,) = encoder.encode(pixel_pages["images"][:1])
     assert value.pixels_png is None  # pooling is after the projector: vLLM's encoder cannot make these tokens
     key = encoder.key_for(pixel_pages["keys"][0].content_hash)
@@ -162,7 +164,7 @@ async def test_over_vllm_serve_pixels_give_the_embeds_greedy_tokens_cold_and_cac
     # standard tier's pixels need none, its processor is set to that tier's bounds.
     remote = RemoteEngine([vllm_server], wiring.resolve_model(engine_settings),
                           FeatureProvider.unscoped(pixel_pages["both"]),
-                          image_pixels=(engine_settings.min_pixels, engine_settings.max_pixels))
+                          image_pixels=(engine_settings.vision.min_pixels, engine_settings.vision.max_pixels))
     try:
         await remote.reset_prefix_cache()
         embeds = await remote.generate(plan(keys[0], keys[2]))
@@ -210,8 +212,9 @@ async def test_the_pixels_form_keeps_tenants_caches_apart(inprocess_engine, pixe
 async def test_another_unpooled_tier_is_resized_by_vllm_under_its_own_policy(inprocess_engine, engine_settings,
                                                                              pixel_pages, tmp_path):
     # The engine's processor is set to the standard tier; a request under another tier names that tier's bounds.
-    high = ResolutionPolicy(engine_settings.min_pixels, 4 * engine_settings.max_pixels)
-    encoder = VisionEncoder(engine_settings.model, high, salt=engine_settings.encoder_salt, keep_pixels=True)
+    high = ResolutionPolicy(engine_settings.vision.min_pixels, 4 * engine_settings.vision.max_pixels)
+    encoder = VisionEncoder(engine_settings.model.name, high, salt=engine_settings.vision.encoder_salt,
+                            keep_pixels=True)
     (value,) = encoder.encode(pixel_pages["images"][:1])
     key = encoder.key_for(pixel_pages["keys"][0].content_hash)
     store = DiskFeatureStore(tmp_path)
@@ -230,18 +233,18 @@ def test_the_setting_reaches_every_engine_and_the_encoder(engine_settings):
     wiring.engine), `mmrag engine serve`'s flags, the remote engine, and the encoder that ingests (keeping pixels)."""
     from mmrag.core.settings import Settings
 
-    pixels = engine_settings.model_copy(update={"image_input": "pixels"})
+    pixels = engine_settings.replace(**{"image_input": "pixels"})
     config = wiring.engine_config(pixels)
     assert config.image_input is ImageInput.PIXELS
     assert config.image_pixels == (pixels.min_pixels, pixels.max_pixels)
     flags = config.serve_flags()
     assert "--trust-request-mm-kwargs" in flags and "--mm-processor-kwargs" in flags
     assert "--trust-request-mm-kwargs" not in wiring.engine_config(engine_settings).serve_flags()
-    remote = wiring.engine(pixels.model_copy(update={"engine_urls": ["http://127.0.0.1:9"]}),
+    remote = wiring.engine(pixels.replace(**{"engine_urls": ["http://127.0.0.1:9"]}),
                            wiring.resolve_model(pixels))
     assert remote.image_input is ImageInput.PIXELS and remote.image_pixels == config.image_pixels
-    encoder = wiring.vision_encoder(pixels.model_copy(update={"ingest_image_tokens": False}),
+    encoder = wiring.vision_encoder(pixels.replace(**{"ingest_image_tokens": False}),
                                     wiring.resolve_model(pixels))
     assert encoder.keep_pixels and not encoder.makes_tokens
     with pytest.raises(ValueError, match="MMRAG_IMAGE_INPUT=pixels"):
-        Settings(model=engine_settings.model, data_dir=engine_settings.data_dir, ingest_image_tokens=False)
+        Settings(model=engine_settings.model.name, data_dir=engine_settings.storage.data_dir, ingest_image_tokens=False)

@@ -29,7 +29,7 @@ QUESTIONS = ["What is the layered architecture?", "How does the system work, and
 def pixels_corpus(engine_settings, ingested, sample_corpus, tmp_path_factory):
     """The sample corpus ingested in the pixels form, and a copy of it (the embeds app's: Qdrant local mode lets
     one client open a folder)."""
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": tmp_path_factory.mktemp("pixels-data"), "image_input": "pixels", "api_key": API_KEY,
         "answer_max_tokens": 8, "warm_top": 0})
     started = time.perf_counter()
@@ -40,9 +40,9 @@ def pixels_corpus(engine_settings, ingested, sample_corpus, tmp_path_factory):
         ingestor.index.client.close()
     print(f"\npixels-form ingest: {report.pages} pages in {time.perf_counter() - started:.1f} s")
     assert not report.failed and (report.encoded, report.pages) == (ingested.encoded, ingested.pages)
-    copy = engine_settings.model_copy(update={"data_dir": tmp_path_factory.mktemp("embeds-copy"), "api_key": API_KEY,
+    copy = engine_settings.replace(**{"data_dir": tmp_path_factory.mktemp("embeds-copy"), "api_key": API_KEY,
                                               "answer_max_tokens": 8, "warm_top": 0})
-    copy_corpus(settings, copy.data_dir)
+    copy_corpus(settings, copy.storage.data_dir)
     return {"pixels": settings, "embeds": copy}
 
 
@@ -100,7 +100,7 @@ async def test_a_question_image_is_sent_as_pixels_too(two_forms):
 
 
 def test_a_pixels_only_ingest_runs_no_tower_forward(engine_settings, sample_corpus, tmp_path):
-    settings = engine_settings.model_copy(update={"data_dir": tmp_path, "image_input": "pixels",
+    settings = engine_settings.replace(**{"data_dir": tmp_path, "image_input": "pixels",
                                                   "ingest_image_tokens": False})
     one = sorted(sample_corpus.glob("*.pdf"))[0]
     ingestor = wiring.ingestor(settings)

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def encoder(tiny_model) -> VisionEncoder:
-    return VisionEncoder(tiny_model, Settings(model=str(tiny_model)).resolution_policy)
+    return VisionEncoder(tiny_model, Settings(model=str(tiny_model)).vision.resolution_policy)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def make_ingestor(data_dir: Path, tiny_model: Path, encoder, text_embedder, **ov
     settings = Settings(model=str(tiny_model), data_dir=data_dir, ocr=False, **overrides)
     return Ingestor(
         settings.documents,
-        vision_batch_size=settings.vision_batch_size,
+        vision_batch_size=settings.ingestion.vision_batch_size,
         encoder=encoder,
         store=feature_store(settings),
         index=page_index(settings, text_embedder.dim),
@@ -187,7 +187,7 @@ def test_random_clip_fills_the_image_channel_when_switched_on(tmp_path, sample_c
     from mmrag.adapters.embed import ImageEmbedder
 
     settings = Settings(model=str(tiny_model), data_dir=tmp_path / "data", ocr=False, page_retriever="clip")
-    image = ImageEmbedder(settings.clip_model, None)
+    image = ImageEmbedder(settings.retrieval.clip_model, None)
     ing = Ingestor(settings.documents, encoder=encoder, store=feature_store(settings),
                    index=page_index(settings, text_embedder.dim), text_embedder=text_embedder, image_embedder=image)
     one = sorted(sample_corpus.glob("*.png"))[:2]

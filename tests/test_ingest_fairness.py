@@ -54,7 +54,7 @@ async def fair_server(engine_settings, ingested, inprocess_engine, tmp_path_fact
     data = tmp_path_factory.mktemp("fairness-data")
     tenants_file = data / "tenants.json"
     keys = {t: add_key(tenants_file, t) for t in ("a", "b")}
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "tenants_file": tenants_file, "api_key": "", "warm_top": 0, "ocr": True,
         "ingest_workers": 1, "delete_retry_s": 0.5,
     })
@@ -223,11 +223,11 @@ async def test_an_ingest_leases_its_pages_keys_until_the_pages_are_indexed(fair_
     from mmrag.adapters.vision import VisionEncoder
     from mmrag import wiring
 
-    settings = fair_server["settings"].model_copy(update={"data_dir": tmp_path, "tenants_file": None, "ocr": False})
+    settings = fair_server["settings"].replace(**{"data_dir": tmp_path, "tenants_file": None, "ocr": False})
     store = wiring.feature_store(settings)
     embedder = fair_server["app"].state.services.pipeline.searcher.text_embedder
     ingestor = wiring.ingestor(settings, store=store, text=embedder, image=None,
-                               encoder=VisionEncoder(tiny_model, settings.resolution_policy))
+                               encoder=VisionEncoder(tiny_model, settings.vision.resolution_policy))
     page = tmp_path / "page.png"
     page.write_bytes(_text_page(448))
     seen: list[tuple[ImageKey, bool, int]] = []

@@ -99,7 +99,7 @@ async def test_a_figure_crop_found_by_its_pixels_brings_its_page_with_the_figure
 async def test_a_narrow_prefetch_re_ranks_only_what_the_pooled_vector_found(late_settings):
     from mmrag import wiring
 
-    narrow = late_settings.model_copy(update={"page_prefetch": 3, "candidate_k": 3})
+    narrow = late_settings.replace(**{"page_prefetch": 3, "candidate_k": 3})
     searcher = wiring.searcher(narrow)
     try:
         question = "Which slide shows the quarterly revenue chart?"
@@ -124,9 +124,10 @@ def test_token_pooling_stores_fewer_rows_per_page(tmp_path, tiny_model, sample_c
 
     rows = {}
     for name, settings in (("full", late_settings), ("pooled", pooled)):
-        client = open_qdrant("", settings.qdrant_path)
+        client = open_qdrant("", settings.storage.qdrant_path)
         try:
-            points, _ = client.scroll(settings.qdrant_collection, limit=100, with_vectors=True, with_payload=True,
+            points, _ = client.scroll(settings.storage.qdrant_collection, limit=100, with_vectors=True,
+                                      with_payload=True,
                                       scroll_filter=PAGES_ONLY)
             rows[name] = {(p.payload["doc"], p.payload["page"]): len(p.vector["page"]) for p in points}
         finally:

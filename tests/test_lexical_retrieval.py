@@ -71,8 +71,8 @@ def manual_settings(tmp_path_factory, tiny_model, manual_docs) -> Settings:
 
 @pytest.fixture
 async def searcher(manual_settings):
-    client = open_async_qdrant("", manual_settings.qdrant_path)
-    yield PageSearcher(client, manual_settings.qdrant_collection, TextEmbedder(), None, top_k=5, candidate_k=5)
+    client = open_async_qdrant("", manual_settings.storage.qdrant_path)
+    yield PageSearcher(client, manual_settings.storage.qdrant_collection, TextEmbedder(), None, top_k=5, candidate_k=5)
     await client.close()
 
 
@@ -120,7 +120,7 @@ def test_cli_eval_with_labels_ingests_the_folder_and_scores_each_channel_and_the
              "pages": [{"doc": "manual.pdf", "page": 2}, {"doc": "manual.pdf", "page": 4}], "needs": "all",
              "kind": "text"}]
     labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = {"MMRAG_DATA_DIR": str(manual_settings.data_dir), "MMRAG_MODEL": str(manual_settings.model),
+    env = {"MMRAG_DATA_DIR": str(manual_settings.storage.data_dir), "MMRAG_MODEL": str(manual_settings.model.name),
            "MMRAG_OCR": "false"}
     result = CliRunner().invoke(retrieval_app, ["eval", "--labels", str(labels), str(manual_docs), "--json",
                                                 "--sweep"], env=env)

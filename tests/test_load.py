@@ -37,7 +37,7 @@ def raise_open_files_limit(needed: int) -> None:
 async def test_1000_concurrent_questions_are_answered_or_refused_with_429_none_5xx(api_server):
     services = api_server["app"].state.services
     scheduler, admission = services.scheduler, services.admission
-    limit, max_sub = admission.limit, api_server["settings"].max_sub_questions
+    limit, max_sub = admission.limit, api_server["settings"].answer.max_sub_questions
     raise_open_files_limit(4 * N + 1024)
     registry = services.metrics.registry
     refused_before = registry.get_sample_value("mmrag_answers_total", {"outcome": "refused", "tenant": "default"})

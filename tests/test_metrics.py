@@ -174,7 +174,7 @@ def test_every_configured_tier_outcome_and_pooling_has_a_series_at_zero_before_a
     from mmrag.core.settings import Settings
     from serving.metrics import ANSWER_OUTCOMES
 
-    tiers = Settings().tier_table
+    tiers = Settings().vision.tier_table
     metrics.set_tiers(tiers)
     assert len(tiers.policies) >= 3  # standard, low, high
     for name in tiers.policies:

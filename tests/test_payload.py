@@ -81,9 +81,9 @@ def test_every_sync_reader_returns_the_same_payload(ingested_one):
 
 async def test_every_async_reader_returns_the_same_payload(ingested_one):
     settings, pages = ingested_one
-    client = open_async_qdrant("", settings.qdrant_path)
+    client = open_async_qdrant("", settings.storage.qdrant_path)
     try:
-        reader = AsyncPageReader(client, settings.qdrant_collection)
+        reader = AsyncPageReader(client, settings.storage.qdrant_collection)
         assert sorted(await reader.pages(), key=lambda p: p.page) == pages
         assert [await reader.get(p.page_id) for p in pages] == pages
         searcher = wiring.searcher(settings, client=client)

@@ -27,7 +27,7 @@ APART = "What was the gross margin, and who signs off a production change?"
 
 @pytest.fixture(scope="module")
 async def pipeline(engine_settings, ingested, inprocess_engine):
-    p, _ = wiring.pipeline(engine_settings.model_copy(update={"answer_max_tokens": 8}), inprocess_engine)
+    p, _ = wiring.pipeline(engine_settings.replace(**{"answer_max_tokens": 8}), inprocess_engine)
     yield p
     await p.searcher.client.close()
 
@@ -140,7 +140,7 @@ def test_the_old_settings_say_they_are_deprecated_and_per_page_is_split(engine_s
     with caplog.at_level("WARNING"):
         old = engine_settings.model_validate({**engine_settings.model_dump(), "answer_mode": "per_sub_question"})
         per_page = engine_settings.model_validate({**engine_settings.model_dump(), "layout": "per_page"})
-    assert old.answer_mode == "joint" and per_page.answer_mode == "split"
+    assert old.answer.mode == "joint" and per_page.answer.mode == "split"
     assert "MMRAG_ANSWER_MODE=per_sub_question is deprecated" in caplog.text and "MMRAG_LAYOUT is deprecated" in \
         caplog.text
     assert wiring.pipeline_config(per_page).answer_mode is AnswerMode.SPLIT
@@ -203,7 +203,7 @@ async def test_bad_questions_get_a_clear_error(pipeline, question, message):
 
 
 async def test_no_documents_ingested_is_a_clear_error(tmp_path, engine_settings, inprocess_engine):
-    empty, _ = wiring.pipeline(engine_settings.model_copy(update={"data_dir": tmp_path}), inprocess_engine)
+    empty, _ = wiring.pipeline(engine_settings.replace(**{"data_dir": tmp_path}), inprocess_engine)
     try:
         with pytest.raises(NoDocumentsError, match="mmrag ingest"):
             await empty.ask("What was the revenue?")
@@ -323,7 +323,7 @@ async def pipeline_with(engine_settings, pipeline):
     (to the real scheduler)."""
 
     def build(joint_part_min_tokens: int = 1, **settings):
-        settings = engine_settings.model_copy(update={"answer_max_tokens": 8, **settings})
+        settings = engine_settings.replace(**{"answer_max_tokens": 8, **settings})
         p, _ = wiring.pipeline(settings, pipeline.engine, client=pipeline.searcher.client)
         # A joint answer's parts at 8 tokens (their mechanics; by default a part is JOINT_PART_MIN_TOKENS at least).
         p.config = replace(p.config, joint_part_min_tokens=joint_part_min_tokens)
@@ -676,7 +676,7 @@ async def test_a_question_in_a_tier_is_shown_the_crop_in_that_tier_and_told_it_i
             store.delete(key)
     (cited,) = [c for c in answer.citations if c.figure is not None]
     (plan,) = crops.submitted
-    low = engine_settings.tier_table.policy("low")
+    low = engine_settings.vision.tier_table.policy("low")
     (shown,) = [k for k in plan.images if k.content_hash == cited.figure.image_key.content_hash]
     assert shown.policy == low and answer.extra["tier"] == {"name": "low", "fell_back": []}
     assert "[page_cache_paper.pdf, page 4], Figure 4: hit rate by workload (the figure alone)" in plan.text

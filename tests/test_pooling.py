@@ -76,13 +76,13 @@ def test_the_pooled_encoder_gives_a_quarter_of_the_tokens_on_a_grid_vllm_counts(
 def pooled_page(engine_settings, ingested, tiny_model) -> Iterator[tuple[ImageKey, ImageKey, int]]:
     """A PNG page of the session corpus: its indexed (standard) key, its pooled key with tokens stored, their
     token counts. The pooled entry goes again afterwards: other tests count the session store's entries."""
-    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    client = QdrantClient(path=str(engine_settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(engine_settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     page = sorted((p.payload for p in points if p.payload["doc"].endswith(".png")), key=lambda p: p["image_key"])[0]
-    standard = VisionEncoder(tiny_model, engine_settings.resolution_policy)
+    standard = VisionEncoder(tiny_model, engine_settings.vision.resolution_policy)
     pooled = standard.with_policy(POOLED)
     with open_document(Path(page["path"]), engine_settings.documents) as doc:
         image = next(r for r in doc.pages() if r.page == page["page"]).image

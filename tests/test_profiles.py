@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_production_is_the_default_profile(monkeypatch):
     monkeypatch.delenv("MMRAG_PROFILE", raising=False)
-    assert Settings().profile == "production"
+    assert Settings().model.profile == "production"
     monkeypatch.setenv("MMRAG_PROFILE", "development")
-    assert Settings().profile == "development"
+    assert Settings().model.profile == "development"
 
 
 def test_production_without_a_model_is_refused_naming_the_fix_and_builds_nothing(tmp_path):
@@ -32,7 +32,7 @@ def test_production_without_a_model_is_refused_naming_the_fix_and_builds_nothing
     message = str(refused.value)
     assert "MMRAG_MODEL is not set" in message and "MMRAG_PROFILE=development" in message
     assert is_user_error(refused.value)  # the CLI shows it as one line, exit code 2
-    assert not settings.tiny_model_dir.exists()
+    assert not settings.storage.tiny_model_dir.exists()
 
 
 @pytest.mark.slow  # a Python subprocess that imports the wiring
@@ -53,9 +53,9 @@ def test_benchmark_knobs_are_out_of_settings_read_in_development_and_refused_in_
     """The testing knobs live in DevelopmentKnobs, not in the production Settings: the wiring reads them from
     their variables in the development profile and refuses a production start with one set, naming it."""
     from mmrag import wiring
-    from mmrag.core.settings import DevelopmentKnobs
+    from mmrag.core.settings import DevelopmentKnobs, flat_names
 
-    assert not set(DevelopmentKnobs.model_fields) & set(Settings.model_fields)
+    assert not set(DevelopmentKnobs.model_fields) & set(flat_names())
     monkeypatch.setenv("MMRAG_ANSWER_FIXED_LENGTH", "true")
     monkeypatch.setenv("MMRAG_DECOMPOSE_FIXED_TOKENS", "12")
     development = Settings(model="", profile="development", data_dir=tmp_path)
@@ -75,10 +75,10 @@ def test_benchmark_knobs_are_out_of_settings_read_in_development_and_refused_in_
 
 def test_a_random_weight_clip_is_the_development_profiles_and_the_old_knob_is_its_deprecated_alias(tmp_path, caplog):
     development = Settings(model="", profile="development", data_dir=tmp_path, page_retriever="clip")
-    assert development.image_channel and development.clip_weights is None
+    assert development.image_channel and development.retrieval.clip_weights is None
     with pytest.raises(ValueError, match="MMRAG_PROFILE=development"):
         Settings(model="", profile="production", data_dir=tmp_path, page_retriever="clip")
     with caplog.at_level("WARNING"):
         old = Settings(model="", profile="development", data_dir=tmp_path, clip_random_init=True)
-    assert old.page_retriever == "clip" and old.image_channel
+    assert old.retrieval.page_retriever == "clip" and old.image_channel
     assert "MMRAG_CLIP_RANDOM_INIT is deprecated" in caplog.text and "MMRAG_PAGE_RETRIEVER=clip" in caplog.text

@@ -70,7 +70,7 @@ async def test_every_dashboard_expression_has_data_while_traffic_flows(api_serve
     # The answer cache's panel: the session's settings turn the cache off; here the questions recur, so it has
     # hits and misses to show (tests/test_answer_cache_serving.py tests the cache itself).
     services = api_server["app"].state.services
-    settings = api_server["settings"].model_copy(update={"answer_cache": True, "data_dir": tmp_path})
+    settings = api_server["settings"].replace(**{"answer_cache": True, "data_dir": tmp_path})
     monkeypatch.setattr(services.pipeline, "answers", wiring.answer_cache(settings, services.metrics))
     monkeypatch.setattr(services.pipeline, "prompt_version", wiring.answer_prompt_version(settings))
     questions = ["What is the retry limit and the timeout of the ingest service?",

@@ -57,7 +57,7 @@ def ray_rss_mib() -> dict[str, float]:
 def keys(engine_settings, ingested) -> list[ImageKey]:
     # The corpus's pages as ingested (the store may hold a test's entries of another encoder or tier).
     found = sorted(k for k in wiring.feature_store(engine_settings).keys()
-                   if k.policy == engine_settings.resolution_policy)
+                   if k.policy == engine_settings.vision.resolution_policy)
     assert len(found) >= 8, "the sample corpus should give at least 8 distinct pages"
     return found
 
@@ -66,7 +66,7 @@ def keys(engine_settings, ingested) -> list[ImageKey]:
 def ray_cluster(engine_settings, ingested):
     """A local Ray cluster with Serve, and the engine deployment of 2 replicas on it."""
     # The replicas publish their KV events and the router follows them (MMRAG_RAY_KV_EVENTS).
-    settings = engine_settings.model_copy(update={"ray_replicas": 2, "ray_replica_cpus": 1.0,
+    settings = engine_settings.replace(**{"ray_replicas": 2, "ray_replica_cpus": 1.0,
                                                   "ray_http_port": free_port(), "max_num_seqs": 8,
                                                   "ray_kv_events": True})
     started = time.perf_counter()
@@ -241,7 +241,7 @@ async def test_the_rest_app_answers_through_the_ray_replicas(ray_cluster, tmp_pa
 
     data = tmp_path_factory.mktemp("ray-api")
     copy_corpus(ray_cluster["settings"], data)
-    settings = ray_cluster["settings"].model_copy(update={
+    settings = ray_cluster["settings"].replace(**{
         "data_dir": data, "api_key": API_KEY, "ray_deploy": False, "answer_max_tokens": 8, "warm_top": 2})
     app = wiring.ray_app(settings)
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=300) as http:
@@ -304,7 +304,7 @@ def test_the_vision_service_runs_as_a_second_deployment_behind_serves_proxy(ray_
     # Between the kill and the replacement test (the fixture killed_mid_load is theirs): the vision replica starts
     # while Ray replaces the killed engine replica, whose start is one process after another, one core busy.
     # Its own data dir: the tokens it encodes go to a store the engine tests do not read.
-    settings = ray_cluster["settings"].model_copy(update={"data_dir": tmp_path_factory.mktemp("ray-vision")})
+    settings = ray_cluster["settings"].replace(**{"data_dir": tmp_path_factory.mktemp("ray-vision")})
     url = deploy_vision(wiring.ray_config(settings), partial(wiring.vision_app, settings))
     info = httpx.get(f"{url}/v1/info", timeout=60)
     assert info.status_code == 200 and info.json()["encoder_version"] == str(wiring.encoder_scope(

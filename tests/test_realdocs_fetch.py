@@ -175,8 +175,8 @@ def test_the_held_out_set_shares_no_document_with_the_set_everything_is_tuned_on
 
 
 # Patterns, with escaped dots and a character class, so that this file does not name the hosts it looks for.
-REGISTRY_HOSTS = re.compile(rb"debian\.org|files\.python[h]osted\.org|pypi\.org|download\.pytorch\.org",
-                            re.IGNORECASE)
+REGISTRY_HOSTS = re.compile(rb"debian\.org|ubuntu\.com|files\.python[h]osted\.org|pypi\.org|download\.pytorch\.org|"
+                            rb"anaconda\.(org|com)|npmjs\.org|huggingface\.co", re.IGNORECASE)
 
 
 def test_no_tracked_file_names_a_package_registry_host():

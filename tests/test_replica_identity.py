@@ -150,6 +150,6 @@ def test_the_wiring_refuses_a_replica_of_another_checkpoint_before_serving(engin
     """MMRAG_ENGINE_URLS through the composition root, where `mmrag serve`, `ask` and `warm` build their engine."""
     from mmrag import wiring
 
-    settings = engine_settings.model_copy(update={"engine_urls": [vllm_server]})
+    settings = engine_settings.replace(**{"engine_urls": [vllm_server]})
     with pytest.raises(ReplicaIdentityError, match="MMRAG_MODEL"):
         wiring.engine(settings, ModelSource(fine_tune, served_names(vllm_server)[0], True))

@@ -52,8 +52,8 @@ def manifest(sample_corpus) -> CorpusManifest:
 async def searcher(engine_settings, ingested, text_embedder):
     """The session index (OCR off, image channel off). Local mode allows one client per folder per process:
     this module holds it from first use to its end."""
-    client = open_async_qdrant("", engine_settings.qdrant_path)
-    yield PageSearcher(client, engine_settings.qdrant_collection, text_embedder, None)
+    client = open_async_qdrant("", engine_settings.storage.qdrant_path)
+    yield PageSearcher(client, engine_settings.storage.qdrant_collection, text_embedder, None)
     await client.close()
 
 
@@ -81,8 +81,8 @@ def clip_settings(tmp_path_factory, tiny_model, sample_corpus) -> Settings:
 async def clip_searcher(clip_settings, text_embedder, clip):
     # Opening a 7-page local collection takes milliseconds, so each test holds the folder only while it runs
     # and the CLI test below can open it too.
-    client = open_async_qdrant("", clip_settings.qdrant_path)
-    yield PageSearcher(client, clip_settings.qdrant_collection, text_embedder, clip, top_k=10, candidate_k=20,
+    client = open_async_qdrant("", clip_settings.storage.qdrant_path)
+    yield PageSearcher(client, clip_settings.storage.qdrant_collection, text_embedder, clip, top_k=10, candidate_k=20,
                        fusion=Fusion("rrf", {"text": 1, "lexical": 2, "image": 0.5}))
     await client.close()
 
@@ -184,7 +184,7 @@ async def test_image_search_without_the_image_channel_is_an_error(searcher):
 
 def test_a_folder_this_process_already_holds_gives_the_locked_message(searcher, engine_settings):
     with pytest.raises(IndexLockedError, match="MMRAG_QDRANT_URL"):
-        open_async_qdrant("", engine_settings.qdrant_path)
+        open_async_qdrant("", engine_settings.storage.qdrant_path)
 
 
 # --- quality ----------------------------------------------------------------------------------------------
@@ -208,9 +208,10 @@ async def test_text_channel_recall_at_5_meets_the_target_on_all_labelled_questio
 ):
     settings = Settings(model=str(tiny_model), data_dir=tmp_path_factory.mktemp("ocr-data"), ocr=True)
     ingest(settings, [sample_corpus])
-    client = open_async_qdrant("", settings.qdrant_path)
+    client = open_async_qdrant("", settings.storage.qdrant_path)
     try:
-        scores = await evaluate(PageSearcher(client, settings.qdrant_collection, text_embedder, None), labelled_questions(manifest),
+        scores = await evaluate(PageSearcher(client, settings.storage.qdrant_collection, text_embedder, None),
+                                labelled_questions(manifest),
                                 [Channel.TEXT])
     finally:
         await client.close()
@@ -294,7 +295,7 @@ def test_sync_retrieve_outside_a_loop_runs_the_async_path(searcher):
 
 def test_cli_eval_prints_one_json_object_with_every_channel(clip_settings, small_manifest, tmp_path):
     (tmp_path / "manifest.json").write_text(small_manifest.to_json())
-    env = {"MMRAG_DATA_DIR": str(clip_settings.data_dir), "MMRAG_PAGE_RETRIEVER": "clip"}
+    env = {"MMRAG_DATA_DIR": str(clip_settings.storage.data_dir), "MMRAG_PAGE_RETRIEVER": "clip"}
     result = CliRunner().invoke(retrieval_app, ["eval", "--corpus", str(tmp_path), "--json"], env=env)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)

@@ -9,7 +9,7 @@ from mmrag.core.settings import Settings
 from serving.routing import AffinityTable, choose_replica, prefix_path, rank_replicas, rendezvous_order, route_key
 
 A, B, C = "replica-a", "replica-b", "replica-c"
-BOUND = Settings().ray_affinity_queue_bound
+BOUND = Settings().ray.affinity_queue_bound
 
 
 def plan(*images: str, system: str = "default", text: str = "q") -> PromptPlan:

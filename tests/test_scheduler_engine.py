@@ -15,9 +15,9 @@ SAMPLING = SamplingSpec(max_tokens=4)
 
 
 def distinct_keys(settings, n: int) -> list[tuple[ImageKey, int]]:
-    client = QdrantClient(path=str(settings.qdrant_path))
+    client = QdrantClient(path=str(settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     tokens = {p.payload["image_key"]: p.payload["image_tokens"] for p in points}

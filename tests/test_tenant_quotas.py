@@ -93,13 +93,13 @@ async def quota_server(engine_settings, ingested, inprocess_engine, tmp_path_fac
     keys = {t: add_key(tenants_file, t) for t in TENANTS}
     set_quota(tenants_file, "small", {"documents": 1, "requests_per_s": 1})
     set_quota(tenants_file, "tiny", {"bytes": 4000})
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "tenants_file": tenants_file, "api_key": "", "warm_top": 0, "answer_max_tokens": 8,
         "ocr": False, "max_questions_in_flight": LIMIT, "admission_queue": 64, "admission_max_wait_s": 600.0,
     })
     store = inprocess_engine.features.store
     app = wiring.create_app(settings, engine=inprocess_engine, store=store)
-    async with serving(app, http=header_timeout_protocol(settings.http_header_timeout_s)) as url:
+    async with serving(app, http=header_timeout_protocol(settings.api.http_header_timeout_s)) as url:
         clients = {t: httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {k}"}, timeout=300)
                    for t, k in keys.items()}
         try:
@@ -293,11 +293,11 @@ async def slow_client_server(engine_settings, inprocess_engine, tmp_path):
 
     tenants_file = tmp_path / "tenants.json"
     key = add_key(tenants_file, "a")
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": tmp_path / "data", "tenants_file": tenants_file, "api_key": "", "warm_top": 0, "ocr": False,
         "http_header_timeout_s": 1.0, "http_body_timeout_s": 1.0})
     app = wiring.create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store)
-    async with serving(app, http=header_timeout_protocol(settings.http_header_timeout_s)) as url:
+    async with serving(app, http=header_timeout_protocol(settings.api.http_header_timeout_s)) as url:
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
             yield {"url": url, "key": key, "http": http}
 

@@ -48,7 +48,7 @@ async def tenant_server(engine_settings, ingested, inprocess_engine, tmp_path_fa
     data = tmp_path_factory.mktemp("tenants-data")
     tenants_file = data / "tenants.json"
     keys = {t: add_key(tenants_file, t) for t in TENANTS}
-    settings = engine_settings.model_copy(update={
+    settings = engine_settings.replace(**{
         "data_dir": data, "tenants_file": tenants_file, "api_key": "", "warm_top": 0, "answer_max_tokens": 8,
         "ocr": True,  # the pages' words are what a question finds them by
         "ingest_root": tmp_path_factory.mktemp("tenants-root"),
@@ -95,10 +95,10 @@ async def _upload(http: httpx.AsyncClient, name: str, body: bytes) -> dict:
 
 
 def test_the_tenants_file_holds_digests_never_keys(tenant_server):
-    text = tenant_server["settings"].tenants_file.read_text()
+    text = tenant_server["settings"].tenants.file.read_text()
     for tenant, key in tenant_server["keys"].items():
         assert key not in text and key_digest(key) in json.loads(text)[tenant]
-    assert oct(tenant_server["settings"].tenants_file.stat().st_mode & 0o777) == "0o600"
+    assert oct(tenant_server["settings"].tenants.file.stat().st_mode & 0o777) == "0o600"
 
 
 def test_a_key_is_compared_with_every_digest_in_constant_time(monkeypatch):
@@ -114,9 +114,9 @@ def test_a_key_is_compared_with_every_digest_in_constant_time(monkeypatch):
     assert keys.tenant_of("k-b") == "b" and len(calls) == 3  # no early exit on the match
     calls.clear()
     assert keys.tenant_of("k-x") is None and len(calls) == 3
-    assert TenantKeys.from_settings(Settings(api_key="k").api).tenant_of("k") == "default"
-    assert TenantKeys.from_settings(Settings(api_key="k").api).tenant_of("kk") is None
-    assert TenantKeys.from_settings(Settings().api).tenant_of("") == "default"  # no key configured: open
+    assert TenantKeys.from_settings(Settings(api_key="k").api_service).tenant_of("k") == "default"
+    assert TenantKeys.from_settings(Settings(api_key="k").api_service).tenant_of("kk") is None
+    assert TenantKeys.from_settings(Settings().api_service).tenant_of("") == "default"  # no key configured: open
 
 
 def test_a_bad_tenants_file_names_the_fix(tmp_path):
@@ -289,7 +289,7 @@ async def test_tenants_never_share_kv_prefixes_on_a_vllm_serve_replica(engine_se
     store = feature_store(engine_settings)
     engine = RemoteEngine([vllm_server], resolve_model(engine_settings), FeatureProvider.unscoped(store))
     try:
-        page = next(k for k in sorted(store.keys()) if k.policy == engine_settings.resolution_policy)
+        page = next(k for k in sorted(store.keys()) if k.policy == engine_settings.vision.resolution_policy)
         await _salts_isolate(engine, page)  # an ingested page: the replica gets its tokens
     finally:
         await engine.close()
@@ -319,7 +319,7 @@ async def test_each_tenants_questions_carry_its_salt(tenant_server, monkeypatch,
 
 
 async def test_server_side_ingest_reads_the_tenants_own_root_and_a_running_job_can_be_cancelled(tenant_server):
-    http, root = tenant_server["http"], tenant_server["settings"].ingest_root
+    http, root = tenant_server["http"], tenant_server["settings"].api.ingest_root
     folder = root / "acme"
     folder.mkdir()
     for i in range(24):  # OCR'd one by one: long enough to be caught running
@@ -351,7 +351,7 @@ async def test_an_upload_ingestion_refuses_leaves_no_file_behind(tenant_server):
     assert r.status_code == 202, r.text
     job = await _job_while(http, r.json()["job"]["id"], ("queued", "running"))
     assert job["status"] == "done" and [f["path"] for f in job["report"]["failed"]] == ["broken.png"], job
-    uploads = settings.data_dir / "uploads" / "tenants" / "acme"
+    uploads = settings.storage.data_dir / "uploads" / "tenants" / "acme"
     assert not list(uploads.glob(f"{r.json()['sha256'][:16]}*")), list(uploads.iterdir())
 
 
@@ -365,13 +365,13 @@ def test_the_cli_makes_keys_and_ingests_into_a_tenants_collection(engine_setting
 
     tenants_file = tmp_path / "tenants.json"
     monkeypatch.setenv("MMRAG_TENANTS_FILE", str(tenants_file))
-    monkeypatch.setenv("MMRAG_MODEL", engine_settings.model)
+    monkeypatch.setenv("MMRAG_MODEL", engine_settings.model.name)
     monkeypatch.setenv("MMRAG_DATA_DIR", str(tmp_path / "data"))
     runner = CliRunner()
     made = runner.invoke(cli.app, ["tenant", "add", "acme"])
     assert made.exit_code == 0, made.output
     key = made.stdout.strip().splitlines()[-1]
-    assert key.startswith("mmrag-") and TenantKeys.from_settings(Settings().api).tenant_of(key) == "acme"
+    assert key.startswith("mmrag-") and TenantKeys.from_settings(Settings().api_service).tenant_of(key) == "acme"
     assert key not in tenants_file.read_text()
     listed = runner.invoke(cli.app, ["tenant", "list", "--json"])
     assert json.loads(listed.stdout) == {"acme": {"keys": 1, "collection": "mmrag_pages--acme"}}

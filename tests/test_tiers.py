@@ -33,14 +33,14 @@ QUESTION = "What does the architecture diagram show?"
 
 def page_tiers(settings, store, encoder_for) -> PageTiers:
     """PageTiers as the composition root builds it: the settings' tiers and document section."""
-    return PageTiers(settings.tier_table, settings.documents, store, encoder_for)
+    return PageTiers(settings.vision.tier_table, settings.documents, store, encoder_for)
 
 
 def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
     settings = Settings()
-    tiers = settings.tier_table
+    tiers = settings.vision.tier_table
     assert list(tiers.policies) == ["standard", "low", "high"]
-    assert tiers.policy("standard") == settings.resolution_policy == ResolutionPolicy(56 * 56, 448 * 448)
+    assert tiers.policy("standard") == settings.vision.resolution_policy == ResolutionPolicy(56 * 56, 448 * 448)
     assert tiers.policy("low").pooled and not tiers.policy("high").pooled
     assert settings.ingest_tier_policies == []  # ingestion encodes standard only by default
     key = ImageKey.parse(f"img1-{'a' * 64}-{'b' * 16}-px3136-200704")
@@ -52,7 +52,7 @@ def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
 
 
 def test_a_page_in_another_configured_tier_counts_as_in_use_for_garbage_collection():
-    tiers = Settings().tier_table
+    tiers = Settings().vision.tier_table
     indexed = ImageKey.parse(f"img1-{'a' * 64}-{'b' * 16}-px3136-200704")
     in_use = tiers.in_use([indexed])
     assert in_use(indexed) and in_use(indexed.in_policy(tiers.policy("low")))
@@ -90,28 +90,28 @@ def test_ingestion_encodes_the_configured_tiers_once_and_a_new_tier_makes_a_file
     files.mkdir()
     for name in ("operations_manual.pdf", "allhands_03_platform.png"):
         shutil.copy(sample_corpus / name, files / name)
-    base = engine_settings.model_copy(update={"data_dir": tmp_path / "data", "ingest_tiers": ["standard", "low"]})
+    base = engine_settings.replace(**{"data_dir": tmp_path / "data", "ingest_tiers": ["standard", "low"]})
     ingestor = wiring.ingestor(base)
     try:
         first = ingestor.run([files])
         again = ingestor.run([files])
-        points, _ = ingestor.index.client.scroll(base.qdrant_collection, limit=100, with_payload=True)
+        points, _ = ingestor.index.client.scroll(base.storage.qdrant_collection, limit=100, with_payload=True)
     finally:
         ingestor.index.client.close()
     keys = {PagePayload.from_qdrant(p.payload).image_key for p in points}
-    low = base.tier_table.policy("low")
+    low = base.vision.tier_table.policy("low")
     assert not first.failed and first.encoded == 2 * len(keys)  # one forward per page per tier
     assert again.encoded == 0 and again.unchanged_files == 2
-    assert all(k.policy == base.resolution_policy for k in keys)  # the index carries standard keys
+    assert all(k.policy == base.vision.resolution_policy for k in keys)  # the index carries standard keys
     store = wiring.feature_store(base)
     assert all(store.contains(k.in_policy(low)) for k in keys)
 
-    more = wiring.ingestor(base.model_copy(update={"ingest_tiers": ["standard", "low", "high"]}))
+    more = wiring.ingestor(base.replace(**{"ingest_tiers": ["standard", "low", "high"]}))
     try:
         third = more.run([files])
     finally:
         more.index.client.close()
-    high = base.tier_table.policy("high")
+    high = base.vision.tier_table.policy("high")
     assert third.unchanged_files == 0 and third.encoded == len(keys)  # only the new tier's forwards
     assert all(store.contains(k.in_policy(high)) for k in keys)
 
@@ -122,9 +122,9 @@ def test_ingestion_encodes_the_configured_tiers_once_and_a_new_tier_makes_a_file
 @pytest.fixture(scope="module")
 def hits(engine_settings, ingested) -> list[Hit]:
     """Two distinct indexed pages as retrieval returns them."""
-    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    client = QdrantClient(path=str(engine_settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(engine_settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     pages = {p.image_key: p for p in (PagePayload.from_qdrant(x.payload) for x in points)}
@@ -133,13 +133,13 @@ def hits(engine_settings, ingested) -> list[Hit]:
 
 @pytest.fixture(scope="module")
 def encoder(tiny_model, engine_settings) -> VisionEncoder:
-    return VisionEncoder(tiny_model, engine_settings.resolution_policy)
+    return VisionEncoder(tiny_model, engine_settings.vision.resolution_policy)
 
 
 async def test_a_page_missing_in_the_asked_tier_is_encoded_on_demand_once(engine_settings, hits, encoder, tmp_path):
     store = DiskFeatureStore(tmp_path / "features")  # empty: no page is stored in any tier yet
     tiers = page_tiers(engine_settings, store, encoder.with_policy)
-    high = engine_settings.tier_table.policy("high")
+    high = engine_settings.vision.tier_table.policy("high")
     first = await tiers([hits], "high")
     again = await tiers([hits[:1]], "high")
     assert first.vision_encodes == 2 and first.fell_back == [] and again.vision_encodes == 0
@@ -157,9 +157,9 @@ async def test_tokens_encoded_on_demand_are_keyed_by_the_encoder_that_made_them(
     """The tier encoder here is another encoder than the one that indexed the pages (another salt, as after an
     upgrade): what it makes is stored, and served, under its own version, never under the index's."""
     store = DiskFeatureStore(tmp_path / "features")
-    other = VisionEncoder(tiny_model, engine_settings.resolution_policy, salt="another-encoder")
+    other = VisionEncoder(tiny_model, engine_settings.vision.resolution_policy, salt="another-encoder")
     assert other.version != hits[0].image_key.encoder_version
-    high = other.with_policy(engine_settings.tier_table.policy("high"))
+    high = other.with_policy(engine_settings.vision.tier_table.policy("high"))
     got = await page_tiers(engine_settings, store, other.with_policy)([hits], "high")
     assert got.vision_encodes == len(hits)
     assert [h.image_key for h in got.hits[0]] == [high.key_for(h.image_key.content_hash) for h in hits]
@@ -173,9 +173,9 @@ async def test_a_figure_shown_as_its_crop_is_cropped_again_and_encoded_on_demand
     from ingestion.loaders import render_page
     from rag.plans import shown_as_figures
 
-    client = QdrantClient(path=str(engine_settings.qdrant_path))
+    client = QdrantClient(path=str(engine_settings.storage.qdrant_path))
     try:
-        points, _ = client.scroll(engine_settings.qdrant_collection, limit=1000, with_payload=True)
+        points, _ = client.scroll(engine_settings.storage.qdrant_collection, limit=1000, with_payload=True)
     finally:
         client.close()
     pages = [PagePayload.from_qdrant(x.payload) for x in points]
@@ -186,7 +186,7 @@ async def test_a_figure_shown_as_its_crop_is_cropped_again_and_encoded_on_demand
     assert shown.image_key == figure.image_key  # the crop, not the page
     store = DiskFeatureStore(tmp_path / "features")
     got = await page_tiers(engine_settings, store, encoder.with_policy)([[shown]], "high")
-    high = encoder.with_policy(engine_settings.tier_table.policy("high"))
+    high = encoder.with_policy(engine_settings.vision.tier_table.policy("high"))
     assert got.fell_back == [] and got.vision_encodes == 1
     (tiered,), = got.hits
     assert tiered.image_key == high.key_for(figure.image_key.content_hash) and tiered.figure == figure
@@ -200,7 +200,7 @@ async def test_a_page_whose_source_is_gone_falls_back_to_the_nearest_stored_tier
                                                                                  tmp_path):
     store = DiskFeatureStore(tmp_path / "features")
     hit = hits[0]
-    low = engine_settings.tier_table.policy("low")
+    low = engine_settings.vision.tier_table.policy("low")
     rendered = encoder.with_policy(low)
     moved = dataclasses.replace(hit, path=str(tmp_path / "gone.pdf"))
     tiers = page_tiers(engine_settings, store, encoder.with_policy)
@@ -301,7 +301,7 @@ async def test_an_unknown_tier_is_a_400_naming_the_configured_tiers(http):
 
 @pytest.mark.parametrize("args", [["ask", QUESTION, "--tier", "ultra"], ["ingest", "nowhere.pdf", "--tier", "ultra"]])
 def test_the_cli_refuses_an_unknown_tier_naming_the_configured_ones(args, engine_settings):
-    env = dict(os.environ, MMRAG_DATA_DIR=str(engine_settings.data_dir), MMRAG_MODEL=engine_settings.model,
+    env = dict(os.environ, MMRAG_DATA_DIR=str(engine_settings.storage.data_dir), MMRAG_MODEL=engine_settings.model.name,
                HF_HUB_OFFLINE="1")
     done = subprocess.run([sys.executable, "-m", "mmrag", *args], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=600)
@@ -315,7 +315,7 @@ async def test_a_document_may_ask_for_a_tier_and_its_deletion_takes_the_tiers_en
     from tests.waiting import ingest_finished
 
     store = api_server["app"].state.services.store
-    low = api_server["settings"].tier_table.policy("low")
+    low = api_server["settings"].vision.tier_table.policy("low")
     r = await http.post("/v1/documents", files={"file": ("tiered.png", _png("tiered"), "image/png")},
                         data={"tiers": ["ultra"]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "unknown_tier", r.text

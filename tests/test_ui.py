@@ -428,7 +428,7 @@ async def test_the_cited_pages_show_with_the_cited_figure_outlined_where_its_box
     on_figure, whole = sources
     assert on_figure["src"] == f"v1/pages/{cited[0]['page_id']}/image?figure=7"
     assert CAPTION in on_figure["caption"] and "outlined" in on_figure["alt"]
-    scale = api_server["settings"].pdf_dpi / 72  # the render's pixels per point
+    scale = api_server["settings"].ingestion.pdf_dpi / 72  # the render's pixels per point
     assert (on_figure["width"], on_figure["height"]) == (round(612 * scale), round(792 * scale))  # the whole page
     box = FigureRegion(7, "figure", CAPTION, FIGURE_BOX, "raster").bbox_px(scale, (on_figure["width"],
                                                                                   on_figure["height"]))

@@ -40,9 +40,9 @@ def upgraded(engine_settings, ingested, sample_corpus, tmp_path_factory):
     of another encoder than the configured (session) one, its old entries stay in the store."""
     data = tmp_path_factory.mktemp("upgrade-data")
     copy_corpus(engine_settings, data)
-    settings = engine_settings.model_copy(update={"data_dir": data})
+    settings = engine_settings.replace(**{"data_dir": data})
     before = _pages(settings)
-    ingestor = wiring.ingestor(settings.model_copy(update={"encoder_salt": NEW_SALT}))
+    ingestor = wiring.ingestor(settings.replace(**{"encoder_salt": NEW_SALT}))
     try:
         report = ingestor.run([sample_corpus / UPGRADED_DOC])
     finally:
@@ -50,7 +50,7 @@ def upgraded(engine_settings, ingested, sample_corpus, tmp_path_factory):
     assert not report.failed and report.pages > 0
     model = wiring.resolve_model(settings)
     old = wiring.encoder_scope(settings, model)
-    new = wiring.encoder_scope(settings.model_copy(update={"encoder_salt": NEW_SALT}), model)
+    new = wiring.encoder_scope(settings.replace(**{"encoder_salt": NEW_SALT}), model)
     assert old != new and old.policy == new.policy
     return {"settings": settings, "before": before, "after": _pages(settings), "old": old, "new": new,
             "upgraded_pages": report.pages}
@@ -65,7 +65,8 @@ def _pages(settings):
 
 
 def _env(settings, **extra: str) -> dict[str, str]:
-    return {"MMRAG_DATA_DIR": str(settings.data_dir), "MMRAG_MODEL": settings.model, "MMRAG_ENCODER_SALT": "",
+    return {"MMRAG_DATA_DIR": str(settings.storage.data_dir), "MMRAG_MODEL": settings.model.name,
+            "MMRAG_ENCODER_SALT": "",
             "MMRAG_REDIS_URL": "", **extra}
 
 
@@ -127,7 +128,7 @@ async def test_ask_retrieves_no_page_of_another_encoder_and_feeds_no_stale_key(u
         assert {h.image_key for h in await unscoped.search(question, top_k=10)} & stale
     finally:
         await unscoped.client.close()
-    pipeline, _ = wiring.pipeline(settings.model_copy(update={"answer_max_tokens": 4}), inprocess_engine)
+    pipeline, _ = wiring.pipeline(settings.replace(**{"answer_max_tokens": 4}), inprocess_engine)
     try:
         hits = await pipeline.searcher.search(question, top_k=10)
         assert hits and all(old.covers(h.image_key) for h in hits)
@@ -165,12 +166,12 @@ async def test_an_engine_refuses_stale_tokens_whatever_names_them(upgraded):
     settings, old = upgraded["settings"], upgraded["old"]
     stale = next(p.image_key for p in upgraded["after"] if not old.covers(p.image_key))
     fresh = next(p.image_key for p in upgraded["after"] if old.covers(p.image_key))
-    engine = wiring.engine(settings.model_copy(update={"engine_urls": ["http://127.0.0.1:9"]}),
+    engine = wiring.engine(settings.replace(**{"engine_urls": ["http://127.0.0.1:9"]}),
                            wiring.resolve_model(settings))  # remote: nothing starts until a request
     try:
         recorder = RecordingStore(engine.features.store)
         engine.features.store = recorder
-        assert DiskFeatureStore(settings.features_dir).contains(stale)  # its tokens are there, and refused
+        assert DiskFeatureStore(settings.storage.features_dir).contains(stale)  # its tokens are there, and refused
         with pytest.raises(StaleFeaturesError, match="refusing to feed them: run `mmrag reencode`"):
             await engine.features.load([fresh, stale])
         assert stale not in recorder.read
@@ -182,7 +183,7 @@ async def test_an_engine_refuses_stale_tokens_whatever_names_them(upgraded):
 async def test_serve_warns_at_start_up_and_never_feeds_stale_tokens(upgraded, inprocess_engine, caplog):
     settings, old, n_new = upgraded["settings"], upgraded["old"], upgraded["upgraded_pages"]
     total = len(upgraded["after"])
-    settings = settings.model_copy(update={"answer_max_tokens": 4, "warm_top": -1})
+    settings = settings.replace(**{"answer_max_tokens": 4, "warm_top": -1})
     caplog.set_level(logging.WARNING, logger="retrieval.search")
     with recording(inprocess_engine) as recorder:
         app_ = wiring.create_app(settings, engine=inprocess_engine, store=inprocess_engine.features.store.inner)
@@ -232,9 +233,9 @@ def _gc_cycle(settings, store: FeatureStore, expected: set[ImageKey]) -> None:
 
 
 def test_store_gc_removes_exactly_the_unreferenced_entries_on_disk(upgraded, tmp_path):
-    settings = upgraded["settings"].model_copy(update={"data_dir": tmp_path})
-    shutil.copytree(upgraded["settings"].data_dir, tmp_path, dirs_exist_ok=True)  # the other tests keep theirs
-    store = DiskFeatureStore(settings.features_dir)
+    settings = upgraded["settings"].replace(**{"data_dir": tmp_path})
+    shutil.copytree(upgraded["settings"].storage.data_dir, tmp_path, dirs_exist_ok=True)  # the other tests keep theirs
+    store = DiskFeatureStore(settings.storage.features_dir)
     expected = _expected_garbage(upgraded, set(store.keys()))
     result = runner.invoke(app, ["store", "gc", "--json"], env=_env(settings))
     assert result.exit_code == 0, result.output
@@ -246,9 +247,9 @@ def test_store_gc_removes_exactly_the_unreferenced_entries_on_disk(upgraded, tmp
 
 
 def test_store_gc_removes_exactly_the_unreferenced_entries_in_redis(upgraded, redis_url):
-    settings = upgraded["settings"].model_copy(update={"redis_url": redis_url.rsplit("/", 1)[0] + "/7"})
-    disk = DiskFeatureStore(upgraded["settings"].features_dir)
-    store = RedisFeatureStore(settings.redis_url)  # a database of its own: other tests use /0
+    settings = upgraded["settings"].replace(**{"redis_url": redis_url.rsplit("/", 1)[0] + "/7"})
+    disk = DiskFeatureStore(upgraded["settings"].storage.features_dir)
+    store = RedisFeatureStore(settings.storage.redis_url)  # a database of its own: other tests use /0
     store.client.flushdb()
     for key in disk.keys():
         store.put(key, disk.get(key))
@@ -257,7 +258,7 @@ def test_store_gc_removes_exactly_the_unreferenced_entries_in_redis(upgraded, re
 
 @pytest.mark.parametrize("backend", ["disk", pytest.param("redis", marks=pytest.mark.server)])
 def test_a_store_deletes_one_entry_and_says_how_many_bytes_went(upgraded, backend, tmp_path, request):
-    disk = DiskFeatureStore(upgraded["settings"].features_dir)
+    disk = DiskFeatureStore(upgraded["settings"].storage.features_dir)
     key = upgraded["after"][0].image_key
     value = disk.get(key)
     if backend == "disk":
@@ -277,22 +278,22 @@ def test_a_store_deletes_one_entry_and_says_how_many_bytes_went(upgraded, backen
 
 def test_gc_refuses_to_apply_without_an_index(upgraded, tmp_path):
     """A wrong MMRAG_QDRANT_COLLECTION would make every entry look unreferenced."""
-    settings = upgraded["settings"].model_copy(update={"qdrant_collection": "no_such_collection"})
+    settings = upgraded["settings"].replace(**{"qdrant_collection": "no_such_collection"})
     with pytest.raises(IndexConfigError, match="refusing"):
         store_cmd.gc(settings, dry_run=False)
-    assert set(DiskFeatureStore(settings.features_dir).keys())
+    assert set(DiskFeatureStore(settings.storage.features_dir).keys())
 
 
 def test_an_index_written_before_the_encoder_fields_is_backfilled_by_a_writer(upgraded, tmp_path):
-    settings = upgraded["settings"].model_copy(update={"data_dir": tmp_path})
-    shutil.copytree(upgraded["settings"].data_dir / "qdrant", tmp_path / "qdrant")
+    settings = upgraded["settings"].replace(**{"data_dir": tmp_path})
+    shutil.copytree(upgraded["settings"].storage.data_dir / "qdrant", tmp_path / "qdrant")
     index = wiring.read_index(settings)
     try:
-        index.client.delete_payload(settings.qdrant_collection, keys=[PageField.ENCODER_VERSION.value,
+        index.client.delete_payload(settings.storage.qdrant_collection, keys=[PageField.ENCODER_VERSION.value,
                                     PageField.RESOLUTION_POLICY.value], points=models.Filter(), wait=True)
         with pytest.raises(PayloadError, match="open it once for writing"):
             index.pages()
-        text_dim = index.client.get_collection(settings.qdrant_collection).config.params.vectors["text"].size
+        text_dim = index.client.get_collection(settings.storage.qdrant_collection).config.params.vectors["text"].size
     finally:
         index.client.close()
     writer = wiring.page_index(settings, text_dim)  # what `mmrag ingest` opens

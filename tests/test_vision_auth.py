@@ -73,7 +73,7 @@ async def test_the_right_key_is_served_and_the_client_sends_it_end_to_end(guarde
             assert (await client.get("/v1/info", headers={"Authorization": f"{scheme} {KEY}"})).status_code == 200
 
     def through_the_client() -> tuple[int, int, str]:
-        client = RemoteVisionEncoder(url, api_key=guarded["settings"].vision_api_key)
+        client = RemoteVisionEncoder(url, api_key=guarded["settings"].vision.api_key)
         try:
             (encoded,) = client.view().encode([image])  # a view keeps the key
             return encoded.num_tokens, client.num_tokens_for(image), service_info(url, api_key=KEY).version

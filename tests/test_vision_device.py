@@ -67,7 +67,7 @@ def test_the_encoder_runs_where_and_in_the_dtype_the_settings_say(settings):
     default = wiring.vision_encoder(settings, model)
     assert {(p.device.type, p.dtype) for p in default.tower.parameters()} == {("cpu", torch.float32)}
 
-    bf16_settings = settings.model_copy(update={"vision_device": "cpu", "vision_dtype": "bfloat16"})
+    bf16_settings = settings.replace(**{"vision_device": "cpu", "vision_dtype": "bfloat16"})
     bf16 = wiring.vision_encoder(bf16_settings, model)
     assert {(p.device.type, p.dtype) for p in bf16.tower.parameters()} == {("cpu", torch.bfloat16)}
     (tokens,) = bf16.encode(noise_images()[:1])

@@ -95,7 +95,7 @@ async def test_a_pooled_services_info_keeps_pool_so_the_client_mints_the_service
     """A pooled key differs from the unpooled one (-pool2): a client that dropped ``pool`` would key pages under a
     policy the service never encodes, and find none of its tokens."""
     settings = local_settings(tiny_model, tmp_path)
-    pooled = ResolutionPolicy(settings.min_pixels, settings.max_pixels, pool=2)
+    pooled = ResolutionPolicy(settings.vision.min_pixels, settings.vision.max_pixels, pool=2)
     encoder = VisionEncoder(tiny_model, pooled)
     monkeypatch.setattr(wiring.vision, "local_vision_encoder", lambda _settings, _model: encoder)
     async with serving(wiring.vision_app(settings)) as url:
@@ -115,7 +115,7 @@ def test_with_the_service_down_at_start_up_the_scope_is_computed_here_with_a_war
     model = wiring.resolve_model(down)
     with caplog.at_level("WARNING", logger="mmrag.wiring"):
         scope = wiring.encoder_scope(down, model)
-    assert scope == wiring.encoder_scope(down.model_copy(update={"vision_url": ""}), model)
+    assert scope == wiring.encoder_scope(down.replace(**{"vision_url": ""}), model)
     assert "unreachable" in caplog.text and "MMRAG_VISION_DEVICE=" in caplog.text
 
 

@@ -94,7 +94,7 @@ def page_key(settings, doc: str, page: int) -> ImageKey:
 async def test_mmrag_warm_fills_the_running_replica_and_later_questions_hit(remote, vllm_server, engine_settings):
     warmed = page_key(engine_settings, "page_cache_paper.pdf", 3)
     control = page_key(engine_settings, "page_cache_paper.pdf", 4)
-    env = dict(os.environ, MMRAG_DATA_DIR=str(engine_settings.data_dir), MMRAG_MODEL=engine_settings.model,
+    env = dict(os.environ, MMRAG_DATA_DIR=str(engine_settings.storage.data_dir), MMRAG_MODEL=engine_settings.model.name,
                MMRAG_ENGINE_URLS=vllm_server, HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "mmrag", "warm", "--pages", "page_cache_paper.pdf:3", "--json"],
                             env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -118,7 +118,7 @@ async def test_ingest_warm_and_ask_with_a_tenant_land_in_its_salt_and_collection
     slide = sorted(sample_corpus.glob("*.png"))[-1]
     data = tmp_path / "data"
     # OCR on: the slide has no text layer, and with the image channel off a page without text is never retrieved.
-    env = dict(os.environ, MMRAG_DATA_DIR=str(data), MMRAG_MODEL=engine_settings.model,
+    env = dict(os.environ, MMRAG_DATA_DIR=str(data), MMRAG_MODEL=engine_settings.model.name,
                MMRAG_ENGINE_URLS=vllm_server, MMRAG_OCR="true", HF_HUB_OFFLINE="1")
 
     def cli(*args: str) -> dict:  # the commands under test, as a user runs them, each printing JSON
@@ -140,7 +140,7 @@ async def test_ingest_warm_and_ask_with_a_tenant_land_in_its_salt_and_collection
         return json.loads(result.stdout)["pages"]
 
     remote = RemoteEngine([vllm_server], resolve_model(engine_settings),
-                          FeatureProvider.unscoped(feature_store(engine_settings.model_copy(update={"data_dir": data}))))
+                          FeatureProvider.unscoped(feature_store(engine_settings.replace(**{"data_dir": data}))))
     sampling = SamplingSpec(max_tokens=4)
 
     async def cached(key: ImageKey, salt: str) -> int:

@@ -43,16 +43,16 @@ def test_the_decomposer_and_searcher_defaults_are_the_settings_defaults(defaults
     from retrieval.search import PageSearcher
 
     decomposer = inspect.signature(Decomposer).parameters
-    assert decomposer["max_n"].default == defaults.max_sub_questions
-    assert decomposer["max_question_chars"].default == defaults.max_question_chars
-    assert decomposer["max_tokens"].default == defaults.decompose_max_tokens
+    assert decomposer["max_n"].default == defaults.answer.max_sub_questions
+    assert decomposer["max_question_chars"].default == defaults.answer.max_question_chars
+    assert decomposer["max_tokens"].default == defaults.answer.decompose_max_tokens
     assert decomposer["fixed_tokens"].default == DevelopmentKnobs().decompose_fixed_tokens
-    assert inspect.signature(check_question).parameters["limit"].default == defaults.max_question_chars
-    assert inspect.signature(PageSearcher).parameters["top_k"].default == defaults.top_k
+    assert inspect.signature(check_question).parameters["limit"].default == defaults.answer.max_question_chars
+    assert inspect.signature(PageSearcher).parameters["top_k"].default == defaults.retrieval.top_k
 
 
 def test_the_engine_config_carries_every_engine_setting(defaults):
-    custom = defaults.model_copy(update={
+    custom = defaults.replace(**{
         "kv_block_size": 64, "kv_cache_gib": 3, "max_model_len": 1024, "max_images_per_prompt": 2,
         "enforce_eager": True, "engine_dtype": "float32", "max_num_seqs": 7,
     })
@@ -147,9 +147,9 @@ def test_a_pages_tokens_do_not_depend_on_the_thread_count(tiny_model, isa):
 
 
 def test_the_feature_store_is_where_the_settings_say(defaults, tmp_path, redis_url):
-    disk = wiring.feature_store(defaults.model_copy(update={"data_dir": tmp_path}))
+    disk = wiring.feature_store(defaults.replace(**{"data_dir": tmp_path}))
     assert disk.backend == "disk" and str(tmp_path / "features") in str(disk.root)
-    redis = wiring.feature_store(defaults.model_copy(update={"redis_url": redis_url}))
+    redis = wiring.feature_store(defaults.replace(**{"redis_url": redis_url}))
     assert redis.backend == "redis"
 
 
@@ -160,7 +160,7 @@ def test_the_decomposer_asks_the_model_unless_its_weights_are_random(defaults, s
     from types import SimpleNamespace
 
     engine = SimpleNamespace(random_weights=random_weights)  # the one attribute the choice reads
-    decomposer = wiring.decomposer(defaults.model_copy(update={"decomposer": setting}), engine)
+    decomposer = wiring.decomposer(defaults.replace(**{"decomposer": setting}), engine)
     assert (decomposer.model is not None) is asks_model
 
 
@@ -168,24 +168,27 @@ def test_the_answer_modes_are_one_list_in_settings_the_api_and_the_cli():
     from typing import get_args
 
     from mmrag.cli import ANSWER_MODES
-    from mmrag.core.settings import DEPRECATED_ANSWER_MODES
+    from mmrag.core.settings import DEPRECATED_ANSWER_MODES, AnswerSection
     from rag.plans import AnswerMode
     from serving.api.schemas import AnswerModeName
 
     names = tuple(m.value for m in AnswerMode) + tuple(DEPRECATED_ANSWER_MODES)  # the old names, one release
-    assert get_args(Settings.model_fields["answer_mode"].annotation) == names == ANSWER_MODES
+    assert get_args(AnswerSection.model_fields["mode"].annotation) == names == ANSWER_MODES
     assert get_args(AnswerModeName) == names
 
 
 def test_component_defaults_are_declared_once_in_the_settings():
-    """SchedulerConfig, PipelineConfig, the Decomposer and the searcher take their defaults from Settings
-    (mmrag/core/settings.default_of), not from numbers of their own that a test would have to keep in step."""
+    """SchedulerConfig, PipelineConfig, the Decomposer, the searcher, the ingest jobs and the Ray config take their
+    defaults from Settings (mmrag/core/settings.default_of), not from numbers of their own that a test would have
+    to keep in step."""
     import ast
     import inspect
 
     import rag.decompose
     import rag.pipeline
     import retrieval.search
+    import serving.ingest_jobs
+    import serving.ray.app
     import serving.scheduler
 
     def literal_defaults(module, cls: str) -> set[str]:
@@ -200,6 +203,8 @@ def test_component_defaults_are_declared_once_in_the_settings():
     assert literal_defaults(serving.scheduler, "SchedulerConfig") == set()
     assert literal_defaults(rag.pipeline, "PipelineConfig") == set()
     assert literal_defaults(retrieval.search, "PageSearcher") == set()
+    assert literal_defaults(serving.ingest_jobs, "IngestJobs") == set()
+    assert literal_defaults(serving.ray.app, "RayServeConfig") == set()
     # Not settings: the model decomposer's answer cap, the salt and the memory the wiring passes.
     assert literal_defaults(rag.decompose, "Decomposer") == {"max_len", "cache_salt", "remember"}
 
@@ -209,10 +214,10 @@ def test_the_documents_section_is_the_settings_own_values_and_defaults():
     setting of the same name, with its value and, built alone (a test, a tool), its default."""
     import dataclasses
 
-    from mmrag.core.settings import DocumentSettings, default_of
+    from mmrag.core.settings import DocumentSettings, default_of, flat_names
 
     names = [f.name for f in dataclasses.fields(DocumentSettings)]
-    assert set(names) <= set(Settings.model_fields)
+    assert set(names) <= set(flat_names())
     assert DocumentSettings() == DocumentSettings(**{n: default_of(n) for n in names})
     given = Settings(pdf_dpi=150, ocr=False, ocr_lang="deu", figures=False, max_image_pixels=1234,
                      max_image_bytes=5678, max_pdf_pages=9).documents
@@ -228,19 +233,21 @@ def test_the_rest_and_vision_services_sections_are_the_settings_own_values_and_d
     import dataclasses
 
     from mmrag.core.keys import ResolutionPolicy
-    from mmrag.core.settings import ApiSettings, ServedFolders, VisionServiceSettings, default_of
+    from mmrag.core.settings import (SECTIONS, ApiSettings, ServedFolders, VisionServiceSettings, default_of,
+                                     flat_names)
 
     own = [f.name for f in dataclasses.fields(ApiSettings) if f.name not in ("documents", "tiers", "folders")]
-    assert set(own) <= set(Settings.model_fields) | {"page_image_channel"}
-    defaults = Settings.model_construct()  # every field at its declared default, no environment read
+    assert set(own) <= set(flat_names()) | {"page_image_channel"}
+    # every field at its declared default, no environment read
+    defaults = Settings.model_construct(**{name: section.model_construct() for name, section in SECTIONS.items()})
     assert ApiSettings() == dataclasses.replace(
-        defaults.api, page_image_channel=False, folders=ServedFolders(),
+        defaults.api_service, page_image_channel=False, folders=ServedFolders(),
         tiers=ApiSettings().tiers)  # tiers: standard's policy only, as Settings declares it
     assert ApiSettings().tiers.policy("standard") == ResolutionPolicy(default_of("min_pixels"),
                                                                       default_of("max_pixels"))
     api = Settings(data_dir=tmp_path, max_upload_bytes=123, max_question_images=2, warm_top=0, api_key="sekrit",
                    http_body_timeout_s=7.5, figure_crops=False, pdf_dpi=150,
-                   tiers={"low": ResolutionPolicy(3136, 50176)}).api
+                   tiers={"low": ResolutionPolicy(3136, 50176)}).api_service
     assert (api.max_upload_bytes, api.max_question_images, api.warm_top, api.api_key) == (123, 2, 0, "sekrit")
     assert (api.http_body_timeout_s, api.figure_crops, api.documents.pdf_dpi) == (7.5, False, 150)
     assert api.tiers.policy("low") == ResolutionPolicy(3136, 50176) and api.folders.data_dir == tmp_path
@@ -262,7 +269,7 @@ def test_a_tenants_collection_reaches_the_builders_as_an_argument_not_as_a_patch
 
     settings = Settings(data_dir=tmp_path, qdrant_url="", qdrant_collection="pages")
     same, scope = wiring.for_tenant("acme", settings)
-    assert same is settings and settings.qdrant_collection == "pages" and not hasattr(Settings, "scoped")
+    assert same is settings and settings.storage.qdrant_collection == "pages" and not hasattr(Settings, "scoped")
     assert scope.collection == "pages--acme" and wiring.for_tenant("default", settings)[1].collection == "pages"
     index = wiring.page_index(settings, 8, collection=scope.collection)
     try:

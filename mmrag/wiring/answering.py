@@ -36,27 +36,27 @@ def engine_config(settings: Settings) -> EngineConfig:
     from serving.engine.config import EngineConfig, resolve_dtype
 
     return EngineConfig(
-        block_size=settings.kv_block_size or None,
-        kv_cache_gib=settings.kv_cache_gib,
-        max_model_len=settings.max_model_len,
-        max_images_per_prompt=settings.max_images_per_prompt,
-        enforce_eager=settings.enforce_eager,
-        dtype=resolve_dtype(settings.engine_dtype),
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_batched_tokens or None,
-        image_input=ImageInput(settings.image_input),
-        image_pixels=(settings.min_pixels, settings.max_pixels),
+        block_size=settings.engine.kv_block_size or None,
+        kv_cache_gib=settings.engine.kv_cache_gib,
+        max_model_len=settings.engine.max_model_len,
+        max_images_per_prompt=settings.engine.max_images_per_prompt,
+        enforce_eager=settings.engine.enforce_eager,
+        dtype=resolve_dtype(settings.engine.dtype),
+        max_num_seqs=settings.engine.max_num_seqs,
+        max_num_batched_tokens=settings.engine.max_batched_tokens or None,
+        image_input=ImageInput(settings.engine.image_input),
+        image_pixels=(settings.vision.min_pixels, settings.vision.max_pixels),
     )
 
 
 def require_engine_urls(settings: Settings) -> list[str]:
     """The remote replicas; commands that must act on a running engine (warm-up) stop here without them."""
-    if not settings.engine_urls:
+    if not settings.engine.urls:
         raise EngineNotConfiguredError(
             "no running engine to talk to: start one with `mmrag engine serve` and set MMRAG_ENGINE_URLS="
             "http://127.0.0.1:8100 (comma-separate several replicas)"
         )
-    return settings.engine_urls
+    return settings.engine.urls
 
 
 def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = None, *,
@@ -64,19 +64,19 @@ def engine(settings: Settings, model: ModelSource, store: FeatureStore | None = 
     """Remote `vllm serve` replicas when MMRAG_ENGINE_URLS is set, else vLLM in this process. It reads image
     tokens of ``encoder`` only (default: the configured model's), refusing stale ones whatever names them."""
     encoder = encoder or encoder_scope(settings, model)
-    if settings.engine_urls:
+    if settings.engine.urls:
         from serving.engine.features import FeatureProvider
         from serving.engine.remote import RemoteEngine
 
-        features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.tier_table)
+        features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.vision.tier_table)
 
         # Refuses a replica that serves another checkpoint (a fine-tune under the same name), at start-up.
-        return RemoteEngine.connect(settings.engine_urls, model, features, timeout_s=settings.engine_timeout_s,
-                                    queue_bound=settings.ray_affinity_queue_bound,
-                                    image_input=ImageInput(settings.image_input),
-                                    image_pixels=(settings.min_pixels, settings.max_pixels),
-                                    max_num_seqs=settings.max_num_seqs,
-                                    kv_events=dict(zip(settings.engine_urls, settings.kv_events_endpoints)))
+        return RemoteEngine.connect(settings.engine.urls, model, features, timeout_s=settings.engine.timeout_s,
+                                    queue_bound=settings.ray.affinity_queue_bound,
+                                    image_input=ImageInput(settings.engine.image_input),
+                                    image_pixels=(settings.vision.min_pixels, settings.vision.max_pixels),
+                                    max_num_seqs=settings.engine.max_num_seqs,
+                                    kv_events=dict(zip(settings.engine.urls, settings.engine.kv_events_endpoints)))
     if not allow_inprocess:
         require_engine_urls(settings)
     return inprocess_engine(settings, model, store, encoder=encoder)
@@ -90,7 +90,7 @@ def inprocess_engine(settings: Settings, model: ModelSource, store: FeatureStore
     from serving.engine.inprocess import InProcessEngine
 
     encoder = encoder or encoder_scope(settings, model)
-    features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.tier_table)
+    features = FeatureProvider.scoped(store or feature_store(settings), encoder, settings.vision.tier_table)
     config = engine_config(settings)
     if kv_events:
         config = dataclasses.replace(config, kv_events=kv_events)  # where this replica publishes (Ray)
@@ -101,13 +101,13 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
     from serving.scheduler import Policy, SchedulerConfig
 
     return SchedulerConfig(
-        policy=Policy(settings.scheduler_policy),
-        max_concurrency=settings.max_concurrency,
-        max_image_tokens_in_flight=settings.max_image_tokens_in_flight,
-        max_wait_ms=settings.max_wait_ms,
-        queue_cap=settings.queue_cap,
-        short_image_tokens=settings.scheduler_short_image_tokens,
-        short_reserved=settings.scheduler_short_reserved,
+        policy=Policy(settings.scheduler.policy),
+        max_concurrency=settings.scheduler.max_concurrency,
+        max_image_tokens_in_flight=settings.scheduler.max_image_tokens_in_flight,
+        max_wait_ms=settings.scheduler.max_wait_ms,
+        queue_cap=settings.scheduler.queue_cap,
+        short_image_tokens=settings.scheduler.short_image_tokens,
+        short_reserved=settings.scheduler.short_reserved,
     )
 
 
@@ -116,12 +116,12 @@ def pipeline_config(settings: Settings, knobs: DevelopmentKnobs | None = None) -
     from rag.plans import AnswerMode
 
     knobs = knobs or development_knobs(settings)
-    return PipelineConfig(top_k=settings.top_k, max_tokens=settings.answer_max_tokens,
-                          max_images_per_prompt=settings.max_images_per_prompt,
-                          answer_mode=AnswerMode(settings.answer_mode),
-                          sub_answer_max_tokens=settings.sub_answer_max_tokens,
-                          max_model_len=settings.max_model_len, fixed_length=knobs.answer_fixed_length,
-                          one_prompt_pages=settings.one_prompt_pages, figure_crops=settings.figure_crops)
+    return PipelineConfig(top_k=settings.retrieval.top_k, max_tokens=settings.answer.max_tokens,
+                          max_images_per_prompt=settings.engine.max_images_per_prompt,
+                          answer_mode=AnswerMode(settings.answer.mode),
+                          sub_answer_max_tokens=settings.answer.sub_answer_max_tokens,
+                          max_model_len=settings.engine.max_model_len, fixed_length=knobs.answer_fixed_length,
+                          one_prompt_pages=settings.answer.one_prompt_pages, figure_crops=settings.answer.figure_crops)
 
 
 def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = None,
@@ -132,12 +132,13 @@ def decomposer(settings: Settings, engine: Engine, scope: TenantScope | None = N
     from rag.decompose import Decomposer
 
     knobs = knobs or development_knobs(settings)
-    ask_model = settings.decomposer == "model" or (settings.decomposer == "auto" and not engine.random_weights)
-    return Decomposer(engine if ask_model else None, max_n=settings.max_sub_questions,
-                      max_question_chars=settings.max_question_chars, max_tokens=settings.decompose_max_tokens,
+    answer = settings.answer
+    ask_model = answer.decomposer == "model" or (answer.decomposer == "auto" and not engine.random_weights)
+    return Decomposer(engine if ask_model else None, max_n=answer.max_sub_questions,
+                      max_question_chars=answer.max_question_chars, max_tokens=answer.decompose_max_tokens,
                       fixed_tokens=knobs.decompose_fixed_tokens,
                       cache_salt=(scope or tenant_scope(settings)).cache_salt,
-                      remember=settings.answer_cache_max_per_tenant if settings.answer_cache else 0)
+                      remember=settings.answer.cache_max_per_tenant if settings.answer.cache else 0)
 
 
 def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = None, client=None,
@@ -162,7 +163,7 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
     counts = ImageTokenCounts()
     scheduler = Scheduler(engine, scheduler_config(settings), image_tokens=counts.of_plan)
     store = store or feature_store(settings)
-    tiers = PageTiers(settings.tier_table, settings.documents, store,
+    tiers = PageTiers(settings.vision.tier_table, settings.documents, store,
                       tier_encoder(settings, tower or vision_tower(settings, model)))
     pipe = scoped_pipeline(settings, scope, engine, submit=scheduler.submit, counts=counts, tiers=tiers,
                            search=searcher(settings, collection=scope.collection, client=client, encoder=encoder),
@@ -173,13 +174,13 @@ def pipeline(settings: Settings, engine: Engine, *, scope: TenantScope | None = 
 def answer_cache(settings: Settings, metrics: Metrics | None = None) -> AnswerCache | None:
     """MMRAG_ANSWER_CACHE: one cache for the process (the tenant is in every key), in Redis when MMRAG_REDIS_URL
     is set, else under data_dir/answers; its lookups counted in ``metrics``. None when it is off."""
-    if not settings.answer_cache:
+    if not settings.answer.cache:
         return None
     from mmrag.adapters.answer_store import open_answer_store
     from rag.answer_cache import AnswerCache
 
-    store = open_answer_store(redis_url=settings.redis_url, folder=settings.data_dir / "answers")
-    return AnswerCache(store, max_per_tenant=settings.answer_cache_max_per_tenant,
+    store = open_answer_store(redis_url=settings.storage.redis_url, folder=settings.storage.data_dir / "answers")
+    return AnswerCache(store, max_per_tenant=settings.answer.cache_max_per_tenant,
                        on_lookup=metrics.record_answer_cache if metrics is not None else None)
 
 
@@ -196,14 +197,14 @@ def answer_prompt_version(settings: Settings, knobs: DevelopmentKnobs | None = N
     knobs = knobs or development_knobs(settings)
     templates = hashlib.sha256(inspect.getsource(plans).encode()).hexdigest()
     return prompt_version(*(f"{name}={text}" for name, text in sorted(SYSTEM_PROMPTS.items())),
-                          f"templates={templates}", f"decomposer={settings.decomposer}",
-                          f"max_sub_questions={settings.max_sub_questions}",
-                          f"sub_answer_max_tokens={settings.sub_answer_max_tokens}",
-                          f"one_prompt_pages={settings.one_prompt_pages}", f"top_k={settings.top_k}",
-                          f"figure_crops={settings.figure_crops}",
+                          f"templates={templates}", f"decomposer={settings.answer.decomposer}",
+                          f"max_sub_questions={settings.answer.max_sub_questions}",
+                          f"sub_answer_max_tokens={settings.answer.sub_answer_max_tokens}",
+                          f"one_prompt_pages={settings.answer.one_prompt_pages}", f"top_k={settings.retrieval.top_k}",
+                          f"figure_crops={settings.answer.figure_crops}",
                           f"answer_fixed_length={knobs.answer_fixed_length}",
                           f"decompose_fixed_tokens={knobs.decompose_fixed_tokens}",
-                          f"image_input={settings.image_input}")
+                          f"image_input={settings.engine.image_input}")
 
 
 def answer_lease(store: FeatureStore) -> Callable[[], KeyLease]:

@@ -50,7 +50,7 @@ def development_knobs(settings: Settings) -> DevelopmentKnobs:
     """The benchmark and test knobs (mmrag/core/settings.DevelopmentKnobs) from their variables: read in the
     development profile; in production their defaults, and a start with one set is refused, naming it."""
     knobs = DevelopmentKnobs()
-    if settings.profile == "production" and (given := sorted(knobs.model_fields_set)):
+    if settings.model.profile == "production" and (given := sorted(knobs.model_fields_set)):
         raise DevelopmentKnobError(
             f"{', '.join('MMRAG_' + n.upper() for n in given)}: benchmark and test knobs, refused in the "
             "production profile; unset them, or set MMRAG_PROFILE=development for a benchmark")
@@ -63,8 +63,8 @@ def development_knobs(settings: Settings) -> DevelopmentKnobs:
 def resolve_model(settings: Settings) -> ModelSource:
     """MMRAG_MODEL, or (when empty, in the development profile only) the tiny random-weight test model, built
     offline under the data dir. Empty in production: ModelNotConfiguredError, naming the fix."""
-    if settings.model:
-        return configured_model(settings.model)
+    if settings.model.name:
+        return configured_model(settings.model.name)
     path = development_model_dir(settings)
     if path is None:
         raise ModelNotConfiguredError(
@@ -82,32 +82,33 @@ def development_model_dir(settings: Settings) -> Path | None:
     """Where the tiny model that stands in for an empty MMRAG_MODEL lives (the development profile), or None: the
     model is configured, or the production profile refuses to start without one. What resolve_model serves, and
     what `mmrag config show` reports as filled by the profile, without building anything."""
-    return settings.tiny_model_dir if not settings.model and settings.profile == "development" else None
+    development = not settings.model.name and settings.model.profile == "development"
+    return settings.storage.tiny_model_dir if development else None
 
 
 def feature_store(settings: Settings) -> FeatureStore:
     """Redis when MMRAG_REDIS_URL is set, local disk under the data dir otherwise."""
     from mmrag.adapters.store import DiskFeatureStore, RedisFeatureStore
 
-    if settings.redis_url:
-        return RedisFeatureStore(settings.redis_url)
-    return DiskFeatureStore(settings.features_dir)
+    if settings.storage.redis_url:
+        return RedisFeatureStore(settings.storage.redis_url)
+    return DiskFeatureStore(settings.storage.features_dir)
 
 
 def vision_placement(settings: Settings, *, require_device: bool = True):
     """MMRAG_VISION_DEVICE / MMRAG_VISION_DTYPE resolved for this host (mmrag/adapters/hardware.py)."""
     from mmrag.adapters.hardware import vision_placement as resolve
 
-    return resolve(settings.vision_device, settings.vision_dtype, require_device=require_device)
+    return resolve(settings.vision.device, settings.vision.dtype, require_device=require_device)
 
 
 def vision_encoder(settings: Settings, model: ModelSource) -> VisionEncoder | RemoteVisionEncoder:
     """The vision service at MMRAG_VISION_URL when set (`mmrag vision serve`: same interface, same keys),
     else the tower in this process on MMRAG_VISION_DEVICE."""
-    if settings.vision_url:
+    if settings.vision.url:
         from mmrag.adapters.vision_client import RemoteVisionEncoder
 
-        return RemoteVisionEncoder(settings.vision_url, api_key=settings.vision_api_key)
+        return RemoteVisionEncoder(settings.vision.url, api_key=settings.vision.api_key)
     return local_vision_encoder(settings, model)
 
 
@@ -119,10 +120,10 @@ def local_vision_encoder(settings: Settings, model: ModelSource) -> VisionEncode
     from mmrag.adapters.vision import VisionEncoder
 
     placement = vision_placement(settings)
-    pixels = settings.image_input == ImageInput.PIXELS.value
-    return VisionEncoder(model.path, settings.resolution_policy, salt=settings.encoder_salt,
+    pixels = settings.engine.image_input == ImageInput.PIXELS.value
+    return VisionEncoder(model.path, settings.vision.resolution_policy, salt=settings.vision.encoder_salt,
                          dtype=getattr(torch, placement.dtype), device=placement.device, keep_pixels=pixels,
-                         tokens=settings.ingest_image_tokens)
+                         tokens=settings.ingestion.image_tokens)
 
 
 _scopes: dict[tuple[str, str, bool], EncoderScope] = {}
@@ -145,22 +146,22 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
     if cache_key in _scopes:
         return _scopes[cache_key]
     info = None
-    if settings.vision_url and not before_preprocessing:
+    if settings.vision.url and not before_preprocessing:
         from mmrag.adapters.vision_client import VisionServiceError, service_info
 
         try:
-            info = service_info(settings.vision_url, api_key=settings.vision_api_key)
+            info = service_info(settings.vision.url, api_key=settings.vision.api_key)
         except VisionServiceError as exc:
             # Questions without images must still be answered: serve the scope this host's settings give (the
             # same as the service's when both hosts set MMRAG_VISION_DEVICE and MMRAG_VISION_DTYPE alike).
             log.warning("%s; serving the encoder version computed here from MMRAG_VISION_DEVICE=%s and "
-                        "MMRAG_VISION_DTYPE=%s, which must be the service's", exc, settings.vision_device,
-                        settings.vision_dtype)
+                        "MMRAG_VISION_DTYPE=%s, which must be the service's", exc, settings.vision.device,
+                        settings.vision.dtype)
     if info is not None:
-        if info.policy != settings.resolution_policy:
+        if info.policy != settings.vision.resolution_policy:
             log.warning("the vision service at %s encodes under %s, not MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS (%s) of "
-                        "this host: its policy is the one served", settings.vision_url, info.policy,
-                        settings.resolution_policy)
+                        "this host: its policy is the one served", settings.vision.url, info.policy,
+                        settings.vision.resolution_policy)
         _scopes[cache_key] = EncoderScope(info.version, info.policy)
     else:
         import torch
@@ -170,11 +171,11 @@ def encoder_scope(settings: Settings, model: ModelSource, *, before_preprocessin
         placement = vision_placement(settings, require_device=False)
         # One read and hash of the tower gives both versions (`mmrag index check` asks for both): keep both, but
         # today's only where it is the one served, not where a vision service that was not asked yet reports it.
-        current, before = encoder_versions_of(model.path, salt=settings.encoder_salt,
+        current, before = encoder_versions_of(model.path, salt=settings.vision.encoder_salt,
                                               dtype=getattr(torch, placement.dtype), device_kind=placement.kind)
-        _scopes[(*cache_key[:2], True)] = EncoderScope(before, settings.resolution_policy)
-        if not (settings.vision_url and before_preprocessing):
-            _scopes[(*cache_key[:2], False)] = EncoderScope(current, settings.resolution_policy)
+        _scopes[(*cache_key[:2], True)] = EncoderScope(before, settings.vision.resolution_policy)
+        if not (settings.vision.url and before_preprocessing):
+            _scopes[(*cache_key[:2], False)] = EncoderScope(current, settings.vision.resolution_policy)
     return _scopes[cache_key]
 
 
@@ -189,7 +190,7 @@ def model_family(model: ModelSource) -> str:
 def text_embedder(settings: Settings) -> TextEmbedder:
     from mmrag.adapters.embed import TextEmbedder
 
-    return TextEmbedder(settings.text_embedder, batch_size=settings.embed_batch_size)
+    return TextEmbedder(settings.retrieval.text_embedder, batch_size=settings.ingestion.embed_batch_size)
 
 
 def image_embedder(settings: Settings) -> ImageEmbedder | None:
@@ -198,7 +199,8 @@ def image_embedder(settings: Settings) -> ImageEmbedder | None:
         return None
     from mmrag.adapters.embed import ImageEmbedder
 
-    return ImageEmbedder(settings.clip_model, settings.clip_weights, batch_size=settings.embed_batch_size)
+    return ImageEmbedder(settings.retrieval.clip_model, settings.retrieval.clip_weights,
+                         batch_size=settings.ingestion.embed_batch_size)
 
 
 _LATE: dict[str, LateInteractionRetriever] = {}
@@ -207,21 +209,21 @@ _LATE: dict[str, LateInteractionRetriever] = {}
 def late_retriever(settings: Settings) -> LateInteractionRetriever | None:
     """The late-interaction page-image retriever (MMRAG_PAGE_RETRIEVER names its folder), or None. One per folder
     per process: the CLI, the server and its tenants share the loaded model."""
-    folder = settings.late_retriever
+    folder = settings.retrieval.late_retriever
     if folder is None:
         return None
     from mmrag.adapters.late import LateInteractionRetriever
 
     key = str(folder.resolve())
     if key not in _LATE:
-        _LATE[key] = LateInteractionRetriever(folder, batch_size=settings.embed_batch_size)
+        _LATE[key] = LateInteractionRetriever(folder, batch_size=settings.ingestion.embed_batch_size)
     return _LATE[key]
 
 
 def fusion(settings: Settings):
     from retrieval.search import Fusion
 
-    return Fusion(settings.fusion, settings.fusion_weight_table)
+    return Fusion(settings.retrieval.fusion, settings.retrieval.fusion_weight_table)
 
 
 # --- the index -------------------------------------------------------------------------------------------
@@ -235,9 +237,9 @@ def page_index(settings: Settings, text_dim: int, *, collection: str | None = No
     from mmrag.adapters.embed import clip_embed_dim
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
-    index = PageIndex(client or open_qdrant(settings.qdrant_url, settings.qdrant_path),
-                      collection or settings.qdrant_collection, text_dim=text_dim,
-                      image_dim=clip_embed_dim(settings.clip_model), late_dim=late_dim)
+    index = PageIndex(client or open_qdrant(settings.storage.qdrant_url, settings.storage.qdrant_path),
+                      collection or settings.storage.qdrant_collection, text_dim=text_dim,
+                      image_dim=clip_embed_dim(settings.retrieval.clip_model), late_dim=late_dim)
     index.ensure_collection()
     return index
 
@@ -247,7 +249,8 @@ def read_index(settings: Settings, *, collection: str | None = None) -> PageInde
     page_index's."""
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
 
-    return PageIndex(open_qdrant(settings.qdrant_url, settings.qdrant_path), collection or settings.qdrant_collection,
+    storage = settings.storage
+    return PageIndex(open_qdrant(storage.qdrant_url, storage.qdrant_path), collection or storage.qdrant_collection,
                      text_dim=0, image_dim=0)
 
 
@@ -267,13 +270,13 @@ def ingestor(settings: Settings, *, collection: str | None = None, model: ModelS
         image = image_embedder(settings)
     encoder = encoder or vision_encoder(settings, model)
     late = late_retriever(settings)
-    policies = settings.extra_tier_policies([*settings.ingest_tiers, *tiers])
-    if policies and settings.vision_url:
+    policies = settings.vision.extra_tier_policies([*settings.ingestion.tiers, *tiers])
+    if policies and settings.vision.url:
         raise ValueError("MMRAG_INGEST_TIERS beyond standard needs the vision tower in this process: the vision "
                          "service (MMRAG_VISION_URL) encodes its one policy; unset one of them")
     return Ingestor(
         settings.documents,
-        vision_batch_size=settings.vision_batch_size,
+        vision_batch_size=settings.ingestion.vision_batch_size,
         encoder=encoder,
         store=store or feature_store(settings),
         index=index or page_index(settings, text.dim, collection=collection, late_dim=late.dim if late else 0),
@@ -281,7 +284,7 @@ def ingestor(settings: Settings, *, collection: str | None = None, model: ModelS
         image_embedder=image,
         tier_encoders=[encoder.with_policy(p) for p in policies],
         late=late,
-        late_pool_factor=settings.page_pool_factor,
+        late_pool_factor=settings.retrieval.page_pool_factor,
     )
 
 
@@ -290,8 +293,9 @@ def reencoder(settings: Settings, *, encoder: VisionEncoder, store: FeatureStore
     documents, tiers, batch size and image input."""
     from ingestion.reencode import Reencoder
 
-    return Reencoder(settings.documents, tiers=settings.tier_table, pixels=settings.image_input == "pixels",
-                     vision_batch_size=settings.vision_batch_size, encoder=encoder, store=store, index=index)
+    return Reencoder(settings.documents, tiers=settings.vision.tier_table,
+                     pixels=settings.engine.image_input == "pixels",
+                     vision_batch_size=settings.ingestion.vision_batch_size, encoder=encoder, store=store, index=index)
 
 
 def searcher(settings: Settings, *, collection: str | None = None, client=None, encoder: EncoderScope | None = None,
@@ -302,11 +306,12 @@ def searcher(settings: Settings, *, collection: str | None = None, client=None, 
     from mmrag.adapters.qdrant import open_async_qdrant
     from retrieval.search import PageSearcher
 
-    return PageSearcher(client or open_async_qdrant(settings.qdrant_url, settings.qdrant_path),
-                        collection or settings.qdrant_collection, text or text_embedder(settings),
+    return PageSearcher(client or open_async_qdrant(settings.storage.qdrant_url, settings.storage.qdrant_path),
+                        collection or settings.storage.qdrant_collection, text or text_embedder(settings),
                         image if image is not None else image_embedder(settings), late=late_retriever(settings),
-                        fusion=fusion(settings), top_k=settings.top_k, candidate_k=settings.candidate_k,
-                        page_prefetch=settings.page_prefetch, encoder=encoder)
+                        fusion=fusion(settings), top_k=settings.retrieval.top_k,
+                        candidate_k=settings.retrieval.candidate_k,
+                        page_prefetch=settings.retrieval.page_prefetch, encoder=encoder)
 
 
 # The vision tower of a process, built on its first use (a server whose work never needs one loads none).
@@ -323,6 +328,6 @@ def vision_tower(settings: Settings, model: ModelSource) -> Tower:
 def tier_encoder(settings: Settings, tower: Tower) -> Callable[[ResolutionPolicy], VisionEncoder | None]:
     """Pages asked for in a tier they are not stored in are encoded by ``tower`` under the tier's policy; with
     MMRAG_VISION_URL, not at all (the service encodes its one policy): they fall back."""
-    if settings.vision_url:
+    if settings.vision.url:
         return lambda policy: None
     return functools.cache(lambda policy: tower().with_policy(policy))

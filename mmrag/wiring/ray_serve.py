@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 def ray_config(settings: Settings) -> RayServeConfig:
     from serving.ray.app import RayServeConfig
 
-    return RayServeConfig(address=settings.ray_address, replicas=settings.ray_replicas,
-                          queue_bound=settings.ray_affinity_queue_bound, replica_cpus=settings.ray_replica_cpus,
-                          replica_gpus=settings.ray_replica_gpus,
-                          max_ongoing_requests=settings.max_num_seqs + settings.ray_affinity_queue_bound,
-                          http_host=settings.host, http_port=settings.ray_http_port,
-                          vision_max_replicas=settings.ray_vision_max_replicas,
-                          kv_events=settings.ray_kv_events, image_input=settings.image_input)
+    return RayServeConfig(address=settings.ray.address, replicas=settings.ray.replicas,
+                          queue_bound=settings.ray.affinity_queue_bound, replica_cpus=settings.ray.replica_cpus,
+                          replica_gpus=settings.ray.replica_gpus,
+                          max_ongoing_requests=settings.engine.max_num_seqs + settings.ray.affinity_queue_bound,
+                          http_host=settings.api.host, http_port=settings.ray.http_port,
+                          vision_max_replicas=settings.ray.vision_max_replicas,
+                          kv_events=settings.ray.kv_events, image_input=settings.engine.image_input)
 
 
 def replica_engine(settings: Settings, kv_events: str | None = None) -> Engine:
@@ -68,14 +68,14 @@ def ray_engine(settings: Settings, *, num_cpus: int | None = None) -> RayEngine:
     from serving.ray.engine import RayEngine
 
     config = ray_config(settings)
-    if config.address and not settings.redis_url:
+    if config.address and not settings.storage.redis_url:
         log.warning("MMRAG_RAY_ADDRESS joins a cluster but MMRAG_REDIS_URL is empty: every replica reads the "
                     "feature store on its own disk (%s); set MMRAG_REDIS_URL unless all run on this machine",
-                    settings.features_dir)
+                    settings.storage.features_dir)
     log.info("Ray cluster ready in %.1f s", connect(config, num_cpus=num_cpus))
-    handle = (deploy_engine(config, functools.partial(replica_engine, settings)) if settings.ray_deploy
+    handle = (deploy_engine(config, functools.partial(replica_engine, settings)) if settings.ray.deploy
               else engine_handle())
-    return RayEngine(handle, resolve_model(settings), kv_events=settings.ray_kv_events)
+    return RayEngine(handle, resolve_model(settings), kv_events=settings.ray.kv_events)
 
 
 def ray_app(settings: Settings) -> FastAPI:
@@ -85,8 +85,8 @@ def ray_app(settings: Settings) -> FastAPI:
 
     eng = ray_engine(settings)
     config = ray_config(settings)
-    url = deploy_vision(config, functools.partial(vision_app, settings)) if settings.ray_deploy else vision_url(config)
+    url = deploy_vision(config, functools.partial(vision_app, settings)) if settings.ray.deploy else vision_url(config)
     # The one settings copy in the wiring (tests/test_architecture.py): the service's URL exists only once Serve
     # has deployed it, and every part that encodes (tower, encoder scope, tiers, ingest) reads it from there.
-    settings = settings.model_copy(update={"vision_url": url})
+    settings = settings.replace(vision_url=url)
     return create_app(settings, engine=eng, store=feature_store(settings))

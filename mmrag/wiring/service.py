@@ -59,7 +59,7 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     raw = engine_ if engine_ is not None else engine(settings, model, store, encoder=encoder)
     metered = MeteredEngine(raw, metrics)
     tower = vision_tower(settings, model)
-    keys = TenantKeys.from_settings(settings.api)
+    keys = TenantKeys.from_settings(settings.api_service)
     scopes = {t: tenant_scope(settings, t) for t in {DEFAULT_TENANT, *keys.tenants}}
 
     def scope_of(tenant: str) -> TenantScope:  # a job resumed for a tenant since removed still has its scope
@@ -68,15 +68,15 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
     pipe, scheduler = pipeline(settings, metered, scope=scopes[DEFAULT_TENANT], encoder=encoder, store=store,
                                tower=tower, answers=answer_cache(settings, metrics))
     metrics.register_store(store)
-    metrics.set_tiers(settings.tier_table)
+    metrics.set_tiers(settings.vision.tier_table)
     if not isinstance(raw, RemoteEngine):  # one prefix cache to model; replicas have their own (left unestimated)
         scheduler.track_kv((await raw.kv_capacity()).tokens)
     await scheduler.fit()  # MMRAG_MAX_CONCURRENCY=0: the engine's batch, asked now rather than on a question
     await pipe.searcher.stale_pages()  # warns at start-up when pages of another encoder are indexed
-    reader = AsyncPageReader(pipe.searcher.client, settings.qdrant_collection)
+    reader = AsyncPageReader(pipe.searcher.client, settings.storage.qdrant_collection)
     metrics.set_encoder(encoder, model_family(model), pages_per_encoder(await reader.pages()))
-    if settings.engine_urls:
-        metrics.register_remote_replicas(settings.engine_urls)
+    if settings.engine.urls:
+        metrics.register_remote_replicas(settings.engine.urls)
     events = getattr(raw, "kv_events", None)  # the remote and the Ray engines' subscriber, when they follow events
     if events is not None:
         metrics.register_kv_events(events.index.stats, events.routed)
@@ -95,24 +95,26 @@ async def build_services(settings: Settings, *, metrics: Metrics, engine_: Engin
         return ingestor(settings, model=model, store=store, index=make_index(tenant), encoder=tower(),
                         text=pipe.searcher.text_embedder, image=pipe.searcher.image_embedder, tiers=tiers)
 
-    jobs = IngestJobs(scope_of, make_ingestor, state=settings.data_dir / "jobs.sqlite3",
+    jobs = IngestJobs(scope_of, make_ingestor, state=settings.storage.data_dir / "jobs.sqlite3",
                       make_index=make_index, store=store,
-                      referenced=lambda index: index.referenced_keys(settings.qdrant_collection),
-                      tiers=settings.tier_table, workers=settings.ingest_workers, retry_s=settings.delete_retry_s,
-                      keep=settings.ingest_jobs_kept)
+                      referenced=lambda index: index.referenced_keys(settings.storage.qdrant_collection),
+                      tiers=settings.vision.tier_table, workers=settings.ingestion.workers,
+                      retry_s=settings.storage.delete_retry_s,
+                      keep=settings.ingestion.jobs_kept)
     # Each conversation leases its images for as long as it lives (serving/api/conversations.py).
-    conversations = Conversations(max_entries=settings.max_conversations,
-                                  per_tenant=settings.conversations_per_tenant, ttl_s=settings.conversation_ttl_s,
+    conversations = Conversations(max_entries=settings.api.max_conversations,
+                                  per_tenant=settings.api.conversations_per_tenant,
+                                  ttl_s=settings.api.conversation_ttl_s,
                                   lease=functools.partial(StoreLease, store, "conversation",
-                                                          settings.conversation_ttl_s))
-    root = Services(settings=settings.api, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
+                                                          settings.api.conversation_ttl_s))
+    root = Services(settings=settings.api_service, model=model, engine=metered, pipeline=pipe, scheduler=scheduler,
                     store=store, pages=reader, metrics=metrics, jobs=jobs.for_tenant(DEFAULT_TENANT),
                     owns_engine=engine_ is None, keys=keys, scope=scopes[DEFAULT_TENANT],
-                    admission=Admission(settings.max_questions_in_flight, queue=settings.admission_queue,
-                                        max_wait_s=settings.admission_max_wait_s, record=metrics.record_answer,
+                    admission=Admission(settings.api.max_questions_in_flight, queue=settings.api.admission_queue,
+                                        max_wait_s=settings.api.admission_max_wait_s, record=metrics.record_answer,
                                         record_wait=metrics.record_admission_wait, tenants=keys.tenants,
                                         shares={t: Share(q.weight, q.questions_in_flight) for t, q in keys.quotas}),
-                    question_images=QuestionImages(settings.api, store, lambda: tower().view()),
+                    question_images=QuestionImages(settings.api_service, store, lambda: tower().view()),
                     conversations=conversations.for_tenant(DEFAULT_TENANT),
                     rates=RequestRates({t: q.requests_per_s for t, q in keys.quotas if q.requests_per_s}))
     root.tenants.update({t: tenant_view(settings, root, scopes[t], jobs, conversations) for t in keys.tenants})
@@ -153,4 +155,4 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Featu
     async def build(metrics: Metrics) -> Services:
         return await build_services(settings, metrics=metrics, engine_=engine, store_=store)
 
-    return assemble(settings.api, build, freeze=freeze)
+    return assemble(settings.api_service, build, freeze=freeze)

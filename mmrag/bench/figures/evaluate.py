@@ -23,10 +23,10 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
 from mmrag.core.figures import Box, iou
-from mmrag.core.settings import Settings
+from mmrag.core.settings import default_of
 from ingestion.figures import detect_figures
 
-MAX_PIXELS: int = Settings.model_fields["max_image_pixels"].default  # MMRAG_MAX_IMAGE_PIXELS' default
+MAX_PIXELS: int = default_of("max_image_pixels")  # MMRAG_MAX_IMAGE_PIXELS' default
 
 IOU_MATCH = 0.5
 FETCH_HINT = "python -m mmrag.bench.realdocs.fetch --out {docs}"
