@@ -122,6 +122,12 @@ def corpus_sample(
     seed: Annotated[int, typer.Option(help="Generator seed; the same seed gives the same files.")] = 0,
 ) -> None:
     """Generate the sample corpus: PDFs with a text layer, PNG slides, figures that recur across documents."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        err.print("[red]error:[/] the sample corpus is drawn with matplotlib, which comes with the `bench` extra: "
+                  "pip install -e '.\\[bench]' (make setup installs it)")
+        raise typer.Exit(2) from None
     from mmrag.devkit.corpus import build_sample_corpus
 
     manifest = build_sample_corpus(out, seed=seed)

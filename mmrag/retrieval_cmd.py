@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mmrag.adapters.lexical import LexicalEncoder
     from mmrag.core.keys import ImageKey
     from mmrag.core.settings import Settings
-    from mmrag.devkit.corpus import CorpusManifest
+    from mmrag.devkit.manifest import CorpusManifest
     from retrieval.evaluate import LabelledQuestion
     from retrieval.search import Channel, Hit, PageSearcher
 
@@ -118,7 +118,7 @@ def ingest_for_eval(settings: Settings, docs: Path, console: Console, *, collect
 
 
 def load_manifest(corpus: Path) -> CorpusManifest:
-    from mmrag.devkit.corpus import CorpusManifest
+    from mmrag.devkit.manifest import CorpusManifest
 
     path = corpus / "manifest.json" if corpus.is_dir() else corpus
     if not path.is_file():

@@ -14,7 +14,7 @@ import typer
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH_ONLY = ("llama-index-llms-openai-like", "llama-index-vector-stores-qdrant")
+BENCH_ONLY = ("llama-index-llms-openai-like", "llama-index-vector-stores-qdrant", "matplotlib")
 
 
 def _name(requirement: str) -> str:
@@ -45,6 +45,27 @@ def test_bench_e2e_without_the_extra_names_it_and_exits_2(monkeypatch, tmp_path,
     assert "`bench` extra" in said and "llama_index.llms.openai_like is missing" in said
     assert "pip install -e '.[bench]'" in " ".join(said.split())
     assert not (tmp_path / "bench").exists()  # refused before any work
+
+
+def test_the_sample_corpus_without_the_extra_names_it_and_exits_2(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from mmrag import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the extra were not installed
+    result = CliRunner().invoke(cli.app, ["corpus", "sample", "--out", str(tmp_path / "corpus")])
+    assert result.exit_code == 2
+    said = " ".join(result.output.split())
+    assert "`bench` extra" in said and "pip install -e '.[bench]'" in said
+    assert not (tmp_path / "corpus").exists()
+
+
+def test_reading_a_manifest_needs_no_drawing_library(monkeypatch):
+    monkeypatch.delitem(sys.modules, "mmrag.devkit.manifest", raising=False)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    from mmrag.devkit.manifest import CorpusManifest  # imports without matplotlib
+
+    assert CorpusManifest.__module__ == "mmrag.devkit.manifest"
 
 
 # The installed top-level names: the layout's rooms, and mmrag for the rest (issue 43).
