@@ -236,7 +236,7 @@ def test_the_setting_reaches_every_engine_and_the_encoder(engine_settings):
     pixels = engine_settings.replace(**{"image_input": "pixels"})
     config = wiring.engine_config(pixels)
     assert config.image_input is ImageInput.PIXELS
-    assert config.image_pixels == (pixels.min_pixels, pixels.max_pixels)
+    assert config.image_pixels == (pixels.vision.min_pixels, pixels.vision.max_pixels)
     flags = config.serve_flags()
     assert "--trust-request-mm-kwargs" in flags and "--mm-processor-kwargs" in flags
     assert "--trust-request-mm-kwargs" not in wiring.engine_config(engine_settings).serve_flags()
