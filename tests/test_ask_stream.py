@@ -76,8 +76,11 @@ async def test_both_engines_stream_the_text_they_complete_with(engine_settings, 
     finally:
         await served_engine.close()
     local = await streamed(inprocess_engine, p)
+    # Told in pieces, in order, nothing lost or repeated: the text completed. How many pieces is vLLM's timing, not
+    # a contract: its output collector merges the deltas a slow reader has not taken yet into one (a busy host
+    # read a whole 12-token answer as one piece with both test workers busy), so the count is not asserted.
     for pieces, text in (local, served):
-        assert len(pieces) > 1 and all(pieces) and "".join(pieces) == text
+        assert pieces and all(pieces) and "".join(pieces) == text
     assert served[1] == local[1]  # greedy: the same answer over HTTP
 
 
