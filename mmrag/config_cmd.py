@@ -112,11 +112,14 @@ def entries(settings: Settings, environ: Mapping[str, str]) -> list[Entry]:
     from mmrag.wiring import development_model_dir
 
     knobs = DevelopmentKnobs()  # read in the development profile only (the wiring)
+    every = declared()
+    parts: dict[str, BaseModel] = {d.component: knobs if d.component == "testing" else getattr(settings, d.component)
+                                   for d in every}
+    shown = {component: part.model_dump(mode="json") for component, part in parts.items()}  # JSON-able values
     out = []
-    for d in declared():
-        part: BaseModel = knobs if d.component == "testing" else getattr(settings, d.component)
-        raw = getattr(part, d.name)
-        value, source = part.model_dump(mode="json")[d.name], source_of(d.info, d.variable, raw, environ)
+    for d in every:
+        raw = getattr(parts[d.component], d.name)
+        value, source = shown[d.component][d.name], source_of(d.info, d.variable, raw, environ)
         if d.flat == "model" and (tiny := development_model_dir(settings)) is not None:
             value, source = str(tiny), "profile"  # what resolve_model serves (built there on first use)
         out.append(Entry(d.component, d.flat, d.variable, d.path, masked(d.flat, value), source))

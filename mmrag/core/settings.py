@@ -2,9 +2,9 @@
 
 ``Settings`` is made of sections (``settings.engine``, ``settings.retrieval``, ``settings.api``, ...), each a model
 of one component's settings (``EngineSection``, ...). Every setting keeps its one flat variable, ``MMRAG_<NAME>``
-(``MMRAG_ENGINE_URLS`` is ``settings.engine.urls``): the flat names are the alias table, ``FLAT`` (name -> section,
-field), and ``Settings(engine_urls=[...])`` or ``settings.replace(max_num_seqs=4)`` take them too. The composition
-root (mmrag/wiring) hands each component its section, or a view built from it (``settings.documents``,
+(``MMRAG_ENGINE_URLS`` is ``settings.engine.urls``): the flat names are the alias table, ``flat_names()`` (name ->
+(section, field)), and ``Settings(engine_urls=[...])`` or ``settings.replace(max_num_seqs=4)`` take them too. The
+composition root (mmrag/wiring) hands each component its section, or a view built from it (``settings.documents``,
 ``settings.api_service``, ``settings.vision_service``), never the whole Settings.
 
 Build it at the CLI/app entry (``Settings()``), never at import time, and pass it down.
@@ -753,6 +753,22 @@ def flat_names() -> dict[str, tuple[str, str]]:
     return {d.flat: (d.component, d.name) for d in declared() if d.component != "testing"}
 
 
+def _route(changes: dict[str, Any], into: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``changes`` by section (a section's dict of fields, or a section itself) or by flat name, merged into
+    ``into`` (section -> its fields), which is returned. An unknown name raises ValueError naming what is known."""
+    table = flat_names()
+    for key, value in changes.items():
+        if key in SECTIONS and isinstance(value, (dict, Section)):  # MMRAG_MODEL's flat name is `model` too
+            into.setdefault(key, {}).update(value.model_dump() if isinstance(value, Section) else value)
+        elif key in table:
+            section, name = table[key]
+            into.setdefault(section, {})[name] = value
+        else:
+            raise ValueError(f"unknown setting {key!r}: a section ({', '.join(SECTIONS)}) or a setting's flat "
+                             "name (its MMRAG_* variable, lowercased, without MMRAG_)")
+    return into
+
+
 class Settings(BaseModel):
     """The whole configuration: a section per component, each read from its MMRAG_* variables. ``Settings()``
     reads them all; keyword arguments override, by section (``engine=EngineSection(...)`` or a dict of its fields)
@@ -780,19 +796,7 @@ class Settings(BaseModel):
         __init__ (so what is not given still comes from the environment)."""
         if not isinstance(values, dict):
             return values
-        table, given = flat_names(), {}
-        for key, value in values.items():
-            if key in SECTIONS and isinstance(value, (dict, Section)):  # MMRAG_MODEL's flat name is `model` too
-                if isinstance(value, Section):
-                    value = value.model_dump()
-                given.setdefault(key, {}).update(value)
-            elif key in table:
-                section, name = table[key]
-                given.setdefault(section, {})[name] = value
-            else:
-                raise ValueError(f"unknown setting {key!r}: a section ({', '.join(SECTIONS)}) or a setting's flat "
-                                 "name (its MMRAG_* variable, lowercased, without MMRAG_)")
-        return {section: SECTIONS[section](**fields) for section, fields in given.items()}
+        return {section: SECTIONS[section](**fields) for section, fields in _route(values, {}).items()}
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -814,17 +818,7 @@ class Settings(BaseModel):
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (by flat name or by section, as the constructor takes them), validated; the
         rest as this one has it (not read again from the environment)."""
-        values: dict[str, Any] = {name: getattr(self, name).model_dump() for name in SECTIONS}
-        table = flat_names()
-        for key, value in changes.items():
-            if key in SECTIONS and isinstance(value, (dict, Section)):
-                values[key].update(value.model_dump() if isinstance(value, Section) else value)
-            elif key in table:
-                section, name = table[key]
-                values[section][name] = value
-            else:
-                raise ValueError(f"unknown setting {key!r}")
-        return Settings(**values)
+        return Settings(**_route(changes, {name: getattr(self, name).model_dump() for name in SECTIONS}))
 
     def flat(self, name: str) -> Any:
         """A setting's value by its flat name (``max_num_seqs``): what MMRAG_<NAME> set."""
