@@ -110,6 +110,35 @@ def test_every_patch_of_another_project_is_in_a_fenced_module():
     assert all(patches_in(REPO / where) for where in fenced - {"scripts/patch_torchvision.py"}), fenced
 
 
+def test_the_avx2_hook_caps_the_probes_the_torch_fence_names_and_refuses_a_torch_without_them(tmp_path, monkeypatch):
+    """The hook (isa_caps/sitecustomize.py) checks the probes where it caps them, in the process that imports
+    torch.cpu; its list and range are TORCH_FENCE's. Driven on a stand-in torch package (named as such)."""
+    import subprocess
+
+    caps = REPO / "mmrag" / "adapters" / "isa_caps"
+    spec = importlib.util.spec_from_file_location("isa_hook", caps / "sitecustomize.py")
+    hook = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("MMRAG_EMULATE_ISA", raising=False)  # `make test-avx2` sets it: here the lists only
+    spec.loader.exec_module(hook)
+    assert hook.PROBES == tuple(t.qualname for t in hardware.TORCH_FENCE.targets)
+    assert hook.TESTED == hardware.TORCH_FENCE.tested
+
+    def import_cpu(probes: list[str]) -> subprocess.CompletedProcess:
+        fake = tmp_path / "-".join(probes or ["none"]) / "torch"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("")
+        (fake / "cpu.py").write_text("".join(f"def {p}():\n    return True\n" for p in probes))
+        env = {"PATH": "/usr/bin:/bin", "MMRAG_EMULATE_ISA": "avx2", "PYTHONPATH": f"{caps}:{fake.parent}"}
+        code = "import torch.cpu as c; print([getattr(c, p)() for p in %r])" % (list(hook.PROBES),)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    capped = import_cpu(list(hook.PROBES))
+    assert capped.returncode == 0 and capped.stdout.strip() == "[False, False, False]", capped.stderr
+    refused = import_cpu(list(hook.PROBES[:2]))
+    assert refused.returncode != 0
+    assert "this torch has no _is_amx_tile_supported: install torch>=2.6,<2.14" in refused.stderr
+
+
 def test_the_scan_finds_an_assigned_attribute_a_private_import_and_an_import_hook(tmp_path):
     code = tmp_path / "patchy.py"
     code.write_text("import os\nimport qdrant_client.local.local_collection as lc\nfrom ray.serve._private import x\n"

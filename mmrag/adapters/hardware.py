@@ -38,7 +38,8 @@ def emulated_isa() -> str | None:
 
 # isa_caps/sitecustomize.py answers False for torch's own CPU probes under AVX2 emulation (the only patch of torch's
 # internals; a tool for tests and benchmarks, off unless MMRAG_EMULATE_ISA is set), as tested: the pins keep torch in
-# this range (constraints.txt, pyproject.toml), and exec_emulating refuses a torch whose probes are gone.
+# this range (constraints.txt, pyproject.toml), exec_emulating says when the installed torch is outside it, and the
+# hook itself refuses a torch whose probes are gone, where it imports torch.cpu (the parent imports no torch).
 TORCH_FENCE = Fence(("torch",), ">=2.6,<2.14", "mmrag/adapters/isa_caps/sitecustomize.py", (
     Target("torch.cpu", "_is_avx512_supported"),
     Target("torch.cpu", "_is_avx512_bf16_supported"),
@@ -62,7 +63,7 @@ def exec_emulating(isa: str, argv: list[str]) -> None:
     re-execution under MMRAG_EMULATE_ISA)."""
     import sys
 
-    if untested := TORCH_FENCE.check():  # PatchFenceError when the probes it caps are gone
+    if untested := TORCH_FENCE.version_problem():  # the release only: the probes are checked where they are capped
         print(f"mmrag: {untested}", file=sys.stderr)
     print(f"mmrag: re-executing under {isa.upper()} kernel caps (torch, oneDNN, MKL, vLLM)", file=sys.stderr)
     sys.stdout.flush()
