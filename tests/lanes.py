@@ -239,7 +239,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # read once all workers have collected (schedule() runs then)
-                found = sorted(Path(os.environ[GROUPS_ENV]).parent.glob(Path(os.environ[GROUPS_ENV]).name + ".gw*"))
+                path = Path(os.environ[GROUPS_ENV])
+                found = sorted(path.parent.glob(path.name + ".gw*"))
                 self.groups = json.loads(found[0].read_text()) if found else {}
             return self.groups.get(nodeid, nodeid)
 
