@@ -11,7 +11,7 @@ from its header (ingestion/loaders.image_header_size) and admit the request's pi
 * over what MMRAG_MAX_PIXELS_IN_FLIGHT has left it is refused with :class:`PixelsInFlightError`: it fits once
   others end (429 with Retry-After).
 
-Nothing here speaks HTTP: the errors are this room's, and serving/api/errors.py maps them to their status.
+Nothing here speaks HTTP: the errors are this room's, and serving/http/errors.py maps them to their status.
 
 An admitted request holds its pixels until each image's encode is done, then gives them back image by image
 (:meth:`PixelHold.release`); whatever it still holds when it ends (an error, a client that left) goes back then.

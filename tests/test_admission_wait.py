@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from serving.api.admission import (PRIOR_QUESTION_S, Admission, AdmissionQueue, ClientGone, Refusal, ServiceRate,
                                    Share, Ticket)
-from serving.api.errors import ApiError
+from serving.http.errors import ApiError
 from tests.burst import burst
 from tests.conftest import API_KEY
 from tests.waiting import eventually

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from serving.api import errors
+from serving.http import errors
 from tests.conftest import API_KEY
 
 REPO = Path(__file__).resolve().parents[1]

@@ -241,8 +241,8 @@ async def test_a_figure_or_box_that_cannot_be_drawn_is_an_error_with_the_fix(fig
 
 
 def test_a_page_whose_figures_have_no_number_says_to_outline_one_by_its_box(figures_app):
-    from serving.api.errors import ApiError
     from serving.api.routers.documents import _figure_box
+    from serving.http.errors import ApiError
 
     page = dataclasses.replace(figures_app["payload"], figures=(figure(None, "", (1, 2, 3, 4)),))
     with pytest.raises(ApiError) as refused:
@@ -254,8 +254,8 @@ def test_a_page_whose_figures_have_no_number_says_to_outline_one_by_its_box(figu
 def test_a_figure_and_a_table_of_one_number_are_told_apart_by_kind(figures_app):
     """A page may number a figure and a table alike ("Figure 2", "Table 2"): ``kind`` (a citation's
     ``figure.kind``) says which to outline; unset, the figure."""
-    from serving.api.errors import ApiError
     from serving.api.routers.documents import _figure_box
+    from serving.http.errors import ApiError
 
     both = dataclasses.replace(figures_app["payload"], figures=(
         figure(2, "Table 2: Latency", (5, 6, 70, 80), "table"), figure(2, "Figure 2: Revenue", (1, 2, 30, 40))))

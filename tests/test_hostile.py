@@ -25,7 +25,7 @@ from mmrag.adapters.store import DiskFeatureStore, FeatureStoreError
 from mmrag.core.keys import ContentHash, EncoderVersion, ImageKey, ResolutionPolicy
 from mmrag.core.pages import EncodedImage
 from mmrag.core.settings import Settings
-from serving.api import errors
+from serving.http import errors
 from serving.metrics import Metrics
 from tests.conftest import API_KEY, free_port
 from tests.test_api import _wait_for_job

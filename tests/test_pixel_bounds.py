@@ -25,7 +25,7 @@ from PIL import Image
 
 from mmrag.core.settings import Settings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_header_size
-from serving.api.errors import api_error_of
+from serving.http.errors import api_error_of
 from serving.pixels import PixelBudget, PixelsInFlightError, TooManyPixelsError, admit
 from tests.conftest import API_KEY, free_port
 from tests.test_vision_service import sample
@@ -152,7 +152,7 @@ def test_the_budget_admits_by_declared_pixels_and_takes_them_back_image_by_image
 
     hold = admitted([(5, 10), (3, 10)])  # 80 of 100
     assert budget.held == 80
-    # The room's own errors; the API answers them (serving/api/errors.py) with the status and headers below.
+    # The room's own errors; the API answers them (serving/http/errors.py) with the status and headers below.
     with pytest.raises(PixelsInFlightError) as refused:
         admitted([(5, 5)])  # 25 more do not fit now
     full = api_error_of(refused.value)

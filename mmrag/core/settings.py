@@ -893,7 +893,7 @@ def _default(name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class ServedFolders:
     """The server's own folders, written in client-facing text as the setting that names them
-    (serving/api/errors.ServerPaths): a REST or vision service's error never shows a path of the host."""
+    (serving/http/errors.ServerPaths): a REST or vision service's error never shows a path of the host."""
 
     data_dir: Path = _default("data_dir")
     ingest_root: Path | None = _default("ingest_root")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from mmrag.core.settings import DEFAULT_TENANT
-from serving.api.errors import ApiError
+from serving.http.errors import ApiError
 
 T = TypeVar("T")
 Clock = Callable[[], float]

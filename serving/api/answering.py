@@ -26,10 +26,10 @@ from rag.pipeline import Emit, stream_events
 from serving.api.admission import ClientGone
 from serving.api.conversations import (SEND_AGAIN_FIX, ImagesExpiredError, QuestionImage,
                                         UnknownConversationError)
-from serving.api.errors import ApiError, api_error_of, error_body, hide_paths
 from serving.api.limits import base64_length, check_tier
 from serving.api.services import Services
 from serving.engine.features import MissingFeaturesError
+from serving.http.errors import ApiError, api_error_of, error_body, hide_paths
 
 # A streamed answer's events (rag/pipeline.py) -> the response body (a route's rendering).
 Render = Callable[[AsyncIterator[dict]], AsyncIterator[str]]

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from serving.api.errors import ApiError
 from serving.api.services import Services
+from serving.http.errors import ApiError
 
 
 def get_services(request: Request) -> Services:

@@ -10,12 +10,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from serving.api.schemas import Document, IngestJob, _Response
+from serving.api.schemas import Document, IngestJob
+from serving.http.schemas import ResponseBody
 
 MAX_PAGE = 1000  # the most items one listing page returns
 
 
-class Paged(_Response):
+class Paged(ResponseBody):
     total: int = Field(description="Items in all pages together.")
     limit: int = Field(description="The most items this page holds (the request's `limit`).")
     offset: int = Field(description="Items before this page (the request's `offset`).")
@@ -30,7 +31,7 @@ class DocumentsPage(Paged):
     documents: list[Document] = Field(description="Ingested documents, by file name then id.")
 
 
-class JobProgress(_Response):
+class JobProgress(ResponseBody):
     files_done: int = Field(description="Files of the job finished (ingested, unchanged or failed).")
     files_total: int = Field(description="Files the job ingests (a folder's, once listed).")
     pages_done: int = Field(description="Pages indexed so far, the file being ingested included, batch by batch "
@@ -51,7 +52,7 @@ class JobsPage(Paged):
     jobs: list[Job] = Field(description="Ingest jobs, newest first.")
 
 
-class Upload(_Response):
+class Upload(ResponseBody):
     doc_id: str = Field(description="The document's id once ingested: DELETE /v1/documents/{doc_id}.")
     doc: str = Field(description="Its file name on the server (sanitised from the upload's), as citations name it.")
     bytes: int = Field(description="Size of the stored file.")
@@ -61,7 +62,7 @@ class Upload(_Response):
     job: Job = Field(description="The ingest job: poll GET /v1/ingest/{job.id}.")
 
 
-class DeletedDocument(_Response):
+class DeletedDocument(ResponseBody):
     doc_id: str = Field(description="Id of the deleted document.")
     doc: str = Field(description="Its file name.")
     pages: int = Field(description="Pages removed from the tenant's index. What happened to their image-token "

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from mmrag.core.keys import UnknownTierError
 from mmrag.core.keys import Tiers
 from mmrag.core.settings import ApiSettings
-from serving.api.errors import ApiError, error_body
+from serving.http.errors import ApiError, error_body
 
 
 # The routes a question with images comes in on (serving/api/routers/ask.py and openai.py declare them from here).

@@ -12,12 +12,12 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 
 from mmrag.core.settings import ApiSettings
-from serving.api import errors
 from serving.api.limits import BodySizeLimit, body_allowances, reject_invalid_text
 from serving.api.routers import ask, documents, health, ingest, openai, ui
 from serving.api.services import Services
 from serving.api.slow_clients import BodyReadTimeout
 from serving.api.startup import freeze_heap, warm_at_startup
+from serving.http import errors
 from serving.metrics import Metrics, VllmFromGlobalRegistry
 
 log = logging.getLogger(__name__)

@@ -9,57 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from mmrag.core.figures import FigureKind, figure_reference
 from mmrag.core.pages import TextSource
 from mmrag.core.payload import PagePayload
+from serving.http.schemas import Check, ErrorDetail, ResponseBody
 
 
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-# --- errors (serving/api/errors.py and limits.py write this shape) ---------------------------------------
-
-
-class ErrorDetail(_Response):
-    type: str = Field(description="Machine-readable error kind, e.g. `unknown_page`, `engine_unavailable`.")
-    message: str = Field(description="What went wrong, for a person.")
-    fix: str = Field(min_length=1, description="What to do about it; never empty.")
-    param: str | None = Field(default=None, description="The request field at fault, where one is (as OpenAI's "
-                              "error names it, e.g. `n` in `unsupported_parameter`); absent otherwise.")
-
-
-class ErrorResponse(_Response):
-    error: ErrorDetail = Field(description="The one error of this request.")
-
-
-def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses=`` for error statuses: each one documented with the error body and why it happens."""
-    return {status: {"model": ErrorResponse, "description": why} for status, why in described.items()}
-
-
-# Declared per route, so FastAPI does not document its own 422 shape: errors.py rewrites validation errors.
-INVALID_REQUEST = {422: "The request does not match the schema (`invalid_request`)."}
-UNAUTHORIZED = {401: "Missing or wrong API key (`unauthorized`)."}
-TOO_LARGE = {413: "Request body over MMRAG_MAX_REQUEST_BYTES (`request_too_large`)."}
-
-
-# --- health ----------------------------------------------------------------------------------------------
-
-
-class Health(_Response):
-    status: Literal["ok"] = Field(description="Always `ok`: the process answers.")
-
-
-class Check(_Response):
-    ok: bool = Field(description="Whether the dependency answered within 5 s.")
-    detail: str | None = Field(default=None, description="What it answered (present when `ok`).")
-    error: str | None = Field(default=None, description="Why it did not (present when not `ok`).")
-
-
-class Readiness(_Response):
+class Readiness(ResponseBody):
     ready: bool = Field(description="True when every check is ok; the status is then 200, else 503.")
     checks: dict[Literal["engine", "qdrant", "redis"], Check] = Field(
         description="One check per dependency: the engine's KV cache, Qdrant, and Redis (ok when not configured)."
@@ -131,7 +89,7 @@ BBOX_DESCRIPTION = (
     "pixels, scale 1). GET /v1/pages/{page_id}/image?figure=N draws it.")
 
 
-class FigureCitation(_Response):
+class FigureCitation(ResponseBody):
     """The figure (or table) of the cited page that the answer drew on."""
 
     number: int | None = Field(description="N of its caption (\"Figure 3\", \"Table 2\"); null when it has no "
@@ -146,7 +104,7 @@ class FigureCitation(_Response):
         return figure_reference(self.kind, self.number, self.caption)
 
 
-class Citation(_Response):
+class Citation(ResponseBody):
     page_id: str = Field(description="The cited page's id: fetch it with GET /v1/pages/{page_id}.")
     doc: str = Field(description="File name of the cited document.")
     page: int = Field(description="1-based page number in that document.")
@@ -159,7 +117,7 @@ class Citation(_Response):
         "for one without).")
 
 
-class Usage(_Response):
+class Usage(ResponseBody):
     prompt_tokens: int = Field(description="Prompt tokens over all completions of this answer, images included.")
     cached_tokens: int = Field(description="Of those, tokens whose KV came from the engine's prefix cache.")
     image_tokens: int = Field(description="Prompt tokens that are image tokens: the pages' and the question's.")
@@ -178,13 +136,13 @@ class Usage(_Response):
         "`miss`, computed and kept; `off`, the cache is off or the answer was sampled (temperature > 0).")
 
 
-class ModelInfo(_Response):
+class ModelInfo(ResponseBody):
     name: str = Field(description="The served model.")
     random_weights: bool = Field(description="True for the random-weight test model: its text is not meaningful.")
     note: str = Field(description="Why the answer text may be meaningless and how to fix it; empty for real weights.")
 
 
-class SubAnswer(_Response):
+class SubAnswer(ResponseBody):
     sub_question: str = Field(description="One sub-question, as it was asked (its prompt also names the figure "
                               "crops it shows, with MMRAG_FIGURE_CROPS).")
     answer: str = Field(description="The model's answer to it, before synthesis.")
@@ -192,14 +150,14 @@ class SubAnswer(_Response):
                              "as `[document, page N]`; absent when the sub-question's pages were seen together.")
 
 
-class ImageAnswer(_Response):
+class ImageAnswer(ResponseBody):
     page: str = Field(description="The page this part saw, as `[document, page N]`, and the figure's caption when "
                       "it saw the figure's crop alone (MMRAG_FIGURE_CROPS).")
     image: str = Field(description="The image key it saw: the page's, or its figure crop's.")
     answer: str = Field(description="The model's answer from that image alone (the answer joins these parts).")
 
 
-class Timings(_Response):
+class Timings(ResponseBody):
     """Where the answer's time went, in seconds of wall time, stage by stage (a stage that did not run is
     absent: no pages found; one prompt, so no sub-answers; or one sub-answer and so no synthesis)."""
 
@@ -215,18 +173,18 @@ class Timings(_Response):
     synthesis_s: float | None = Field(default=None, description="The final prompt over the sub-answers.")
 
 
-class QuestionImageInfo(_Response):
+class QuestionImageInfo(ResponseBody):
     image_key: str = Field(description="Key of the image's tokens (content hash, encoder, policy), as for pages.")
     image_tokens: int = Field(description="Image tokens it takes in each prompt.")
 
 
-class TierInfo(_Response):
+class TierInfo(ResponseBody):
     name: str = Field(description="The resolution tier the question asked for.")
     fell_back: list[str] = Field(description="Pages served in another tier, as `[document, page N]: <tier> "
                                              "(<why>)`: their source could not be rendered for an on-demand encode.")
 
 
-class AskResponse(_Response):
+class AskResponse(ResponseBody):
     answer: str = Field(description="The answer: a joint prompt's, a split answer's parts under their headings, or "
                         "joint's overflow synthesised from the sub-answers.")
     sub_questions: list[str] = Field(description="The sub-questions the question was split into.")
@@ -270,7 +228,7 @@ class AskResponse(_Response):
 # --- documents and pages ---------------------------------------------------------------------------------
 
 
-class DocumentPage(_Response):
+class DocumentPage(ResponseBody):
     page: int = Field(description="1-based page number.")
     page_id: str = Field(description="The page's id: GET /v1/pages/{page_id} and /v1/pages/{page_id}/image.")
 
@@ -281,7 +239,7 @@ SOURCE_PATH_DESCRIPTION = (
     "`mmrag ingest` read from elsewhere). Never an absolute server path.")
 
 
-class Document(_Response):
+class Document(ResponseBody):
     doc_id: str = Field(description="Stable id of the document (from its resolved source path).")
     doc: str = Field(description="File name; what citations and the `docs` filter of /v1/ask name.")
     path: str = Field(description=SOURCE_PATH_DESCRIPTION)
@@ -290,11 +248,11 @@ class Document(_Response):
     pages: list[DocumentPage] = Field(description="The indexed pages with their ids, by page number.")
 
 
-class DocumentList(_Response):
+class DocumentList(ResponseBody):
     documents: list[Document] = Field(description="Ingested documents, by file name.")
 
 
-class Page(_Response):
+class Page(ResponseBody):
     id: str = Field(description="The page's id (as in citations and GET /v1/documents).")
     doc_id: str = Field(description="Id of the page's document.")
     doc: str = Field(description="File name of the page's document.")
@@ -341,12 +299,12 @@ class IngestRequest(BaseModel):
                              "pages in too, beside MMRAG_INGEST_TIERS: questions in them need no on-demand encode.")
 
 
-class FileFailure(_Response):
+class FileFailure(ResponseBody):
     path: str = Field(description="A file that was not ingested.")
     error: str = Field(description="Why, and what to change.")
 
 
-class IngestReport(_Response):
+class IngestReport(ResponseBody):
     files: int = Field(description="Files ingested.")
     pages: int = Field(description="Pages indexed.")
     encoded: int = Field(description="Pages newly vision-encoded.")
@@ -365,7 +323,7 @@ class IngestReport(_Response):
                                                   "budget (`doc`, `page`, `why`).")
 
 
-class IngestJob(_Response):
+class IngestJob(ResponseBody):
     id: str = Field(description="Job id: poll GET /v1/ingest/{id}.")
     paths: list[str] = Field(description="The resolved paths being ingested.")
     recursive: bool = Field(description="Whether sub-folders are ingested.")
@@ -376,7 +334,7 @@ class IngestJob(_Response):
     finished_at: float | None = Field(description="Unix time it finished, null until then.")
 
 
-class AskEvent(_Response):
+class AskEvent(ResponseBody):
     """One server-sent event of a streamed answer (`"stream": true`): `event: <event>` and `data: <this, as
     JSON>`. Which fields an event carries depends on its `event`."""
 

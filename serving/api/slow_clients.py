@@ -16,7 +16,7 @@ import asyncio
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serving.api.errors import ApiError
+from serving.http.errors import ApiError
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:

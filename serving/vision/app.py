@@ -36,9 +36,9 @@ from mmrag.adapters.vision_client import TOKENS_MEDIA_TYPE, EncodedEntry, Vision
 from mmrag.core.keys import ImageKey
 from mmrag.core.settings import DocumentSettings, VisionServiceSettings
 from ingestion.loaders import ImageTooLargeError, IngestError, decode_image, image_content_hash, image_header_size
-from serving.api import errors
-from serving.api.errors import ApiError
-from serving.api.schemas import Check, Health, error_responses
+from serving.http import errors
+from serving.http.errors import ApiError
+from serving.http.schemas import Check, Health, error_responses
 from serving.pixels import TRIM_AFTER_PIXELS, PixelBudget, PixelHold, PixelsRefusedError, admit, return_freed_memory
 from serving.vision.batcher import QueueFullError, VisionBatcher
 from serving.vision.metrics import VisionMetrics
@@ -163,7 +163,7 @@ def create_vision_app(settings: VisionServiceSettings, service: VisionService) -
         try:
             hold = admit(pixels, sizes, request_limit=settings.max_request_pixels,
                          retry_after_s=lambda: batcher.retry_after_s(len(datas)))
-        except PixelsRefusedError as exc:  # answered 413 or 429 by the error handlers (serving/api/errors.py)
+        except PixelsRefusedError as exc:  # answered 413 or 429 by the error handlers (serving/http/errors.py)
             metrics.refused_pixels(exc.kind)
             raise
         try:

@@ -19,8 +19,9 @@ from serving.api.answering import Question, from_base64, respond
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.limits import IMAGE_ROUTES
 from serving.api.schemas import (ANSWER_MODE_DESCRIPTION, CONVERSATION_ID, CONVERSATION_ID_DESCRIPTION,
-                                 INVALID_REQUEST, MAX_TOKENS_DESCRIPTION, STREAM_DESCRIPTION, TIER_DESCRIPTION,
-                                 UNAUTHORIZED, AnswerModeName, AskEvent, AskRequest, AskResponse, error_responses)
+                                 MAX_TOKENS_DESCRIPTION, STREAM_DESCRIPTION, TIER_DESCRIPTION, AnswerModeName,
+                                 AskEvent, AskRequest, AskResponse)
+from serving.http.schemas import INVALID_REQUEST, UNAUTHORIZED, error_responses
 
 router = APIRouter(tags=["ask"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
 ASK_PATH, UPLOAD_PATH = IMAGE_ROUTES

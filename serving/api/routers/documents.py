@@ -23,18 +23,11 @@ from mmrag.core.settings import DocumentSettings
 from ingestion.loaders import SUPPORTED_FORMATS, IngestError, render_page, sniff_format
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, DeletedDocument, DocumentsPage, Paged, Upload
-from serving.api.errors import ApiError
 from serving.api.limits import check_tier
 from serving.api.routers.ingest import SharedPathRoute, public_job
-from serving.api.schemas import (
-    INVALID_REQUEST,
-    PNG_RESPONSE,
-    UNAUTHORIZED,
-    Document,
-    DocumentPage,
-    Page,
-    error_responses,
-)
+from serving.api.schemas import PNG_RESPONSE, Document, DocumentPage, Page
+from serving.http.errors import ApiError
+from serving.http.schemas import INVALID_REQUEST, UNAUTHORIZED, error_responses
 
 router = APIRouter(prefix="/v1", tags=["documents"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED),
                    route_class=SharedPathRoute)

@@ -5,8 +5,9 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from serving.api.deps import ServicesDep
-from serving.api.errors import hide_paths
-from serving.api.schemas import Check, Health, Readiness
+from serving.api.schemas import Readiness
+from serving.http.errors import hide_paths
+from serving.http.schemas import Check, Health
 
 router = APIRouter(tags=["health"])
 

@@ -6,9 +6,10 @@ from starlette.exceptions import HTTPException
 
 from serving.api.deps import AuthDep, TenantDep
 from serving.api.documents_schemas import MAX_PAGE, Job as IngestJob, JobsPage, Paged
-from serving.api.errors import ApiError, hide_paths
 from serving.api.limits import check_tier
-from serving.api.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, IngestRequest, error_responses
+from serving.api.schemas import IngestRequest
+from serving.http.errors import ApiError, hide_paths
+from serving.http.schemas import INVALID_REQUEST, TOO_LARGE, UNAUTHORIZED, error_responses
 from serving.ingest_jobs import InvalidPathError, Job, PathOutsideRootError
 
 

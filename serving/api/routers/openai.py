@@ -20,13 +20,14 @@ from fastapi.responses import StreamingResponse
 
 from serving.api.answering import Question, from_base64, respond
 from serving.api.deps import AuthDep, TenantDep
-from serving.api.errors import ApiError
 from serving.api.limits import CHAT_ROUTE
 from serving.api.openai_schemas import (MODEL_ID, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatMessage, ImagePart, ModelList, TextPart)
 from serving.api.routers.ask import ASK_ERRORS
-from serving.api.schemas import UNAUTHORIZED, FigureCitation, error_responses
+from serving.api.schemas import FigureCitation
 from serving.api.services import Services
+from serving.http.errors import ApiError
+from serving.http.schemas import UNAUTHORIZED, error_responses
 
 router = APIRouter(tags=["openai"], dependencies=[AuthDep], responses=error_responses(UNAUTHORIZED))
 

@@ -14,7 +14,7 @@ from importlib.resources import files
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from serving.api.errors import ApiError
+from serving.http.errors import ApiError
 
 router = APIRouter(include_in_schema=False)
 

@@ -26,9 +26,9 @@ from mmrag.core.settings import ServedFolders
 from rag.decompose import BadQuestionError
 from retrieval.search import (ImageChannelOffError, NoDocumentsError, RetrievalError, StaleIndexError,
                               UnknownDocumentError)
-from serving.api.schemas import ErrorDetail, ErrorResponse
 from serving.engine.features import MissingFeaturesError
 from serving.engine.remote import EngineRequestError, EngineUnavailableError
+from serving.http.schemas import ErrorDetail, ErrorResponse
 from serving.pixels import PixelsInFlightError, TooManyPixelsError
 
 log = logging.getLogger(__name__)
