@@ -10,7 +10,8 @@ from qdrant_client import models
 from mmrag.core.keys import ImageKey
 from mmrag.core.pages import TextSource
 from mmrag.core.payload import PagePayload
-from mmrag.adapters.qdrant import IndexConfigError, IndexLockedError, PageIndex, make_point, open_qdrant
+from mmrag.adapters.qdrant import (IndexConfigError, IndexLockedError, LoopBridge, PageIndex, is_local, make_point,
+                                   open_async_qdrant, open_qdrant)
 
 
 def _index(path, text_dim=4, image_dim=3) -> PageIndex:
@@ -52,6 +53,27 @@ def test_collection_has_the_lexical_sparse_vector_with_idf_and_late_vectors_when
     (stored,) = late.client.retrieve("pages", [point.id], with_vectors=True)
     lexical = stored.vector["lexical"]
     assert dict(zip(lexical.indices, lexical.values)) == {7: 0.5, 3: 1.0} and len(stored.vector["page"]) == 3
+
+
+def test_reopening_a_local_collection_writes_nothing_to_its_folder(tmp_path):
+    """Every ingest job, deletion and retry opens the index (PageIndex.ensure_collection): in local mode that must
+    not rewrite the folder's meta.json, which a copy of the folder beside the server reads (tests/
+    test_deletion_leases.py's gc). Local mode keeps no payload indexes, so none is asked for there."""
+    from qdrant_client import QdrantClient
+
+    index = _index(tmp_path / "q")
+    meta = tmp_path / "q" / "meta.json"
+    before = meta.stat()
+    for _ in range(3):
+        PageIndex(index.client, "pages", text_dim=4, image_dim=3).ensure_collection()
+    after = meta.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == [".lock", "collection", "meta.json"]
+    # What tells local mode from a server: the folder or :memory:, through the bridge the server's jobs write by.
+    assert is_local(index.client) and is_local(QdrantClient(":memory:"))
+    bridge = LoopBridge(open_async_qdrant("", tmp_path / "a"), loop=None)  # type: ignore[arg-type]
+    assert is_local(bridge)
+    assert not is_local(QdrantClient(url="http://127.0.0.1:6333", check_compatibility=False))  # asks nothing yet
 
 
 def test_a_collection_built_before_the_lexical_channel_names_the_fix(tmp_path):

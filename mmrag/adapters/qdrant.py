@@ -142,6 +142,12 @@ class PageIndex:
         return sum(map(len, by_fields.values()))
 
     def _index_payload(self, indexes: Mapping[PageField, models.PayloadSchemaType]) -> None:
+        if is_local(self.client):
+            # Local mode keeps no payload indexes (it warns that they have no effect), so its collection never
+            # lists them and each request to make one rewrote its whole meta.json: every ingest job, deletion and
+            # retry that opened the index rewrote that file once per field, while a copy of the folder (a backup,
+            # `mmrag store gc` beside the server) could be reading it. A Qdrant server makes and keeps them.
+            return
         with warnings.catch_warnings():
             # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
             warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
@@ -242,6 +248,14 @@ def tenant_collections(client: QdrantClient | LoopBridge, base: str) -> list[str
     """The collections of every tenant (mmrag.core.settings.Settings.tenant_collection): ``base``, ``base--<tenant>``."""
     names = [c.name for c in client.get_collections().collections]
     return sorted(n for n in names if n == base or n.startswith(f"{base}--"))
+
+
+def is_local(client: Any) -> bool:
+    """Whether ``client`` (a QdrantClient, an AsyncQdrantClient, or a :class:`LoopBridge` over one) is embedded
+    local mode (a folder, or ``:memory:``) rather than a Qdrant server."""
+    inner = client._client if isinstance(client, LoopBridge) else client
+    options = getattr(inner, "init_options", None) or {}
+    return bool(options.get("path")) or options.get("location") == ":memory:"
 
 
 class LoopBridge:
