@@ -15,6 +15,7 @@ from serving.kv_events import (EventBatch, KvEventIndex, KvEventSubscriber, Repl
                                _Removed, _Stored, publisher_config, replay_endpoint)
 from serving.routing import AffinityTable, prefix_path, rank_replicas, rendezvous_order, route_key
 from serving.kv_events import free_port_pair
+from tests.waiting import eventually_sync
 
 WAIT_S = 60.0  # a hang guard for events crossing a socket, never a speed check
 
@@ -163,9 +164,15 @@ class Publisher:
         return f"tcp://*:{self.port}"
 
     def send(self, *events) -> None:
+        """Publish one batch and return once it is sent and in the replay buffer. vLLM's publish() only queues it
+        for the publisher's thread: a subscriber connecting right after four sends could ask for a replay while
+        the thread had buffered two of them, and find a history that was meant to be gone."""
         from vllm.distributed.kv_events import KVEventBatch
 
         self.pub.publish(KVEventBatch(ts=0.0, events=[vllm_event(e) for e in events]))
+        # The thread calls task_done() once the batch is on the PUB socket and appended to the buffer.
+        eventually_sync(lambda: self.pub._event_queue.unfinished_tasks == 0, timeout=WAIT_S,
+                        what="the publisher's thread sent and buffered the batch")
 
     def close(self) -> None:
         self.pub.shutdown()
