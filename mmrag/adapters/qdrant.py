@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import warnings
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -146,13 +145,10 @@ class PageIndex:
             # Local mode keeps no payload indexes (it warns that they have no effect), so its collection never
             # lists them and each request to make one rewrote its whole meta.json: every ingest job, deletion and
             # retry that opened the index rewrote that file once per field, while a copy of the folder (a backup,
-            # `mmrag store gc` beside the server) could be reading it. A Qdrant server makes and keeps them.
+            # `mmrag store gc` beside the server) could be reading it. A Qdrant server makes them, for its filters.
             return
-        with warnings.catch_warnings():
-            # Local mode ignores payload indexes (and says so); a Qdrant server uses them for filters.
-            warnings.filterwarnings("ignore", message="Payload indexes have no effect in the local Qdrant")
-            for field, schema in indexes.items():
-                self.client.create_payload_index(self.collection, field.value, field_schema=schema)
+        for field, schema in indexes.items():
+            self.client.create_payload_index(self.collection, field.value, field_schema=schema)
 
     def reset(self) -> None:
         self.client.delete_collection(self.collection)

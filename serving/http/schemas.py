@@ -15,7 +15,7 @@ class ResponseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# --- errors (serving/http/errors.py and serving/api/limits.py write this shape) ---------------------------------------
+# --- errors (serving/http/errors.py and serving/api/limits.py write this shape) ---------------------------
 
 
 class ErrorDetail(ResponseBody):
