@@ -27,7 +27,22 @@ def test_waiting_ends_when_the_probe_answers_and_fails_after_the_timeout_otherwi
         wait_until_ready(lambda: False, timeout_s=0.05, what="toy", interval_s=0.01)
 
 
-def test_nothing_listening_is_not_ready_yet():
+def test_nothing_listening_is_not_ready_yet_and_the_polls_share_one_client_closed_when_waiting_ends(monkeypatch):
+    import httpx
+
     from mmrag.devkit.ports import free_port
 
-    assert answers_200(f"http://127.0.0.1:{free_port()}/health", timeout_s=1)() is False
+    built = []
+    real_init = httpx.Client.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "__init__", init)
+    probe = answers_200(f"http://127.0.0.1:{free_port()}/health", timeout_s=1)
+    assert [probe() for _ in range(3)] == [False, False, False]
+    with pytest.raises(ServerStartError, match="not ready"):
+        wait_until_ready(probe, timeout_s=0.05, what="toy", interval_s=0.01)
+    # One client (one TLS context: ~30 ms of CPU each) for every poll, closed once the waiting ended.
+    assert len(built) == 1 and built[0].is_closed
