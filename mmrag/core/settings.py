@@ -547,6 +547,19 @@ class EngineSection(Section):
     warm_top: int = setting(-1,
         description="Pages `mmrag serve` warms into the engine's prefix cache at start-up, the most recurring "
                     "first: -1 all that fit, 0 none.")
+    spin_ms: float = setting(-1.0, flat="engine_spin_ms",
+        description="Milliseconds an engine process keeps polling for its next step after the last one before it "
+                    "sleeps until woken (vLLM's shared-memory queues between the engine core and its workers; "
+                    "vLLM's own: 1000). -1: 10 on a CPU host, where a process polling for a second after every "
+                    "step takes a core the model's threads and the server need; vLLM's 1000 on a GPU host.")
+
+    @field_validator("spin_ms")
+    @classmethod
+    def _spin(cls, spin_ms: float) -> float:
+        if spin_ms != -1 and spin_ms <= 0:
+            raise ValueError("MMRAG_ENGINE_SPIN_MS is -1 (the platform's default) or above 0: an engine whose "
+                             "processes never poll waits on wake-ups alone, and one waited for ever in a test here")
+        return spin_ms
 
     @field_validator("urls", "kv_events_endpoints", mode="before")
     @classmethod

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    from serving.engine.config import EngineConfig, resolve_dtype
+    from serving.engine.config import EngineConfig, resolve_dtype, resolve_spin_s
 
     return EngineConfig(
         block_size=settings.engine.kv_block_size or None,
@@ -46,6 +46,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_num_batched_tokens=settings.engine.max_batched_tokens or None,
         image_input=ImageInput(settings.engine.image_input),
         image_pixels=(settings.vision.min_pixels, settings.vision.max_pixels),
+        spin_s=resolve_spin_s(settings.engine.spin_ms),
     )
 
 

@@ -20,7 +20,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.features import FeatureProvider
 from serving.engine.images import (ImageTokenCountError, count_mismatch, decode_pixels, multi_modal_uuid,
                                    plan_form, processor_kwargs, uncached_images)
-from serving.engine.lifeline import keep_engine_sockets_private, tie_engine_cores_to_this_process
+from serving.engine.lifeline import keep_engine_sockets_private, spin_env, tie_engine_cores_to_this_process
 from serving.engine.prompt import PromptRenderer
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class InProcessEngine:
 
         # vLLM's CPU backend sizes its KV cache from this variable, not from device memory.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        spin_env(config.spin_s)  # how long its processes poll for the next step (serving/engine/lifeline.py)
         tie_engine_cores_to_this_process()  # a `kill -9` of this process must not leave the engine core behind
         keep_engine_sockets_private()  # nor its socket files in /tmp
         # Served under its name, not its folder: vLLM labels its metrics with it.

