@@ -558,7 +558,7 @@ class EngineSection(Section):
     def _spin(cls, spin_ms: float) -> float:
         if spin_ms != -1 and spin_ms <= 0:
             raise ValueError("MMRAG_ENGINE_SPIN_MS is -1 (the platform's default) or above 0: an engine whose "
-                             "processes never poll waits on wake-ups alone, and one waited for ever in a test here")
+                             "processes never poll waits on wake-ups alone, and one waited for ever in an experiment here")
         return spin_ms
 
     @field_validator("urls", "kv_events_endpoints", mode="before")
