@@ -67,18 +67,24 @@ def test_the_engine_processes_poll_10_ms_on_a_cpu_host_unless_set_and_never_zero
 
     import torch
 
-    from serving.engine.config import CPU_SPIN_S, resolve_spin_s
+    from serving.engine.config import CPU_SPIN_S, EngineConfig, resolve_spin_s
     from serving.engine.lifeline import SPIN_VAR
     from serving.vllm_launch import serve_env
 
     assert not torch.cuda.is_available()  # these hosts: the CPU default
     assert wiring.engine_config(defaults).spin_s == CPU_SPIN_S == 0.01
+    by_hand = EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=1024, max_images_per_prompt=1,
+                           enforce_eager=True, dtype="float32", max_num_seqs=1)
+    assert by_hand.spin_s == CPU_SPIN_S  # a config built by hand (a benchmark's, a test's) takes the host's default
     custom = wiring.engine_config(defaults.replace(engine_spin_ms=250))
     assert custom.spin_s == 0.25
     assert serve_env(custom)[SPIN_VAR] == "0.25"  # a `vllm serve` replica's engine core reads it
     assert SPIN_VAR not in serve_env(dataclasses.replace(custom, spin_s=None))  # None: vLLM's own second
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_spin_s(-1) is None  # a GPU host keeps vLLM's second
+    assert dataclasses.replace(by_hand).spin_s == CPU_SPIN_S  # a copy keeps the value it was built with
+    assert EngineConfig(**{f.name: getattr(by_hand, f.name) for f in dataclasses.fields(by_hand)
+                           if f.name != "spin_s"}).spin_s is None  # built on a GPU host: vLLM's second
     with pytest.raises(ValueError, match="MMRAG_ENGINE_SPIN_MS is -1 .* or above 0"):
         defaults.replace(engine_spin_ms=0)
 

@@ -83,7 +83,7 @@ from rag.plans import (AnswerChoice, AnswerMode, build_plans, choice_plans, choo
                        joint_text)
 from retrieval.search import Hit
 from mmrag.core.engine import Completion, KVCapacity, Layout, OnText, PromptPlan, SamplingSpec, Usage
-from serving.engine.config import EngineConfig, resolve_dtype, resolve_spin_s
+from serving.engine.config import EngineConfig, resolve_dtype
 from serving.engine.features import FeatureProvider
 from serving.engine.inprocess import InProcessEngine
 from serving.engine.prompt import PromptRenderer, PromptTokens
@@ -916,4 +916,4 @@ def default_engine_config(max_model_len: int = 4096) -> EngineConfig:
     as `mmrag serve` resolves it (MMRAG_ENGINE_SPIN_MS=-1), and room for one prompt over a question's union of pages
     (the workload's 4 sub-questions x 2 pages)."""
     return EngineConfig(block_size=32, kv_cache_gib=1, max_model_len=max_model_len, max_images_per_prompt=8,
-                        enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16, spin_s=resolve_spin_s(-1))
+                        enforce_eager=True, dtype=resolve_dtype("auto"), max_num_seqs=16)

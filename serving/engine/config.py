@@ -4,7 +4,7 @@ mmrag/wiring/), and the automatic dtype choice."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mmrag.adapters.hardware import native_cpu_dtype
 from mmrag.core.engine import ImageInput
@@ -44,8 +44,9 @@ class EngineConfig:
     kv_blocks: int | None = None
     # Seconds the engine core and its workers poll their shared-memory queues after a message before they sleep
     # until woken (MMRAG_ENGINE_SPIN_MS, resolve_spin_s; serving/engine/lifeline.py applies it in the engine
-    # core). None: vLLM's own (1 s).
-    spin_s: float | None = None
+    # core). None: vLLM's own (1 s). Left out, the host's default, as MMRAG_ENGINE_SPIN_MS=-1 gives it: a config
+    # built by hand (the benchmark's, a test's) runs its engine as the server's does.
+    spin_s: float | None = field(default_factory=lambda: resolve_spin_s(-1))
 
     def vllm_kwargs(self) -> dict:
         """Arguments for vLLM's EngineArgs: prefix caching on (unless ``caching`` is off), precomputed image
