@@ -389,13 +389,15 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
 def _floor_pipeline(env: dict[str, str]):
     """mmrag's engine and pipeline from these MMRAG_* settings, as `mmrag serve` builds them (mmrag/bench/e2e.py's
     floor records its plans; mmrag/bench/ does not import the wiring)."""
-    from mmrag.core.settings import DevelopmentKnobs, Settings, flat_names
+    from mmrag.core.settings import DevelopmentKnobs, Settings, default_of
     from mmrag import wiring
 
+    # These variables only, not this process's MMRAG_* (which `mmrag serve` did not get): its bounds, its tiers.
+    settings = Settings.of_variables(env)
     given = {k.removeprefix("MMRAG_").lower(): v for k, v in env.items() if k.startswith("MMRAG_")}
-    settings = Settings(**{k: v for k, v in given.items() if k in flat_names()})  # not the knobs, nor MMRAG_* of tools
+    knobs = DevelopmentKnobs(**{k: given.get(k, default_of(k)) for k in DevelopmentKnobs.model_fields})
     engine = wiring.engine(settings, wiring.resolve_model(settings), allow_inprocess=False)
-    pipe, _ = wiring.pipeline(settings, engine, knobs=DevelopmentKnobs(**given))
+    pipe, _ = wiring.pipeline(settings, engine, knobs=knobs)
     return engine, pipe
 
 

@@ -586,7 +586,7 @@ def ingest(inputs: E2EInputs) -> list[PagePayload]:
     from mmrag.adapters.qdrant import PageIndex, open_qdrant
     from mmrag.core.settings import Settings
 
-    settings = Settings(data_dir=inputs.data_dir, qdrant_url="")
+    settings = Settings.of_variables(inputs.env())  # where `mmrag ingest` wrote, whatever MMRAG_* this process has
     storage = settings.storage
     index = PageIndex(open_qdrant("", storage.qdrant_path), storage.qdrant_collection, text_dim=0, image_dim=0)
     try:

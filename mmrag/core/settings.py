@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -146,6 +147,17 @@ def default_of(name: str) -> Any:
     return SECTIONS[section].model_fields[own].get_default(call_default_factory=True)
 
 
+def default_tiers(min_pixels: int, max_pixels: int) -> dict[str, ResolutionPolicy]:
+    """MMRAG_TIERS' default for a standard tier of these bounds: low = its bounds pooled 2x2 (a quarter of the
+    tokens), high = 4x its pixels."""
+    return {"low": ResolutionPolicy(min_pixels, max_pixels, pool=2),
+            "high": ResolutionPolicy(min_pixels, 4 * max_pixels)}
+
+
+# False while Settings.of_variables builds: the sections read their arguments, not the process environment.
+_READ_ENVIRONMENT: ContextVar[bool] = ContextVar("mmrag_settings_read_environment", default=True)
+
+
 def _variable(name: str) -> str:
     return f"MMRAG_{name.upper()}"
 
@@ -158,6 +170,14 @@ class Section(BaseSettings):
     model_config = SettingsConfigDict(env_file=None, extra="forbid", validate_by_name=True, validate_by_alias=True,
                                       alias_generator=AliasGenerator(validation_alias=_variable))
     component: ClassVar[str]
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        """pydantic-settings' sources, in its order; the arguments alone under Settings.of_variables."""
+        if not _READ_ENVIRONMENT.get():
+            return (init_settings,)
+        return (init_settings, env_settings, dotenv_settings, file_secret_settings)
 
 
 class ModelSection(Section):
@@ -260,13 +280,28 @@ class VisionSection(Section):
     max_pixels_in_flight: int = setting(200_000_000, ge=1,
         description="Decoded pixels of all requests of the process at once (being decoded, queued or encoded); a "
                     "request that does not fit in what is left gets 429 with Retry-After.")
-    tiers: dict[str, ResolutionPolicy] = setting(default_factory=lambda: {
-            "low": ResolutionPolicy(56 * 56, 448 * 448, pool=2), "high": ResolutionPolicy(56 * 56, 896 * 896)},
+    tiers: dict[str, ResolutionPolicy] = setting(default_factory=lambda: default_tiers(56 * 56, 448 * 448),
         description="Resolution tiers besides `standard` (always MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS), which a "
                     "question or an ingest asks for by name (`--tier`), as JSON: "
                     "`{\"name\": {\"min_pixels\": N, \"max_pixels\": N, \"pool\": 1 or 2}}`; pool 2 averages 2x2 "
                     "merged tokens after the projector (a quarter of the tokens). Default: low = standard's bounds "
-                    "pooled, high = 4x standard's pixels.")
+                    "(as MMRAG_MIN_PIXELS/MMRAG_MAX_PIXELS set them) pooled, high = 4x standard's pixels.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tiers_follow_standard(cls, values: Any) -> Any:
+        """MMRAG_TIERS left out: low and high from the standard tier's bounds as configured (default_tiers), not
+        from its defaults (a deployment that sets MMRAG_MAX_PIXELS gets a low tier below it)."""
+        if not isinstance(values, dict) or "tiers" in values or "MMRAG_TIERS" in values:
+            return values
+        bounds = [values.get(name, values.get(_variable(name))) for name in ("min_pixels", "max_pixels")]
+        try:
+            low, high = (int(b) if b is not None else default_of(n) for b, n in zip(bounds, ("min_pixels",
+                                                                                                "max_pixels")))
+            tiers = default_tiers(low, high)
+        except (TypeError, ValueError):  # a bound that is no number, or no policy: its own check says so
+            return values
+        return {**values, "tiers": tiers}
 
     @field_validator("device")
     @classmethod
@@ -828,10 +863,33 @@ class Settings(BaseModel):
                              "pixels form can serve: set MMRAG_IMAGE_INPUT=pixels, or leave the tokens on")
         return self
 
+    @classmethod
+    def of_variables(cls, variables: Mapping[str, str]) -> Settings:
+        """The settings these ``MMRAG_*`` variables give, every other one at its default: not this process's
+        environment (what a process started with exactly ``variables`` reads; the benchmark builds in-process what
+        the `mmrag serve` it started runs). Variables of no setting (the testing knobs, tools') are left out."""
+        given = {k.removeprefix("MMRAG_").lower(): v for k, v in variables.items() if k.startswith("MMRAG_")}
+        reading = _READ_ENVIRONMENT.set(False)  # each section from what it is given, else its defaults
+        try:
+            return cls(**{k: v for k, v in given.items() if k in flat_names()})
+        finally:
+            _READ_ENVIRONMENT.reset(reading)
+
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (by flat name or by section, as the constructor takes them), validated; the
-        rest as this one has it (not read again from the environment)."""
-        return Settings(**_route(changes, {name: getattr(self, name).model_dump() for name in SECTIONS}))
+        rest as this one has it (not read again from the environment); tiers that follow the standard bounds
+        (MMRAG_TIERS left out) follow changed ones."""
+        vision = self.vision
+        follows = vision.tiers == default_tiers(vision.min_pixels, vision.max_pixels)
+        merged = _route(changes, {name: getattr(self, name).model_dump() for name in SECTIONS})
+        out = Settings(**merged)
+        section = changes.get("vision")
+        given = "tiers" in changes or isinstance(section, Section) or (isinstance(section, dict) and "tiers" in section)
+        if follows and not given and out.vision.tiers != (tiers := default_tiers(out.vision.min_pixels,
+                                                                                 out.vision.max_pixels)):
+            merged["vision"]["tiers"] = tiers  # the bounds changed: tiers that followed them follow them still
+            out = Settings(**merged)
+        return out
 
     def flat(self, name: str) -> Any:
         """A setting's value by its flat name (``max_num_seqs``): what MMRAG_<NAME> set."""
