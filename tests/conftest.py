@@ -10,6 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The development profile, said here for every test and the processes they start: where a test leaves
 # MMRAG_MODEL empty, the tiny random-weight model is built (production refuses that: tests/test_profiles.py).
 os.environ["MMRAG_PROFILE"] = "development"
+# The standard tier's bound for the session (and the processes it starts): half the default's pixels, so half the
+# vision tower's patches and the engines' image tokens per page (the default costs the suite ~15 % more CPU). A test
+# about the default bound itself removes it (monkeypatch.delenv); one about a page's token count derives it.
+TEST_MAX_PIXELS = 448 * 224
+os.environ["MMRAG_MAX_PIXELS"] = str(TEST_MAX_PIXELS)
 # On pytest-xdist workers (`make test`), the vLLM engines each worker starts, in it or in the processes it starts,
 # bind their OpenMP threads to a core of that worker's own. vLLM's own binding (`auto`) assumes one engine per host
 # and binds every engine to the same core (on 2 cores: core 0, core 1 left to the frontend), so the two workers'

@@ -114,8 +114,9 @@ async def test_pages_make_room_for_the_images_lowest_score_first_and_say_so(http
     assert not cited & set(body["pages_left_out"])
     # Each prompt (the joint answer's parts, each over every image) shows the question's images and the 2 pages.
     prompts = len(body.get("image_answers") or [None])
+    pages = [(await http.get(f"/v1/pages/{c['page_id']}")).json()["image_tokens"] for c in body["citations"]]
     assert body["usage"]["image_tokens"] == prompts * (sum(i["image_tokens"] for i in body["question_images"])
-                                                       + 247 * room)
+                                                       + sum(pages))
 
 
 async def test_a_question_without_images_has_no_conversation(http):

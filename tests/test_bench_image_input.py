@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mmrag.bench.model import TINY_SPEC
+from mmrag.core.keys import ResolutionPolicy
 from tests.test_bench_figures import _own_settings
 
 PAGES, QUESTIONS, LENGTH = 4, 3, 4
@@ -30,7 +31,7 @@ CONCURRENCY, ZIPF, SEED = 2, 1.0, 0
 async def image_input_run(inprocess_engine, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """What `mmrag bench --image-input --tiny` (pages=4, questions=3, concurrency=2, max_tokens=4, no replica)
     writes to its JSON file and prints: the command's own steps (mmrag/bench_cmd.py), its run on the session's
-    engine (the command's engine config: the standard policy's processor bounds, over the session engine's)."""
+    engine (the command's engine config over the session engine's, and the session's standard bounds)."""
     from mmrag.bench.image_input import engine_config_for, image_input_table, run_image_input
     from mmrag.bench_cmd import _image_input_inputs, _report, _started
 
@@ -41,8 +42,12 @@ async def image_input_run(inprocess_engine, tiny_model: Path, tmp_path_factory: 
     inputs, spec = _image_input_inputs(_own_settings(data_dir=data), tiny=True, depth=None, pages=PAGES,
                                        questions=QUESTIONS, concurrency=CONCURRENCY, max_tokens=LENGTH, zipf=ZIPF,
                                        seed=SEED, remote=False)
+    # The session engine's vLLM resizes pixels to the session's standard bounds (set at its start, which the
+    # engine config cannot change), so the bench's pages are keyed and encoded under those bounds.
+    policy = ResolutionPolicy(*inprocess_engine.config.image_pixels)
     result = await run_image_input(dataclasses.replace(
-        inputs, engine=inprocess_engine, engine_config=engine_config_for(inprocess_engine.config, inputs.policy)))
+        inputs, policy=policy, engine=inprocess_engine, engine_config=engine_config_for(inprocess_engine.config,
+                                                                                        policy)))
     out = data / "image-input.json"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         _report("image_input", result, spec, inputs.model, started, out, image_input_table)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -142,11 +143,16 @@ async def test_an_evicted_page_stops_attracting_its_plans(engine_settings, repli
     assert (await router.generate(plan(key, "evicted"))).replica == b  # attracted away from its home
     only_b = engine(engine_settings, [b])
     try:
-        # Other pages fill B's 129 blocks (each prompt of three pages ~800 tokens): the page's blocks go.
-        others = [k for k in keys if k != key]
-        for i in range(0, 30, 3):
-            await only_b.generate(PromptPlan(images=tuple(others[i:i + 3]), text="Fill.", sampling=SHORT,
-                                             cache_salt="evicted"))
+        # Other pages fill B's 129 blocks twice over, three a prompt (each round over them under a salt of its
+        # own: new blocks): the page's blocks go.
+        store, others = feature_store(engine_settings), [k for k in keys if k != key]
+        groups = ((r, others[i:i + 3]) for r in itertools.count() for i in range(0, len(others), 3))
+        written = 0
+        while written < 2 * KV_BLOCKS * 32:
+            r, group = next(groups)
+            await only_b.generate(PromptPlan(images=tuple(group), text="Fill.", sampling=SHORT,
+                                             cache_salt=f"evicted-{r}"))
+            written += sum(store.get(k).num_tokens for k in group)
     finally:
         await only_b.close()
     await holds(router, b, plan(key, "evicted"), 0)

@@ -3,6 +3,7 @@ and exact (fp32) greedy tokens cold and from the prefix cache, like every other 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from mmrag.core.settings import Settings
 from ingestion.loaders import open_document
 from mmrag.wiring import feature_store
 
-GREEDY = SamplingSpec(max_tokens=12)
+GREEDY = SamplingSpec(max_tokens=12, min_tokens=12)  # the random model may draw its end early: 12 compared
 STANDARD = ResolutionPolicy(56 * 56, 448 * 448)
 POOLED = ResolutionPolicy(56 * 56, 448 * 448, pool=2)
 
@@ -83,7 +84,7 @@ def pooled_page(engine_settings, ingested, tiny_model) -> Iterator[tuple[ImageKe
         client.close()
     page = sorted((p.payload for p in points if p.payload["doc"].endswith(".png")), key=lambda p: p["image_key"])[0]
     standard = VisionEncoder(tiny_model, engine_settings.vision.resolution_policy)
-    pooled = standard.with_policy(POOLED)
+    pooled = standard.with_policy(dataclasses.replace(standard.policy, pool=2))  # the session's bounds, pooled
     with open_document(Path(page["path"]), engine_settings.documents) as doc:
         image = next(r for r in doc.pages() if r.page == page["page"]).image
     key = pooled.key_for(ImageKey.parse(page["image_key"]).content_hash)

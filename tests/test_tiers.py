@@ -36,7 +36,8 @@ def page_tiers(settings, store, encoder_for) -> PageTiers:
     return PageTiers(settings.vision.tier_table, settings.documents, store, encoder_for)
 
 
-def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
+def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key(monkeypatch):
+    monkeypatch.delenv("MMRAG_MAX_PIXELS")  # the default bound (tests/conftest.py lowers it for the session)
     settings = Settings()
     tiers = settings.vision.tier_table
     assert list(tiers.policies) == ["standard", "low", "high"]
@@ -49,6 +50,34 @@ def test_the_default_tiers_keep_standard_as_todays_policy_and_name_every_key():
     assert tiers.labels(key.in_policy(ResolutionPolicy(1, 2))) == {"tier": "other", "pooled": "false"}
     with pytest.raises(UnknownTierError, match="configured tiers: standard, low, high"):
         tiers.policy("ultra")
+
+
+def test_the_default_low_and_high_tiers_follow_the_configured_standard_bounds(monkeypatch):
+    monkeypatch.setenv("MMRAG_MAX_PIXELS", str(224 * 224))
+    settings = Settings()
+    assert settings.vision.tiers == {"low": ResolutionPolicy(3136, 224 * 224, pool=2),
+                                     "high": ResolutionPolicy(3136, 4 * 224 * 224)}
+    assert Settings(min_pixels=28 * 28).vision.tiers["low"] == ResolutionPolicy(28 * 28, 224 * 224, pool=2)
+    # A copy with other bounds: tiers that followed the bounds follow them; set ones stay.
+    moved = settings.replace(max_pixels=448 * 448)
+    assert moved.vision.tiers == {"low": ResolutionPolicy(3136, 448 * 448, pool=2),
+                                  "high": ResolutionPolicy(3136, 896 * 896)}
+    set_ones = settings.replace(tiers={"tiny": {"min_pixels": 3136, "max_pixels": 12544}})
+    assert set_ones.replace(max_pixels=448 * 448).vision.tiers == {"tiny": ResolutionPolicy(3136, 12544)}
+    monkeypatch.setenv("MMRAG_TIERS", '{"tiny": {"min_pixels": 3136, "max_pixels": 12544}}')
+    assert Settings().vision.tiers == {"tiny": ResolutionPolicy(3136, 12544)}  # MMRAG_TIERS as set, no default
+
+
+def test_settings_of_variables_read_those_variables_and_defaults_not_the_environment(monkeypatch):
+    monkeypatch.setenv("MMRAG_MAX_PIXELS", str(224 * 224))
+    monkeypatch.setenv("MMRAG_TOP_K", "9")
+    monkeypatch.setenv("MMRAG_TIERS", '{"tiny": {"min_pixels": 3136, "max_pixels": 12544}}')
+    given = Settings.of_variables({"MMRAG_TOP_K": "5", "MMRAG_ANSWER_FIXED_LENGTH": "true", "HOME": "/root"})
+    assert given.retrieval.top_k == 5 and given.vision.resolution_policy == ResolutionPolicy(3136, 448 * 448)
+    assert set(given.vision.tiers) == {"low", "high"}  # the defaults, for the default bounds
+    small = Settings.of_variables({"MMRAG_MAX_PIXELS": str(112 * 112)})
+    assert small.vision.tiers["low"] == ResolutionPolicy(3136, 112 * 112, pool=2)
+    assert small.retrieval.top_k == Settings.of_variables({}).retrieval.top_k != 9
 
 
 def test_a_page_in_another_configured_tier_counts_as_in_use_for_garbage_collection():
@@ -344,7 +373,10 @@ async def test_the_openai_route_takes_a_tier_as_an_extra_field(api_server, drop_
     standard = await client.chat.completions.create(model="mmrag", messages=messages)
     low = await client.chat.completions.create(model="mmrag", messages=messages, extra_body={"tier": "low"})
     assert low.model_extra["citations"] == standard.model_extra["citations"]
-    assert 3 * low.usage.prompt_tokens < 2 * standard.usage.prompt_tokens  # a quarter of the image tokens
+    # A quarter of the image tokens (or fewer: a pooled page is resized to whole 2x2 squares), the text the same.
+    assert 0 < 4 * low.usage.image_tokens <= standard.usage.image_tokens
+    assert standard.usage.prompt_tokens - low.usage.prompt_tokens == \
+        standard.usage.image_tokens - low.usage.image_tokens
     with pytest.raises(openai.BadRequestError, match="unknown_tier"):
         await client.chat.completions.create(model="mmrag", messages=messages, extra_body={"tier": "ultra"})
     await client.close()
