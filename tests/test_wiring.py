@@ -268,6 +268,15 @@ def test_component_defaults_are_declared_once_in_the_settings():
     assert literal_defaults(rag.decompose, "Decomposer") == {"max_len", "cache_salt", "remember"}
 
 
+def test_a_copy_of_the_settings_is_what_it_is_given_and_not_read_again_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MMRAG_TIERS", '{"tiny": {"min_pixels": 3136, "max_pixels": 12544}}')
+    settings = Settings()
+    monkeypatch.setenv("MMRAG_TOP_K", "9")  # set after: the copy keeps the original's value
+    copy = settings.replace(tiers={"wide": {"min_pixels": 3136, "max_pixels": 401408}})
+    assert list(copy.vision.tiers) == ["wide"]  # the given map, not merged with the variable's (JSON) one
+    assert copy.retrieval.top_k == settings.retrieval.top_k != 9
+
+
 def test_the_documents_section_is_the_settings_own_values_and_defaults():
     """Settings.documents, what the loaders, the ingestor, the re-encoder and the tiers receive: each field is the
     setting of the same name, with its value and, built alone (a test, a tool), its default."""

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -154,8 +155,19 @@ def default_tiers(min_pixels: int, max_pixels: int) -> dict[str, ResolutionPolic
             "high": ResolutionPolicy(min_pixels, 4 * max_pixels)}
 
 
-# False while Settings.of_variables builds: the sections read their arguments, not the process environment.
+# False while Settings.of_variables or Settings.replace builds (_arguments_only): the sections read their arguments
+# and defaults, not the process environment.
 _READ_ENVIRONMENT: ContextVar[bool] = ContextVar("mmrag_settings_read_environment", default=True)
+
+
+@contextmanager
+def _arguments_only() -> Iterator[None]:
+    """Sections built inside read their arguments and defaults only, not the environment."""
+    reading = _READ_ENVIRONMENT.set(False)
+    try:
+        yield
+    finally:
+        _READ_ENVIRONMENT.reset(reading)
 
 
 def _variable(name: str) -> str:
@@ -869,11 +881,8 @@ class Settings(BaseModel):
         environment (what a process started with exactly ``variables`` reads; the benchmark builds in-process what
         the `mmrag serve` it started runs). Variables of no setting (the testing knobs, tools') are left out."""
         given = {k.removeprefix("MMRAG_").lower(): v for k, v in variables.items() if k.startswith("MMRAG_")}
-        reading = _READ_ENVIRONMENT.set(False)  # each section from what it is given, else its defaults
-        try:
+        with _arguments_only():
             return cls(**{k: v for k, v in given.items() if k in flat_names()})
-        finally:
-            _READ_ENVIRONMENT.reset(reading)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (by flat name or by section, as the constructor takes them), validated; the
@@ -882,13 +891,15 @@ class Settings(BaseModel):
         vision = self.vision
         follows = vision.tiers == default_tiers(vision.min_pixels, vision.max_pixels)
         merged = _route(changes, {name: getattr(self, name).model_dump() for name in SECTIONS})
-        out = Settings(**merged)
-        section = changes.get("vision")
-        given = "tiers" in changes or isinstance(section, Section) or (isinstance(section, dict) and "tiers" in section)
-        if follows and not given and out.vision.tiers != (tiers := default_tiers(out.vision.min_pixels,
-                                                                                 out.vision.max_pixels)):
-            merged["vision"]["tiers"] = tiers  # the bounds changed: tiers that followed them follow them still
+        with _arguments_only():  # every field is given (and a dict setting's variable is not merged into it)
             out = Settings(**merged)
+            section = changes.get("vision")
+            given = "tiers" in changes or isinstance(section, Section) or (isinstance(section, dict)
+                                                                           and "tiers" in section)
+            if follows and not given and out.vision.tiers != (tiers := default_tiers(out.vision.min_pixels,
+                                                                                     out.vision.max_pixels)):
+                merged["vision"]["tiers"] = tiers  # the bounds changed: tiers that followed them follow them still
+                out = Settings(**merged)
         return out
 
     def flat(self, name: str) -> Any:
