@@ -97,20 +97,11 @@ def replay_endpoint(endpoint: str) -> str:
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A free TCP port whose next one is free too: a publisher and its replay socket (a Ray engine replica takes
-    one on its node; tests and benchmarks too). Free when asked: good enough on one host at start-up."""
-    import socket
+    one on its node; tests and benchmarks too). Outside the ephemeral range (mmrag/adapters/ports.py): no client
+    connection takes them before the engine binds them."""
+    from mmrag.adapters.ports import unused_ports
 
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind((host, port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no two consecutive free ports on {host}")
+    return unused_ports(2, host)
 
 
 def subscriber_endpoint(endpoint: str, host: str = "127.0.0.1") -> str:

@@ -3,12 +3,10 @@ service listens where its settings say)."""
 
 from __future__ import annotations
 
-import socket
+from mmrag.adapters.ports import unused_ports
 
 
 def free_port() -> int:
-    """A port nothing listens on now. The OS picks it and the socket is closed again, so another process could
-    take it before the caller binds: good enough for servers started at once on a test or bench machine."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, outside the kernel's ephemeral range, so no client connection on the host
+    takes it before the server the caller starts binds it (mmrag/adapters/ports.py)."""
+    return unused_ports(1)
