@@ -389,12 +389,12 @@ def _bench_e2e(settings, *, tiny: bool, depth: int | None, quick: bool, pages: i
 def _floor_pipeline(env: dict[str, str]):
     """mmrag's engine and pipeline from these MMRAG_* settings, as `mmrag serve` builds them (mmrag/bench/e2e.py's
     floor records its plans; mmrag/bench/ does not import the wiring)."""
-    from mmrag.core.settings import DevelopmentKnobs, Settings, default_of
+    from mmrag.core.settings import DevelopmentKnobs, Settings, default_of, flat_values
     from mmrag import wiring
 
     # These variables only, not this process's MMRAG_* (which `mmrag serve` did not get): its bounds, its tiers.
     settings = Settings.of_variables(env)
-    given = {k.removeprefix("MMRAG_").lower(): v for k, v in env.items() if k.startswith("MMRAG_")}
+    given = flat_values(env)
     knobs = DevelopmentKnobs(**{k: given.get(k, default_of(k)) for k in DevelopmentKnobs.model_fields})
     engine = wiring.engine(settings, wiring.resolve_model(settings), allow_inprocess=False)
     pipe, _ = wiring.pipeline(settings, engine, knobs=knobs)

@@ -11,8 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # MMRAG_MODEL empty, the tiny random-weight model is built (production refuses that: tests/test_profiles.py).
 os.environ["MMRAG_PROFILE"] = "development"
 # The standard tier's bound for the session (and the processes it starts): half the default's pixels, so half the
-# vision tower's patches and the engines' image tokens per page (the default costs the suite ~15 % more CPU). A test
-# about the default bound itself removes it (monkeypatch.delenv); one about a page's token count derives it.
+# vision tower's patches and the engines' image tokens per page (~2 % of the suite's CPU, measured back to back on
+# one host). A test about the default bound itself removes it (monkeypatch.delenv); one about a page's token count
+# derives it.
 TEST_MAX_PIXELS = 448 * 224
 os.environ["MMRAG_MAX_PIXELS"] = str(TEST_MAX_PIXELS)
 # On pytest-xdist workers (`make test`), the vLLM engines each worker starts, in it or in the processes it starts,

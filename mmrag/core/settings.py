@@ -148,6 +148,11 @@ def default_of(name: str) -> Any:
     return SECTIONS[section].model_fields[own].get_default(call_default_factory=True)
 
 
+def flat_values(variables: Mapping[str, str]) -> dict[str, str]:
+    """The ``MMRAG_*`` among ``variables`` by flat name (``MMRAG_TOP_K`` -> ``top_k``); settings' and testing knobs'."""
+    return {k.removeprefix("MMRAG_").lower(): v for k, v in variables.items() if k.startswith("MMRAG_")}
+
+
 def default_tiers(min_pixels: int, max_pixels: int) -> dict[str, ResolutionPolicy]:
     """MMRAG_TIERS' default for a standard tier of these bounds: low = its bounds pooled 2x2 (a quarter of the
     tokens), high = 4x its pixels."""
@@ -880,27 +885,22 @@ class Settings(BaseModel):
         """The settings these ``MMRAG_*`` variables give, every other one at its default: not this process's
         environment (what a process started with exactly ``variables`` reads; the benchmark builds in-process what
         the `mmrag serve` it started runs). Variables of no setting (the testing knobs, tools') are left out."""
-        given = {k.removeprefix("MMRAG_").lower(): v for k, v in variables.items() if k.startswith("MMRAG_")}
         with _arguments_only():
-            return cls(**{k: v for k, v in given.items() if k in flat_names()})
+            return cls(**{k: v for k, v in flat_values(variables).items() if k in flat_names()})
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (by flat name or by section, as the constructor takes them), validated; the
         rest as this one has it (not read again from the environment); tiers that follow the standard bounds
         (MMRAG_TIERS left out) follow changed ones."""
         vision = self.vision
-        follows = vision.tiers == default_tiers(vision.min_pixels, vision.max_pixels)
         merged = _route(changes, {name: getattr(self, name).model_dump() for name in SECTIONS})
-        with _arguments_only():  # every field is given (and a dict setting's variable is not merged into it)
-            out = Settings(**merged)
-            section = changes.get("vision")
-            given = "tiers" in changes or isinstance(section, Section) or (isinstance(section, dict)
-                                                                           and "tiers" in section)
-            if follows and not given and out.vision.tiers != (tiers := default_tiers(out.vision.min_pixels,
-                                                                                     out.vision.max_pixels)):
-                merged["vision"]["tiers"] = tiers  # the bounds changed: tiers that followed them follow them still
-                out = Settings(**merged)
-        return out
+        section = changes.get("vision")
+        given = "tiers" in changes or isinstance(section, Section) or (isinstance(section, dict)
+                                                                       and "tiers" in section)
+        if not given and vision.tiers == default_tiers(vision.min_pixels, vision.max_pixels):
+            del merged["vision"]["tiers"]  # VisionSection derives them from the copy's bounds
+        with _arguments_only():  # every other field is given (and a dict setting's variable is not merged into it)
+            return Settings(**merged)
 
     def flat(self, name: str) -> Any:
         """A setting's value by its flat name (``max_num_seqs``): what MMRAG_<NAME> set."""
